@@ -1,0 +1,33 @@
+"""hyper_parallel: distributed tensors, sharded operators and tensor parallelism.
+
+Quick start::
+
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = hp.distribute_tensor(torch.randn(8, 8), mesh, [hp.Shard(0), hp.Replicate()])
+    y = x.redistribute(mesh, ("None", "tp"))      # alias spelling, one name per tensor dim
+"""
+from hyper_parallel.platform import get_platform
+from hyper_parallel.core.dtensor.placement_types import Placement, Shard, Replicate, Partial
+from hyper_parallel.core.dtensor.layout import Layout
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.api import (
+    distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
+from hyper_parallel.core.dtensor.random import manual_seed
+from hyper_parallel.debug import CommDebugMode
+
+__version__ = "0.1.0"
+
+
+def _testing_reset():
+    """Reset per-process caches between tests (used by the test harness)."""
+    from hyper_parallel.core.dtensor import random as _r
+    _r._state.update(seed=None, counter=0)
+
+
+__all__ = [
+    "get_platform", "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
+    "DTensor", "distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn",
+    "manual_seed", "CommDebugMode",
+]

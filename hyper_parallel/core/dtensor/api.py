@@ -1,0 +1,223 @@
+"""Creating DTensors: distribute_tensor, distribute_module and factory functions."""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Callable, Optional
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
+from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.core.dtensor import random as dt_random
+from hyper_parallel.platform import get_platform
+
+platform = get_platform()
+
+
+def _slice_local(tensor, layout, mesh, gshape):
+    shape, offset = layout.local_shape_and_offset(gshape, coord=mesh.get_coordinate())
+    return platform.narrow_block(tensor, offset, shape)
+
+
+def _broadcast_from(tensor, mesh: DeviceMesh, src_data_rank: int):
+    """Give every rank of ``mesh`` the tensor held by mesh coordinate ``(src,)*ndim``.
+
+    Mesh dims are processed in order; at step d only the lines that pass through
+    a rank already holding the data take part, so each rank receives once.
+    """
+    coord = mesh.get_coordinate()
+    src = (src_data_rank,) * mesh.ndim
+    out = tensor.detach().contiguous()
+    for d in range(mesh.ndim):
+        if mesh.size(d) == 1:
+            continue
+        if all(coord[e] == src[e] for e in range(d + 1, mesh.ndim)):
+            group = mesh.get_comm_group(d)
+            out = platform.collectives.broadcast(out, group, group.ranks[src[d]])
+    return out
+
+
+def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placements=None, *,
+                      src_data_rank: Optional[int] = 0) -> DTensor:
+    """Split a full ``tensor`` over ``device_mesh`` as ``placements``.
+
+    With ``src_data_rank=k`` (default 0) the data of the rank at group rank ``k``
+    on every mesh dim is used and sent to the others (broadcast along each mesh
+    dim), so ranks may pass different values; with ``src_data_rank=None`` each
+    rank slices its own copy with no communication. The result is a leaf that
+    requires grad if ``tensor`` does.
+    """
+    mesh = resolve_mesh(device_mesh, "distribute_tensor")
+    if not isinstance(tensor, platform.Tensor):
+        raise TypeError(f"distribute_tensor: tensor must be a tensor, got {type(tensor).__name__}")
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    layout = build_layout(mesh, placements, tensor.dim())
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh == mesh and tensor.layout == layout:
+            return tensor
+        raise ValueError(f"distribute_tensor: tensor is already a DTensor with placements {tensor.placements}; "
+                         "use .redistribute() to change its layout")
+    if layout.has_partial():
+        raise ValueError(f"distribute_tensor: placements {layout.placements} contain Partial; a full tensor can only "
+                         "be sharded or replicated")
+    if src_data_rank is not None:
+        if not isinstance(src_data_rank, int) or not all(0 <= src_data_rank < s for s in mesh.shape):
+            raise ValueError(f"distribute_tensor: src_data_rank={src_data_rank!r} must be a group rank valid on every "
+                             f"mesh dim (mesh shape {mesh.shape}) or None")
+    requires_grad = tensor.requires_grad
+    gshape = tuple(tensor.shape)
+    data = tensor.detach()
+    if src_data_rank is not None:
+        data = _broadcast_from(data, mesh, src_data_rank)
+    local = _slice_local(data, layout, mesh, gshape)
+    if local is tensor or local.data_ptr() == tensor.data_ptr():
+        local = local.clone()
+    local.requires_grad_(requires_grad)
+    return DTensor._wrap(local, mesh, layout, gshape)
+
+
+# ---------------------------------------------------------------------------- distribute_module
+def _replicate_params(module, mesh: DeviceMesh):
+    rep = [Replicate()] * mesh.ndim
+    for key, param in list(module._parameters.items()):
+        if param is None or isinstance(param, DTensor):
+            continue
+        dt = distribute_tensor(param.data, mesh, rep)
+        module.register_parameter(key, platform.Parameter(dt, requires_grad=param.requires_grad))
+    for key, buf in list(module._buffers.items()):
+        if buf is None or isinstance(buf, DTensor):
+            continue
+        module._buffers[key] = distribute_tensor(buf, mesh, rep)
+
+
+def _wrap_hook(fn, mesh, kind):
+    n = len(inspect.signature(fn).parameters)
+    if n == 2:
+        warnings.warn(f"Deprecating {kind} that takes two arguments ({'inputs' if kind == 'input_fn' else 'outputs'}, "
+                      f"device_mesh); use ({'module, inputs' if kind == 'input_fn' else 'module, outputs'}, "
+                      "device_mesh) instead", FutureWarning, stacklevel=4)
+        if kind == "input_fn":
+            return lambda mod, inputs: fn(inputs, mesh)
+        return lambda mod, inputs, outputs: fn(outputs, mesh)
+    if n == 3:
+        if kind == "input_fn":
+            return lambda mod, inputs: fn(mod, inputs, mesh)
+        return lambda mod, inputs, outputs: fn(mod, outputs, mesh)
+    raise ValueError(f"distribute_module: {kind} should take 2 or 3 arguments, but got {n} arguments")
+
+
+def distribute_module(module, device_mesh: Optional[DeviceMesh] = None,
+                      partition_fn: Optional[Callable] = None,
+                      input_fn: Optional[Callable] = None,
+                      output_fn: Optional[Callable] = None):
+    """Distribute a module's parameters and attach input/output hooks (PyTorch contract).
+
+    ``partition_fn(name, submodule, mesh)`` runs on every submodule and may turn
+    parameters into DTensors; whatever it leaves as plain tensors is replicated.
+    ``input_fn(module, inputs, mesh)`` / ``output_fn(module, outputs, mesh)`` become
+    a forward pre-hook / forward hook on ``module`` (the 2-argument forms are
+    accepted with a FutureWarning). Calling it twice on one module is an error.
+    """
+    if getattr(module, "_distribute_module_applied", False):
+        raise RuntimeError("distribute_module should only be called once on a module, "
+                           "but it has already been called on this module!")
+    mesh = resolve_mesh(device_mesh, "distribute_module")
+    pre = _wrap_hook(input_fn, mesh, "input_fn") if input_fn is not None else None
+    post = _wrap_hook(output_fn, mesh, "output_fn") if output_fn is not None else None
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, mesh)
+        _replicate_params(sub, mesh)
+    if pre is not None:
+        module.register_forward_pre_hook(pre)
+    if post is not None:
+        module.register_forward_hook(post)
+    module._distribute_module_applied = True
+    return module
+
+
+# ---------------------------------------------------------------------------- factories
+def _parse_size_and_mesh(fn_name, size, device_mesh, placements):
+    args = list(size)
+    if args and isinstance(args[0], (tuple, list)):
+        shape = tuple(int(s) for s in args[0])
+        rest = args[1:]
+    else:
+        shape, rest = [], []
+        for i, a in enumerate(args):
+            if isinstance(a, int) and not rest:
+                shape.append(a)
+            else:
+                rest = args[i:]
+                break
+        shape = tuple(shape)
+    if rest:  # HyperParallel style: (size, device_mesh, placements)
+        if device_mesh is not None or len(rest) > 2:
+            raise TypeError(f"{fn_name}: unexpected positional arguments {rest}")
+        device_mesh = rest[0]
+        if len(rest) == 2:
+            placements = rest[1]
+    for s in shape:
+        if not isinstance(s, int) or s < 0:
+            raise ValueError(f"{fn_name}: size must be non-negative ints, got {shape}")
+    mesh = resolve_mesh(device_mesh, fn_name)
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    layout = build_layout(mesh, placements, len(shape))
+    if layout.has_partial():
+        raise ValueError(f"{fn_name}: placements {layout.placements} contain Partial; factories create sharded or "
+                         "replicated tensors")
+    return shape, mesh, layout
+
+
+def _device(mesh):
+    return platform.default_device(mesh.device_type)
+
+
+def _factory(fn_name, make_local, size, device_mesh, placements, dtype, requires_grad):
+    shape, mesh, layout = _parse_size_and_mesh(fn_name, size, device_mesh, placements)
+    lshape, offset = layout.local_shape_and_offset(shape, coord=mesh.get_coordinate())
+    local = make_local(lshape, offset, shape, mesh)
+    if requires_grad:
+        local.requires_grad_(True)
+    return DTensor._wrap(local, mesh, layout, shape)
+
+
+def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """DTensor of ones with global shape ``size``."""
+    return _factory("ones", lambda s, o, g, m: platform.ones(s, dtype=dtype, device=_device(m)),
+                    size, device_mesh, placements, dtype, requires_grad)
+
+
+def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """DTensor of zeros with global shape ``size``."""
+    return _factory("zeros", lambda s, o, g, m: platform.zeros(s, dtype=dtype, device=_device(m)),
+                    size, device_mesh, placements, dtype, requires_grad)
+
+
+def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """Uninitialised DTensor with global shape ``size``."""
+    return _factory("empty", lambda s, o, g, m: platform.empty(s, dtype=dtype, device=_device(m)),
+                    size, device_mesh, placements, dtype, requires_grad)
+
+
+def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """DTensor filled with ``fill_value`` with global shape ``size``."""
+    return _factory("full", lambda s, o, g, m: platform.full(s, fill_value, dtype=dtype, device=_device(m)),
+                    (tuple(size),), device_mesh, placements, dtype, requires_grad)
+
+
+def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """Uniform [0, 1) DTensor; values depend only on the seed, never on the layout."""
+    return _factory("rand", lambda s, o, g, m: dt_random.random_local("rand", g, s, o, dtype, _device(m)),
+                    size, device_mesh, placements, dtype, requires_grad)
+
+
+def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """Standard normal DTensor; values depend only on the seed, never on the layout."""
+    return _factory("randn", lambda s, o, g, m: dt_random.random_local("randn", g, s, o, dtype, _device(m)),
+                    size, device_mesh, placements, dtype, requires_grad)
+
+
+__all__ = ["distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn"]

@@ -1,0 +1,305 @@
+"""DeviceMesh: an n-d arrangement of ranks with one process group per mesh dim.
+
+Every rank builds the same mesh; the groups for every line of every mesh dim
+are created once, in the same order on all ranks (``new_group`` is collective
+over the world), and cached in the platform, so sliced or re-created meshes
+reuse them.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence, Tuple, Union
+
+from hyper_parallel.core.dtensor.layout import coordinate_of
+from hyper_parallel.platform import get_platform
+
+_CTX = threading.local()
+
+
+def _flatten(nested):
+    if hasattr(nested, "tolist"):
+        nested = nested.tolist()
+    if isinstance(nested, (list, tuple)):
+        if nested and isinstance(nested[0], (list, tuple)):
+            shape0 = len(nested)
+            flat, sub = [], None
+            for x in nested:
+                f, s = _flatten(x)
+                if sub is not None and s != sub:
+                    raise ValueError(f"DeviceMesh: mesh rows have different shapes ({sub} vs {s})")
+                sub = s
+                flat.extend(f)
+            return flat, (shape0,) + sub
+        return [int(v) for v in nested], (len(nested),)
+    return [int(nested)], ()
+
+
+class DeviceMesh:
+    """An n-d mesh of global ranks.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        mesh: nested list, tensor or array of global ranks; its shape is the mesh shape.
+        mesh_dim_names: optional names, one per mesh dim (used for slicing and aliases).
+    """
+
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: Optional[Sequence[str]] = None,
+                 _root: "DeviceMesh" = None, _root_dims: Tuple[int, ...] = None, _init_groups: bool = True):
+        flat, shape = _flatten(mesh)
+        if not shape:
+            raise ValueError(f"DeviceMesh: mesh must have at least one dim, got {mesh!r}")
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"DeviceMesh: mesh {mesh!r} lists a rank more than once")
+        if mesh_dim_names is not None:
+            mesh_dim_names = tuple(mesh_dim_names)
+            if len(mesh_dim_names) != len(shape):
+                raise ValueError(f"DeviceMesh: mesh_dim_names {mesh_dim_names} has {len(mesh_dim_names)} names "
+                                 f"but the mesh has {len(shape)} dims (shape {shape})")
+            if len(set(mesh_dim_names)) != len(mesh_dim_names):
+                raise ValueError(f"DeviceMesh: mesh_dim_names {mesh_dim_names} contains duplicates")
+        self.device_type = device_type
+        self.rank_list = tuple(flat)
+        self._shape = tuple(shape)
+        self._names = mesh_dim_names
+        self._root = _root if _root is not None else self
+        self._root_dims = _root_dims if _root_dims is not None else tuple(range(len(shape)))
+        plat = get_platform()
+        self._rank = plat.get_rank()
+        self._coord = (coordinate_of(self.rank_list.index(self._rank), self._shape)
+                       if self._rank in self.rank_list else None)
+        self._key = (device_type, self.rank_list, self._shape, self._names)
+        self._hash = hash(self._key)
+        self._groups = [None] * len(shape)
+        if _init_groups:
+            if plat.get_world_size() < max(flat) + 1:
+                raise ValueError(f"DeviceMesh: mesh uses rank {max(flat)} but the world has only "
+                                 f"{plat.get_world_size()} ranks")
+            self._init_groups()
+
+    # ------------------------------------------------------------------ groups
+    def _lines(self, dims: Tuple[int, ...]):
+        """All groups of ranks that vary along ``dims`` (others fixed), in a fixed order."""
+        shape = self._shape
+        other = [d for d in range(len(shape)) if d not in dims]
+        n_other = 1
+        for d in other:
+            n_other *= shape[d]
+        n_in = 1
+        for d in dims:
+            n_in *= shape[d]
+        lines = []
+        for o in range(n_other):
+            oc = coordinate_of(o, [shape[d] for d in other])
+            ranks = []
+            for i in range(n_in):
+                ic = coordinate_of(i, [shape[d] for d in dims])
+                coord = [0] * len(shape)
+                for d, c in zip(other, oc):
+                    coord[d] = c
+                for d, c in zip(dims, ic):
+                    coord[d] = c
+                idx = 0
+                for d, c in enumerate(coord):
+                    idx = idx * shape[d] + c
+                ranks.append(self.rank_list[idx])
+            lines.append(tuple(ranks))
+        return lines
+
+    def _init_groups(self):
+        plat = get_platform()
+        for d in range(len(self._shape)):
+            for ranks in self._lines((d,)):
+                g = plat.new_group(ranks)
+                if self._rank in ranks:
+                    self._groups[d] = g
+
+    def _dim_index(self, dim: Union[int, str]) -> int:
+        if isinstance(dim, str):
+            if not self._names or dim not in self._names:
+                raise KeyError(f"mesh dim name {dim!r} not found; this mesh's dim names are {self._names}")
+            return self._names.index(dim)
+        if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"mesh dim {dim!r} is out of range for a {self.ndim}-d mesh")
+        return dim % self.ndim
+
+    def get_comm_group(self, mesh_dim: Union[int, str] = 0):
+        """The :class:`CommGroup` of this rank along ``mesh_dim`` (internal collectives use it)."""
+        d = self._dim_index(mesh_dim)
+        g = self._groups[d]
+        if g is None:
+            if self._coord is None:
+                raise RuntimeError(f"rank {self._rank} is not part of {self}")
+            self._init_groups()
+            g = self._groups[d]
+        return g
+
+    def get_group(self, mesh_dim: Union[int, str, None] = None):
+        """The framework process group along ``mesh_dim`` (torch ProcessGroup)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group(): a {self.ndim}-d mesh needs mesh_dim")
+            mesh_dim = 0
+        return self.get_comm_group(mesh_dim).handle
+
+    def get_all_groups(self):
+        return [self.get_group(d) for d in range(self.ndim)]
+
+    # ------------------------------------------------------------------ shape & coords
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def mesh_dim_names(self) -> Optional[Tuple[str, ...]]:
+        return self._names
+
+    @property
+    def mesh(self):
+        """The ranks as a framework integer tensor of the mesh's shape."""
+        return get_platform().rank_tensor(self.rank_list, self._shape)
+
+    def _rank_index(self) -> int:
+        """Position of this rank in ``rank_list`` (row-major mesh order)."""
+        idx = self.__dict__.get("_my_index")
+        if idx is None:
+            idx = self.rank_list.index(self._rank)
+            self._my_index = idx
+        return idx
+
+    def size(self, mesh_dim: Union[int, str, None] = None) -> int:
+        if mesh_dim is None:
+            return len(self.rank_list)
+        return self._shape[self._dim_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_coordinate(self) -> Optional[Tuple[int, ...]]:
+        return self._coord
+
+    def get_local_rank(self, mesh_dim: Union[int, str, None] = None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_local_rank(): a {self.ndim}-d mesh needs mesh_dim")
+            mesh_dim = 0
+        if self._coord is None:
+            raise RuntimeError(f"rank {self._rank} is not part of {self}")
+        return self._coord[self._dim_index(mesh_dim)]
+
+    # ------------------------------------------------------------------ slicing / flattening
+    def __getitem__(self, names) -> "DeviceMesh":
+        if isinstance(names, (str, int)):
+            names = (names,)
+        dims = tuple(self._dim_index(n) for n in names)
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"mesh[{names}]: a mesh dim is named twice")
+        if list(dims) != sorted(dims):
+            raise ValueError(f"mesh[{names}]: dims must be given in mesh order {self._names}")
+        if self._coord is None:
+            raise RuntimeError(f"rank {self._rank} is not part of {self}; cannot slice it")
+        if dims == tuple(range(self.ndim)):
+            return self
+        ranks = next(line for line in self._lines(dims) if self._rank in line)
+        names_out = tuple(self._names[d] for d in dims) if self._names else None
+        sub = DeviceMesh(self.device_type, _reshape(ranks, [self._shape[d] for d in dims]),
+                         mesh_dim_names=names_out, _root=self._root,
+                         _root_dims=tuple(self._root_dims[d] for d in dims), _init_groups=False)
+        for i, d in enumerate(dims):
+            sub._groups[i] = self._groups[d]
+        return sub
+
+    def _flatten(self, mesh_dim_name: Optional[str] = None) -> "DeviceMesh":
+        """Merge all dims of this (sub)mesh into one; collective over the world (every rank must call)."""
+        root = self._root
+        plat = get_platform()
+        if mesh_dim_name is None:
+            mesh_dim_name = "_".join(self._names) if self._names else "flat"
+        my_line = None
+        for ranks in root._lines(self._root_dims):
+            g = plat.new_group(ranks)
+            if self._rank in ranks:
+                my_line = (ranks, g)
+        flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False)
+        flat._groups[0] = my_line[1]
+        return flat
+
+    flatten = _flatten
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self):
+        stack = getattr(_CTX, "stack", None)
+        if stack is None:
+            stack = _CTX.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _CTX.stack.pop()
+
+    # ------------------------------------------------------------------ dunder
+    def __eq__(self, other):
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self):
+        return self._hash
+
+    def to_hash(self):
+        return self._hash
+
+    def __repr__(self):
+        names = f", mesh_dim_names={self._names}" if self._names else ""
+        return f"DeviceMesh('{self.device_type}', {_reshape(self.rank_list, self._shape)}{names})"
+
+
+def _reshape(flat, shape):
+    flat = list(flat)
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0]
+    return [_reshape(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def get_current_mesh() -> Optional[DeviceMesh]:
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = getattr(_CTX, "stack", None)
+    return stack[-1] if stack else None
+
+
+def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"{what}: device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        return mesh
+    cur = get_current_mesh()
+    if cur is None:
+        raise ValueError(f"{what}: no device_mesh given and no current mesh; pass device_mesh or use `with mesh:`")
+    return cur
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """Create a mesh over all ranks of the world, row-major, initialising the default group if needed."""
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    mesh_shape = tuple(mesh_shape)
+    if not mesh_shape or any((not isinstance(s, int)) or s <= 0 for s in mesh_shape):
+        raise ValueError(f"init_device_mesh: mesh_shape must be positive ints, got {mesh_shape}")
+    if device_type not in ("cpu", "cuda", "npu", "meta"):
+        raise ValueError(f"init_device_mesh: device_type {device_type!r} is not supported; expected 'cpu' or 'cuda'")
+    plat = get_platform()
+    plat.init_process_group(device_type)
+    world = plat.get_world_size()
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    if n != world:
+        raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices but the world size is {world}; "
+                         "the product of mesh_shape must equal the number of processes")
+    return DeviceMesh(device_type, _reshape(range(world), mesh_shape), mesh_dim_names=mesh_dim_names)
+
+
+__all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh"]

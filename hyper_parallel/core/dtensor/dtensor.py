@@ -1,0 +1,441 @@
+"""DTensor: a framework tensor whose data is spread over a device mesh.
+
+Design (why it is fast):
+
+* A DTensor is a storage-less wrapper with the *global* shape, dtype and device
+  around this rank's *local* tensor. Ops are intercepted at the
+  ``__torch_function__`` level and run on the local tensors, so autograd records
+  the local computation and the backward pass runs on plain tensors with no
+  per-op DTensor work.
+* Gradients follow PyTorch's convention: the gradient of a ``Shard`` tensor is
+  sharded alike; the gradient of a ``Replicate`` or ``Partial`` tensor is held in
+  full on every rank. ``from_local``/``to_local``/``redistribute``/``full_tensor``
+  are differentiable with those gradient placements.
+* ``requires_grad``, ``grad``, ``is_leaf``, ``grad_fn`` and ``data`` read and write
+  the local tensor, so a DTensor works as an ``nn.Parameter`` and optimizers see
+  DTensor gradients.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
+from hyper_parallel.core.dtensor.layout import Layout, is_alias_spelling
+from hyper_parallel.core.dtensor.placement_types import Placement, Replicate
+from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
+from hyper_parallel.platform import get_platform
+
+platform = get_platform()
+_Tensor = platform.Tensor
+
+# Installed by hyper_parallel.core.shard._op_dispatch (a higher layer) on import.
+_OP_HANDLER = None
+_LAYOUT_CACHE = {}
+
+
+def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placements") -> Layout:
+    """Layout for an ``ndim``-d tensor from placement objects or alias names (cached)."""
+    if isinstance(placements, Layout):
+        return placements
+    try:
+        key = (mesh, tuple(placements), ndim)
+        hit = _LAYOUT_CACHE.get(key)
+    except TypeError:
+        raise TypeError(f"{what}: expected a sequence of Placement objects or alias names, got {placements!r}") from None
+    if hit is not None:
+        return hit
+    base = mesh._base_layout if hasattr(mesh, "_base_layout") else None
+    if base is None:
+        base = Layout.from_device_mesh(mesh)
+        mesh._base_layout = base
+    placements = tuple(placements)
+    if is_alias_spelling(placements):
+        if mesh.mesh_dim_names is None:
+            raise ValueError(f"{what}: alias names {placements} need a mesh with mesh_dim_names")
+        if len(placements) != ndim:
+            raise ValueError(f"{what}: alias placements {placements} have {len(placements)} entries but the tensor "
+                             f"has {ndim} dims; give one alias per tensor dim")
+        layout = base.with_aliases(placements)
+    else:
+        for i, p in enumerate(placements):
+            if not isinstance(p, Placement):
+                if isinstance(p, str) or (isinstance(p, tuple) and p and isinstance(p[0], str)):
+                    raise TypeError(f"{what}: do not mix alias names and placement objects ({placements!r})")
+                raise TypeError(f"{what}[{i}] = {p!r} is not a Placement (Shard, Replicate, Partial) or alias name")
+        layout = base.with_placements(placements, ndim)
+    _LAYOUT_CACHE[key] = layout
+    return layout
+
+
+def _grad_layout(layout: Layout) -> Layout:
+    return layout.without_partial() if layout.has_partial() else layout
+
+
+class DTensor(platform.DTensorBase):
+    """Distributed tensor: global metadata plus this rank's local shard.
+
+    Create one with :meth:`from_local`, :func:`distribute_tensor` or a factory
+    (``ones``, ``randn``...). Placements may be given as objects, one per mesh dim
+    (``[Shard(0), Replicate()]``), or as alias names, one per tensor dim
+    (``("dp", "None")``, ``(("dp", "tp"), "None")``).
+    """
+
+    _local_tensor: _Tensor
+    _mesh: DeviceMesh
+    _layout: Layout
+
+    @staticmethod
+    def __new__(cls, local_tensor, device_mesh: DeviceMesh = None, placements=None, *, shape=None, stride=None):
+        mesh = resolve_mesh(device_mesh, "DTensor")
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        layout = build_layout(mesh, placements, local_tensor.dim())
+        if shape is None:
+            shape = layout.global_shape(tuple(local_tensor.shape))
+        return cls._wrap(local_tensor, mesh, layout, tuple(shape), stride)
+
+    @classmethod
+    def _wrap(cls, local, mesh, layout, shape, stride=None):
+        """Fast internal constructor: no validation."""
+        r = _Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, dtype=local.dtype, device=local.device, requires_grad=False)
+        r._local_tensor = local
+        r._mesh = mesh
+        r._layout = layout
+        r._gshape = platform.Size(shape)
+        return r
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    @property
+    def placements(self):
+        return self._layout.placements
+
+    @property
+    def layout(self) -> Layout:
+        """The :class:`Layout` (mesh, placements, aliases, tensor map) of this DTensor."""
+        return self._layout
+
+    @property
+    def alias_placements(self):
+        return self._layout.alias_placements
+
+    @property
+    def shape(self):
+        return self._gshape
+
+    def size(self, dim: Optional[int] = None):
+        return self._gshape if dim is None else self._gshape[dim]
+
+    def numel(self) -> int:
+        return self._gshape.numel()
+
+    @property
+    def ndim(self) -> int:
+        return len(self._gshape)
+
+    def dim(self) -> int:
+        return len(self._gshape)
+
+    @property
+    def local_shape(self):
+        return self._local_tensor.shape
+
+    @property
+    def dtype(self):
+        return self._local_tensor.dtype
+
+    @property
+    def device(self):
+        return self._local_tensor.device
+
+    # autograd state lives on the local tensor
+    @property
+    def requires_grad(self) -> bool:
+        return self._local_tensor.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool):
+        self._local_tensor.requires_grad_(value)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._local_tensor.is_leaf
+
+    @property
+    def grad_fn(self):
+        return self._local_tensor.grad_fn
+
+    @property
+    def grad(self):
+        g = self._local_tensor.grad
+        if g is None:
+            return None
+        cached = self.__dict__.get("_grad_wrapper")
+        if cached is not None and cached._local_tensor is g:
+            return cached
+        w = DTensor._wrap(g, self._mesh, _grad_layout(self._layout), self._gshape)
+        self.__dict__["_grad_wrapper"] = w
+        return w
+
+    @grad.setter
+    def grad(self, value):
+        if value is None:
+            self._local_tensor.grad = None
+            return
+        if not isinstance(value, DTensor):
+            raise TypeError(f"DTensor.grad must be a DTensor (or None), got {type(value).__name__}")
+        want = _grad_layout(self._layout)
+        if value._layout != want:
+            value = value.redistribute(self._mesh, want)
+        self._local_tensor.grad = value._local_tensor
+
+    @property
+    def data(self):
+        return DTensor._wrap(self._local_tensor.detach(), self._mesh, self._layout, self._gshape)
+
+    @data.setter
+    def data(self, value):
+        if not isinstance(value, DTensor):
+            raise TypeError(f"DTensor.data must be a DTensor, got {type(value).__name__}")
+        if value._layout != self._layout:
+            value = value.redistribute(self._mesh, self._layout)
+        self._local_tensor.data = value._local_tensor
+
+    def __hash__(self):
+        return id(self)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def from_local(local_tensor, device_mesh: DeviceMesh = None, placements=None, *, run_check: bool = False,
+                   shape=None, stride=None) -> "DTensor":
+        """Wrap this rank's ``local_tensor`` as a DTensor (differentiable).
+
+        ``shape``/``stride`` give the global metadata; without them every shard is
+        assumed to be the same size. ``run_check=True`` checks that the local
+        shapes of all ranks agree with the layout and broadcasts replicated data
+        from the first rank of each replicated mesh dim.
+        """
+        if not isinstance(local_tensor, _Tensor) or isinstance(local_tensor, DTensor):
+            raise TypeError(f"DTensor.from_local: local_tensor must be a plain tensor, got {type(local_tensor).__name__}")
+        mesh = resolve_mesh(device_mesh, "DTensor.from_local")
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        layout = build_layout(mesh, placements, local_tensor.dim())
+        if shape is None:
+            gshape = layout.global_shape(tuple(local_tensor.shape))
+        else:
+            gshape = tuple(shape)
+            if len(gshape) != local_tensor.dim():
+                raise ValueError(f"DTensor.from_local: shape {gshape} has {len(gshape)} dims but the local tensor "
+                                 f"has {local_tensor.dim()}")
+            expect = layout.local_shape(gshape, coord=mesh.get_coordinate())
+            if expect != tuple(local_tensor.shape):
+                raise ValueError(f"DTensor.from_local: local tensor shape {tuple(local_tensor.shape)} on rank "
+                                 f"{mesh.get_rank()} does not match shape={gshape} with placements "
+                                 f"{layout.placements} (expected local shape {expect})")
+        if run_check:
+            local_tensor = _run_check(local_tensor, mesh, layout, gshape)
+        return DTensor._wrap(local_tensor, mesh, layout, gshape, stride)
+
+    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None):
+        """This rank's shard (differentiable).
+
+        ``grad_placements`` says how the gradient of the returned tensor is laid
+        out (default: like this DTensor, Partial read as Replicate); it is
+        redistributed to this DTensor's gradient layout in the backward pass.
+        """
+        if grad_placements is None:
+            return self._local_tensor
+        gl = build_layout(self._mesh, grad_placements, self.ndim, "grad_placements")
+        want = _grad_layout(self._layout)
+        if gl == want or not self._local_tensor.requires_grad:
+            return self._local_tensor
+        plan = rp.plan(gl, want, tuple(self._gshape), self._local_tensor.element_size())
+        return GradRedistribute.apply(self._local_tensor, plan, self._mesh, self._mesh._rank_index())
+
+    def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False) -> "DTensor":
+        """Return this tensor laid out as ``placements`` (differentiable; cheapest plan)."""
+        mesh = device_mesh if device_mesh is not None else self._mesh
+        if mesh is not self._mesh and mesh != self._mesh:
+            raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
+                             "redistributing across meshes is not supported")
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        dst = build_layout(mesh, placements, self.ndim)
+        if dst == self._layout:
+            return self
+        local = self._redistribute_local(dst)
+        return DTensor._wrap(local, self._mesh, dst, self._gshape)
+
+    def _redistribute_local(self, dst: Layout):
+        plan = rp.plan(self._layout, dst, tuple(self._gshape), self._local_tensor.element_size())
+        return run_plan(self._local_tensor, plan, self._mesh, self._mesh._rank_index())
+
+    def reduce_partial(self) -> "DTensor":
+        """Resolve pending ``Partial`` placements to ``Replicate`` (no-op without any)."""
+        if not self._layout.has_partial():
+            return self
+        return self.redistribute(self._mesh, self._layout.without_partial())
+
+    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None):
+        """The whole tensor on every rank (differentiable; all-gathers/all-reduces as needed)."""
+        rep = self._layout.replicated()
+        out = self if rep == self._layout else DTensor._wrap(self._redistribute_local(rep), self._mesh, rep,
+                                                             self._gshape)
+        return out.to_local(grad_placements=grad_placements)
+
+    # ------------------------------------------------------------------ conversions
+    def to(self, *args, **kwargs) -> "DTensor":
+        return DTensor._wrap(self._local_tensor.to(*args, **kwargs), self._mesh, self._layout, self._gshape)
+
+    def float(self) -> "DTensor":
+        return self.to(platform.float32)
+
+    def __repr__(self):
+        return (f"DTensor(local_tensor={self._local_tensor!r}, device_mesh={self._mesh!r}, "
+                f"placements={self._layout.placements}, shape={tuple(self._gshape)})")
+
+    __str__ = __repr__
+
+    def __format__(self, spec):
+        return repr(self)
+
+    # ------------------------------------------------------------------ interception
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(*args, **(kwargs or {}))
+        if _OP_HANDLER is None:
+            raise NotImplementedError(
+                f"{platform.get_op_name(func)} on DTensor: op dispatch is not loaded; import hyper_parallel")
+        return _OP_HANDLER(func, types, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Ops are handled in __torch_function__; reaching here means some code path
+        # bypassed it (e.g. a C++ utility receiving the wrapper directly).
+        raise RuntimeError(
+            f"{func} reached a DTensor below __torch_function__; this path is not supported. "
+            "Call it on dtensor.to_local() or dtensor.full_tensor() instead")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("DTensor cannot be pickled directly; save dtensor.to_local() with its placements, "
+                        "or dtensor.full_tensor()")
+
+    def __deepcopy__(self, memo):
+        import copy
+        local = copy.deepcopy(self._local_tensor, memo)
+        out = DTensor._wrap(local, self._mesh, self._layout, self._gshape)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        memo[id(self)] = out
+        return out
+
+
+# -------------------------------------------------------------------- special-cased tensor methods
+def _detach(self):
+    return DTensor._wrap(self._local_tensor.detach(), self._mesh, self._layout, self._gshape)
+
+
+def _requires_grad_(self, requires_grad=True):
+    self._local_tensor.requires_grad_(requires_grad)
+    return self
+
+
+def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    if gradient is not None:
+        if not isinstance(gradient, DTensor):
+            raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
+        want = _grad_layout(self._layout)
+        if gradient._layout != want:
+            gradient = gradient.redistribute(self._mesh, want)
+        gradient = gradient._local_tensor
+    elif self.numel() != 1:
+        raise RuntimeError(f"DTensor.backward: grad can be implicitly created only for scalar outputs "
+                           f"(shape {tuple(self._gshape)}); pass gradient=")
+    if inputs is not None:
+        inputs = [i._local_tensor if isinstance(i, DTensor) else i for i in inputs]
+    self._local_tensor.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+
+
+def _retain_grad(self):
+    self._local_tensor.retain_grad()
+
+
+def _register_hook(self, hook):
+    mesh, layout, shape = self._mesh, _grad_layout(self._layout), self._gshape
+
+    def local_hook(g):
+        out = hook(DTensor._wrap(g, mesh, layout, shape))
+        if out is None:
+            return None
+        return out._local_tensor if isinstance(out, DTensor) else out
+    return self._local_tensor.register_hook(local_hook)
+
+
+def _item(self):
+    if self._layout.is_replicated():
+        return self._local_tensor.item()
+    return self.full_tensor().item()
+
+
+def _tolist(self):
+    return self.full_tensor().tolist()
+
+
+def _len(self):
+    if not self._gshape:
+        raise TypeError("len() of a 0-d tensor")
+    return self._gshape[0]
+
+
+def _setstate(self, state):
+    raise TypeError("DTensor cannot be unpickled")
+
+
+def _build_special():
+    T = platform.Tensor
+    table = {
+        T.detach: _detach,
+        T.requires_grad_: _requires_grad_,
+        T.backward: _backward,
+        T.retain_grad: _retain_grad,
+        T.register_hook: _register_hook,
+        T.item: _item,
+        T.tolist: _tolist,
+        T.__len__: _len,
+        T.__repr__: lambda self, *a, **k: repr(self),
+        T.__format__: lambda self, spec: repr(self),
+        T.__setstate__: _setstate,
+    }
+    return table
+
+
+_SPECIAL = _build_special()
+
+
+def _run_check(local, mesh, layout, gshape):
+    """Validate local shapes against the layout and sync replicated data (collective)."""
+    plat = get_platform()
+    coll = plat.collectives
+    # every rank checks its own shape first so the error is raised on the rank that has the problem
+    expect = layout.local_shape(gshape, coord=mesh.get_coordinate())
+    if tuple(local.shape) != tuple(expect):
+        raise ValueError(f"DTensor.from_local(run_check=True): rank {mesh.get_rank()} has local shape "
+                         f"{tuple(local.shape)} but placements {layout.placements} with global shape {tuple(gshape)} "
+                         f"need {expect}")
+    for d, p in enumerate(layout.placements):
+        if p.is_replicate() and mesh.size(d) > 1:
+            group = mesh.get_comm_group(d)
+            local = coll.broadcast(local.detach(), group, group.ranks[0]).requires_grad_(local.requires_grad) \
+                if not local.requires_grad else local
+    return local
+
+
+__all__ = ["DTensor", "build_layout"]

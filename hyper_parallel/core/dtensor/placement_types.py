@@ -1,0 +1,116 @@
+"""Placements: how a tensor sits on one mesh dimension.
+
+Small immutable value types, equal and hashable by value, mirroring
+``torch.distributed.tensor.placement_types``:
+
+* ``Shard(dim)``: the tensor is split along ``dim`` (``torch.chunk`` rules).
+* ``Replicate()``: every rank holds the whole tensor.
+* ``Partial(reduce_op)``: every rank holds a partial value; the tensor is the
+  reduction (``sum``, ``avg``, ``max``, ``min`` or ``prod``) over the ranks.
+"""
+from __future__ import annotations
+
+_REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+
+
+class Placement:
+    """Base class; use :class:`Shard`, :class:`Replicate` or :class:`Partial`."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class Shard(Placement):
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int):
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"Shard(dim): dim must be an int, got {dim!r} ({type(dim).__name__})")
+        object.__setattr__(self, "dim", dim)
+
+    def is_shard(self, dim: int = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __eq__(self, other):
+        return type(other) is Shard and other.dim == self.dim
+
+    def __hash__(self):
+        return hash(("S", self.dim))
+
+    def __repr__(self):
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self):
+        return f"S({self.dim})"
+
+    def __reduce__(self):
+        return (Shard, (self.dim,))
+
+
+class Replicate(Placement):
+    __slots__ = ()
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __eq__(self, other):
+        return type(other) is Replicate
+
+    def __hash__(self):
+        return hash("R")
+
+    def __repr__(self):
+        return "Replicate()"
+
+    def __str__(self):
+        return "R"
+
+    def __reduce__(self):
+        return (Replicate, ())
+
+
+class Partial(Placement):
+    __slots__ = ("reduce_op",)
+
+    def __init__(self, reduce_op: str = "sum"):
+        if reduce_op not in _REDUCE_OPS:
+            raise ValueError(f"Partial(reduce_op): got {reduce_op!r}, expected one of {_REDUCE_OPS}")
+        object.__setattr__(self, "reduce_op", reduce_op)
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __eq__(self, other):
+        return type(other) is Partial and other.reduce_op == self.reduce_op
+
+    def __hash__(self):
+        return hash(("P", self.reduce_op))
+
+    def __repr__(self):
+        return f"Partial({self.reduce_op})"
+
+    def __str__(self):
+        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
+
+    def __reduce__(self):
+        return (Partial, (self.reduce_op,))
+
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial"]

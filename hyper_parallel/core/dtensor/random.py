@@ -1,0 +1,70 @@
+"""Layout-independent random numbers for DTensors.
+
+Values are a pure function of (seed, call counter, global position): the
+global tensor is cut into fixed blocks of rows along dim 0 (the block size
+depends only on the global shape), each block drawn from a generator seeded
+with ``(seed, counter, block)``. A rank draws just the blocks its shard
+touches and slices them, so replicas agree, shards differ, and the gathered
+tensor is the same for every mesh shape and placement.
+
+Every rank must make the same sequence of random calls (SPMD), exactly as for
+collectives. ``manual_seed`` resets the stream; otherwise the seed defaults to
+``torch.initial_seed()`` read on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from hyper_parallel.platform import get_platform
+
+_BLOCK_ELEMS = 1 << 16
+_state = {"seed": None, "counter": 0}
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the DTensor random stream (call with the same seed on every rank)."""
+    if not isinstance(seed, int):
+        raise TypeError(f"manual_seed: seed must be an int, got {seed!r}")
+    _state["seed"] = seed
+    _state["counter"] = 0
+
+
+def _next_key():
+    if _state["seed"] is None:
+        _state["seed"] = get_platform().initial_seed()
+    c = _state["counter"]
+    _state["counter"] = c + 1
+    return _state["seed"], c
+
+
+def _block_seed(seed, counter, block):
+    h = hashlib.blake2b(f"{seed}:{counter}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def random_local(kind: str, global_shape, local_shape, offset, dtype=None, device=None):
+    """This rank's piece (``local_shape`` at ``offset``) of a layout-independent random tensor."""
+    plat = get_platform()
+    seed, counter = _next_key()
+    global_shape = tuple(global_shape)
+    if not global_shape:
+        return plat.seeded_random(kind, (), _block_seed(seed, counter, 0), dtype, device)
+    row = 1
+    for s in global_shape[1:]:
+        row *= s
+    rows_per_block = max(1, _BLOCK_ELEMS // max(row, 1))
+    start, n = offset[0], local_shape[0]
+    if n == 0 or any(s == 0 for s in local_shape):
+        return plat.zeros(tuple(local_shape), dtype=dtype, device=device)
+    b0, b1 = start // rows_per_block, (start + n - 1) // rows_per_block
+    blocks = []
+    for b in range(b0, b1 + 1):
+        rows = min(rows_per_block, global_shape[0] - b * rows_per_block)
+        blocks.append(plat.seeded_random(kind, (rows,) + global_shape[1:], _block_seed(seed, counter, b),
+                                         dtype, device))
+    full = blocks[0] if len(blocks) == 1 else plat.cat(blocks, 0)
+    offs = (start - b0 * rows_per_block,) + tuple(offset[1:])
+    return plat.narrow_block(full, offs, tuple(local_shape))
+
+
+__all__ = ["manual_seed", "random_local"]

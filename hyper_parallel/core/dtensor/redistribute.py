@@ -1,0 +1,91 @@
+"""Executes redistribution plans on local tensors with differentiable collectives.
+
+Every step maps to one autograd function of the platform layer whose backward
+is the step's adjoint under the DTensor gradient convention, so the backward of
+a redistribution is the reverse plan (with Replicate -> Partial skipped, as in
+PyTorch). The output of an all_gather remembers its source so that consumers
+that produce partial gradients can take a reduce_scatter backward path instead
+of an all_reduce (see :func:`partial_grad_view`).
+"""
+from __future__ import annotations
+
+from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.platform import get_platform
+
+_F = get_platform().functions
+
+
+def run_plan(local, plan: rp.Plan, mesh, rank_index: int):
+    """Apply ``plan`` to this rank's ``local`` tensor; returns the new local tensor."""
+    x = local
+    for step in plan.steps:
+        kind = step.kind
+        if kind == "relabel":
+            continue
+        group = mesh.get_comm_group(step.mesh_dim)
+        if kind == rp.ALL_GATHER:
+            sizes = step.sizes[rank_index]
+            src = x
+            x = _F.AllGather.apply(x, step.tensor_dim, group, sizes, False)
+            _remember_gather(x, src, step.tensor_dim, group, sizes)
+        elif kind == rp.SPLIT:
+            x = _F.Split.apply(x, step.tensor_dim, group, step.sizes[rank_index])
+        elif kind == rp.ALL_REDUCE:
+            x = _F.AllReduce.apply(x, group, step.reduce_op)
+        elif kind == rp.REDUCE_SCATTER:
+            x = _F.ReduceScatter.apply(x, step.tensor_dim, group, step.sizes[rank_index], step.reduce_op)
+        elif kind == rp.ALL_TO_ALL:
+            split_sizes, cat_sizes = step.sizes[rank_index]
+            x = _F.AllToAll.apply(x, step.dst_dim, step.tensor_dim, group, split_sizes, cat_sizes)
+        elif kind == rp.TO_PARTIAL:
+            x = _F.ReplicateToPartial.apply(x, group, step.reduce_op)
+        else:  # pragma: no cover - planner and executor are kept in sync
+            raise AssertionError(f"unknown plan step {kind}")
+    return x
+
+
+def _remember_gather(out, src, dim, group, sizes):
+    try:
+        out._hp_gathered = (group.ranks, src, dim, group, sizes)
+    except Exception:  # noqa: BLE001 - attribute storage is an optimisation only
+        pass
+
+
+def partial_grad_view(local, group):
+    """``local`` seen by a consumer whose gradient w.r.t. it is partial over ``group``.
+
+    Returns a tensor equal to ``local`` whose backward sums the gradient over
+    ``group`` once, however many consumers use it: the view is cached on
+    ``local``. If ``local`` came from an all_gather over the same group, the
+    backward is a reduce_scatter into the gathered source (Megatron's sequence
+    parallel pairing) instead of an all_reduce.
+    """
+    if group.size == 1 or not local.requires_grad:
+        return local
+    cache = getattr(local, "_hp_pgrad", None)
+    if cache is None:
+        cache = {}
+        local._hp_pgrad = cache
+    view = cache.get(group.ranks)
+    if view is None:
+        g = getattr(local, "_hp_gathered", None)
+        if g is not None and g[0] == group.ranks and g[1].requires_grad:
+            _, src, dim, grp, sizes = g
+            view = _F.GatheredPartialGrad.apply(src, local.detach(), dim, grp, sizes)
+        else:
+            view = _F.PartialGrad.apply(local, group)
+        cache[group.ranks] = view
+    return view
+
+
+class GradRedistribute(get_platform().Function):
+    """Identity forward; backward runs ``plan`` on the gradient (for ``to_local(grad_placements=...)``)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, mesh, rank_index):
+        ctx.plan, ctx.mesh, ctx.rank_index = plan, mesh, rank_index
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return run_plan(g, ctx.plan, ctx.mesh, ctx.rank_index), None, None, None

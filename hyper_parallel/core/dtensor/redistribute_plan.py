@@ -1,0 +1,256 @@
+"""Redistribution planner (pure): the cheapest sequence of collectives between two layouts.
+
+A state is a layout's ``(dim_map, partial)``. Moves, each on one mesh dim ``d``
+of size ``k`` (only the innermost shard of a tensor dim is ever gathered or
+moved, which keeps every move exact under ``torch.chunk`` rules):
+
+===============  ==============================  ==================================
+move             effect on mesh dim d            bytes one rank sends
+===============  ==============================  ==================================
+all_reduce       Partial -> Replicate            2 * local * (k-1) / k
+reduce_scatter   Partial(sum|avg) -> Shard(t)    padded local * (k-1) / k
+all_gather       Shard(t) -> Replicate           padded piece * (k-1)
+all_to_all       Shard(t) -> Shard(u)            local - the piece it keeps
+split            Replicate -> Shard(t)           0 (local slice)
+to_partial       Replicate -> Partial            0 (local)
+===============  ==============================  ==================================
+
+Plans are found by Dijkstra on the largest per-rank byte count of each move
+(ties broken by fewer communicating moves, then fewer moves), so a direct
+collective always beats a detour through Replicate, and are cached by
+``(src, dst, global_shape, itemsize)``.
+"""
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+from typing import Tuple
+
+from hyper_parallel.core.dtensor.layout import Layout, chunk_sizes, coordinate_of, local_shape_and_offset
+from hyper_parallel.platform import comm_record as rec
+
+ALL_REDUCE = rec.ALL_REDUCE
+REDUCE_SCATTER = rec.REDUCE_SCATTER
+ALL_GATHER = rec.ALL_GATHER
+ALL_TO_ALL = rec.ALL_TO_ALL
+SPLIT = "split"
+TO_PARTIAL = "to_partial"
+COMM_KINDS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL)
+
+
+class Step:
+    """One move of a plan.
+
+    ``sizes[i]`` are per-rank extra arguments, indexed by the rank's position in
+    the mesh: for gather/scatter/split the piece sizes of the group along
+    ``tensor_dim``; for all_to_all ``(split_sizes, cat_sizes)``. ``bytes[i]`` is
+    what rank i sends.
+    """
+
+    __slots__ = ("kind", "mesh_dim", "tensor_dim", "dst_dim", "reduce_op", "sizes", "bytes")
+
+    def __init__(self, kind, mesh_dim, tensor_dim=None, dst_dim=None, reduce_op=None, sizes=None, nbytes=None):
+        self.kind = kind
+        self.mesh_dim = mesh_dim
+        self.tensor_dim = tensor_dim
+        self.dst_dim = dst_dim
+        self.reduce_op = reduce_op
+        self.sizes = sizes
+        self.bytes = nbytes
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    def max_bytes(self) -> int:
+        return max(self.bytes) if self.bytes else 0
+
+    def __repr__(self):
+        dims = f"tensor_dim={self.tensor_dim}" if self.dst_dim is None else f"{self.tensor_dim}->{self.dst_dim}"
+        op = f", op={self.reduce_op}" if self.reduce_op else ""
+        return f"Step({self.kind}, mesh_dim={self.mesh_dim}, {dims}{op}, bytes={self.max_bytes()})"
+
+
+class Plan:
+    __slots__ = ("src", "dst", "global_shape", "steps")
+
+    def __init__(self, src, dst, global_shape, steps):
+        self.src, self.dst, self.global_shape, self.steps = src, dst, global_shape, tuple(steps)
+
+    def bytes_for_rank(self, rank_index: int) -> int:
+        return sum(s.bytes[rank_index] for s in self.steps)
+
+    def collective_counts(self):
+        out = {}
+        for s in self.steps:
+            if s.is_comm:
+                out[s.kind] = out.get(s.kind, 0) + 1
+        return out
+
+    def __repr__(self):
+        return f"Plan({self.src.placements} -> {self.dst.placements}, {list(self.steps)})"
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Ctx:
+    """Per-plan constants: mesh shape, global shape, all rank coordinates."""
+
+    def __init__(self, mesh_shape, global_shape, itemsize):
+        self.mesh_shape = mesh_shape
+        self.global_shape = tuple(global_shape)
+        self.itemsize = itemsize
+        n = _numel(mesh_shape)
+        self.coords = [coordinate_of(i, mesh_shape) for i in range(n)]
+
+    def local(self, dim_map, coord):
+        return local_shape_and_offset(self.global_shape, self.mesh_shape, dim_map, coord)[0]
+
+    def extent_before(self, dim_map, t, d, coord):
+        """Extent of tensor dim t on this rank before mesh dim d (innermost) splits it."""
+        dm = list(dim_map)
+        dm[t] = tuple(x for x in dm[t] if x != d)
+        return self.local(dm, coord)[t]
+
+
+def _moves(ctx: _Ctx, state, target):
+    """Yield (step, new_state) for every legal move from ``state``."""
+    dim_map, partial = state
+    ndim = len(dim_map)
+    k_of = ctx.mesh_shape
+    tgt_map, tgt_partial = target
+    owner = {}
+    for t, dims in enumerate(dim_map):
+        for d in dims:
+            owner[d] = t
+    isz = ctx.itemsize
+    for d, k in enumerate(k_of):
+        if k == 1:
+            # A size-1 mesh dim moves no data: relabel directly toward the target.
+            new_map = [tuple(x for x in dims if x != d) for dims in dim_map]
+            new_partial = list(partial)
+            new_partial[d] = None
+            for t, dims in enumerate(tgt_map):
+                if d in dims:
+                    members = list(new_map[t]) + [d]
+                    members.sort(key=lambda x, tm=dims, m=list(members): tm.index(x) if x in tm else 100 + m.index(x))
+                    new_map[t] = tuple(members)
+            new_partial[d] = tgt_partial[d]
+            new = (tuple(new_map), tuple(new_partial))
+            if new != state:
+                yield Step("relabel", d, nbytes=(0,) * len(ctx.coords)), new
+            continue
+        op = partial[d]
+        if op is not None:
+            # all_reduce
+            b = tuple(2 * _numel(ctx.local(dim_map, c)) * isz * (k - 1) // k for c in ctx.coords)
+            np_ = list(partial)
+            np_[d] = None
+            yield Step(ALL_REDUCE, d, reduce_op=op, nbytes=b), (dim_map, tuple(np_))
+            if op in ("sum", "avg"):
+                for t in range(ndim):
+                    sizes, b = [], []
+                    for c in ctx.coords:
+                        ext = ctx.local(dim_map, c)
+                        cs = chunk_sizes(ext[t], k)
+                        sizes.append(cs)
+                        padded = max(cs) * k * (_numel(ext) // ext[t] if ext[t] else _numel(ext[:t] + ext[t + 1:]))
+                        b.append(padded * isz * (k - 1) // k)
+                    nm = list(dim_map)
+                    nm[t] = nm[t] + (d,)
+                    yield (Step(REDUCE_SCATTER, d, tensor_dim=t, reduce_op=op, sizes=tuple(sizes), nbytes=tuple(b)),
+                           (tuple(nm), tuple(np_)))
+            continue
+        t = owner.get(d)
+        if t is not None:
+            if dim_map[t][-1] != d:
+                continue
+            # all_gather
+            sizes, b = [], []
+            for c in ctx.coords:
+                ext = ctx.local(dim_map, c)
+                cs = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+                sizes.append(cs)
+                rest = _numel(ext[:t] + ext[t + 1:])
+                b.append(max(cs) * rest * isz * (k - 1))
+            nm = list(dim_map)
+            nm[t] = nm[t][:-1]
+            yield Step(ALL_GATHER, d, tensor_dim=t, sizes=tuple(sizes), nbytes=tuple(b)), (tuple(nm), partial)
+            # all_to_all to every other tensor dim
+            for u in range(ndim):
+                if u == t:
+                    continue
+                sizes, b = [], []
+                for i, c in enumerate(ctx.coords):
+                    ext = ctx.local(dim_map, c)
+                    split_sizes = chunk_sizes(ext[u], k)
+                    cat_sizes = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+                    sizes.append((split_sizes, cat_sizes))
+                    per_unit = _numel(ext) // ext[u] if ext[u] else 0
+                    b.append((_numel(ext) - split_sizes[c[d]] * per_unit) * isz)
+                nm = list(dim_map)
+                nm[t] = nm[t][:-1]
+                nm[u] = nm[u] + (d,)
+                yield (Step(ALL_TO_ALL, d, tensor_dim=t, dst_dim=u, sizes=tuple(sizes), nbytes=tuple(b)),
+                       (tuple(nm), partial))
+            continue
+        # free mesh dim: local split or to-partial
+        zero = (0,) * len(ctx.coords)
+        for u in range(ndim):
+            sizes = tuple(chunk_sizes(ctx.local(dim_map, c)[u], k) for c in ctx.coords)
+            nm = list(dim_map)
+            nm[u] = nm[u] + (d,)
+            yield Step(SPLIT, d, tensor_dim=u, sizes=sizes, nbytes=zero), (tuple(nm), partial)
+        if tgt_partial[d] is not None:
+            np_ = list(partial)
+            np_[d] = tgt_partial[d]
+            yield Step(TO_PARTIAL, d, reduce_op=tgt_partial[d], nbytes=zero), (dim_map, tuple(np_))
+
+
+@lru_cache(maxsize=4096)
+def _plan_cached(src_key, dst_key, mesh_shape, global_shape, itemsize):
+    src_map, src_partial = src_key
+    dst = dst_key
+    ctx = _Ctx(mesh_shape, global_shape, itemsize)
+    start = (src_map, src_partial)
+    if start == dst:
+        return ()
+    # Dijkstra: cost = (bytes, comm moves, moves)
+    counter = 0
+    frontier = [((0, 0, 0), counter, start, ())]
+    best = {start: (0, 0, 0)}
+    while frontier:
+        cost, _, state, path = heapq.heappop(frontier)
+        if state == dst:
+            return path
+        if best.get(state, cost) < cost:
+            continue
+        for step, new in _moves(ctx, state, dst):
+            c = (cost[0] + step.max_bytes(), cost[1] + (1 if step.is_comm else 0), cost[2] + 1)
+            if c < best.get(new, (float("inf"),)):
+                best[new] = c
+                counter += 1
+                heapq.heappush(frontier, (c, counter, new, path + (step,)))
+    raise ValueError(f"no redistribution path from {src_key} to {dst_key}")
+
+
+def plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> Plan:
+    """Cheapest plan turning ``src`` into ``dst`` for a tensor of ``global_shape``."""
+    if src.mesh_shape != dst.mesh_shape or src.rank_list != dst.rank_list:
+        raise ValueError(f"redistribute: source and target layouts are on different meshes "
+                         f"({src.mesh_shape} ranks {src.rank_list} vs {dst.mesh_shape} ranks {dst.rank_list}); "
+                         "redistributing across meshes is not supported")
+    if src.ndim != dst.ndim or len(global_shape) != src.ndim:
+        raise ValueError(f"redistribute: layouts describe {src.ndim}-d and {dst.ndim}-d tensors but the tensor "
+                         f"shape is {tuple(global_shape)}")
+    steps = _plan_cached((src.dim_map, src.partial), (dst.dim_map, dst.partial), src.mesh_shape,
+                         tuple(global_shape), itemsize)
+    return Plan(src, dst, tuple(global_shape), steps)
+
+
+__all__ = ["plan", "Plan", "Step"]

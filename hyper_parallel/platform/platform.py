@@ -1,0 +1,47 @@
+"""The framework-neutral platform interface.
+
+Everything the core needs from a deep-learning framework is reached through one
+``Platform`` object (see :func:`hyper_parallel.platform.get_platform`). The core
+never imports a framework itself, so a second framework (MindSpore) can be added
+by writing another subclass.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class PlatformType(enum.Enum):
+    PYTORCH = "torch"
+    MINDSPORE = "mindspore"
+
+
+class CommGroup:
+    """A communication group: the global ranks in it and the framework handle.
+
+    ``ranks`` is ordered by in-group rank; ``rank`` is this process's index in it
+    (or -1 when the process is not a member).
+    """
+
+    __slots__ = ("ranks", "handle", "rank", "size")
+
+    def __init__(self, ranks, handle, my_global_rank):
+        self.ranks = tuple(ranks)
+        self.handle = handle
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(my_global_rank) if my_global_rank in self.ranks else -1
+
+    def __repr__(self):
+        return f"CommGroup(ranks={self.ranks})"
+
+
+class Platform:
+    """Abstract platform. Subclasses fill in types, tensor helpers and collectives."""
+
+    platform_type: PlatformType = None
+
+    # Types (set by subclasses)
+    Tensor = None
+    Module = None
+    Parameter = None
+    Function = None
+    DTensorBase = None

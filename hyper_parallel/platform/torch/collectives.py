@@ -1,0 +1,182 @@
+"""Raw (non-differentiable) collectives on plain torch tensors.
+
+Each function takes a :class:`CommGroup`, issues exactly one ``torch.distributed``
+call, reports it to :mod:`hyper_parallel.platform.comm_record`, and returns a new
+tensor. Uneven shards are handled here (padding for all_gather/reduce_scatter,
+uneven splits for all_to_all) so callers can think in ``torch.chunk`` terms.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform import comm_record as rec
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def reduce_op(name: str):
+    try:
+        return _REDUCE_OPS[name]
+    except KeyError:
+        raise ValueError(f"reduce_op={name!r} is not supported; expected one of {sorted(_REDUCE_OPS)}") from None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _pad_dim0(x: torch.Tensor, size: int) -> torch.Tensor:
+    if x.shape[0] == size:
+        return x
+    pad = x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))
+    return torch.cat([x, pad], dim=0)
+
+
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """Return the reduction of ``x`` over ``group`` (``x`` itself is not modified)."""
+    if group.size == 1:
+        return x
+    out = x.contiguous().clone()
+    rec.record(rec.ALL_REDUCE, _nbytes(out), group.ranks)
+    if op == "avg" and not out.is_floating_point():
+        raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {out.dtype}")
+    dist.all_reduce(out, op=reduce_op(op), group=group.handle)
+    return out
+
+
+def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``.
+
+    ``sizes[i]`` is rank i's extent along ``dim`` (torch.chunk rules may make them
+    uneven, or zero); shorter pieces are padded for the wire and trimmed after.
+    """
+    k = group.size
+    if k == 1:
+        return x
+    if sizes is None:
+        sizes = [x.shape[dim]] * k
+    m = max(sizes)
+    xt = x.movedim(dim, 0) if dim != 0 else x
+    xt = _pad_dim0(xt, m).contiguous()
+    buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
+    rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
+    dist.all_gather_into_tensor(buf, xt, group=group.handle)
+    if all(s == m for s in sizes):
+        out = buf
+    else:
+        out = torch.cat([buf[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
+    if dim != 0:
+        out = out.movedim(0, dim).contiguous()
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over ``group`` and keep this rank's piece along ``dim``.
+
+    ``sizes`` are the per-rank piece sizes along ``dim`` (sum = ``x.shape[dim]``).
+    """
+    k = group.size
+    if k == 1:
+        return x
+    if sizes is None:
+        n = x.shape[dim]
+        if n % k:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {n} is not divisible by the group size {k}; pass sizes")
+        sizes = [n // k] * k
+    m = max(sizes)
+    xt = x.movedim(dim, 0) if dim != 0 else x
+    if all(s == m for s in sizes):
+        inp = xt.contiguous()
+    else:
+        inp = torch.cat([_pad_dim0(p, m) for p in torch.split(xt, list(sizes), dim=0)], dim=0).contiguous()
+    out = inp.new_empty((m,) + tuple(inp.shape[1:]))
+    rec.record(rec.REDUCE_SCATTER, _nbytes(inp), group.ranks)
+    if op == "avg":
+        dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
+        out = out / k
+    else:
+        dist.reduce_scatter_tensor(out, inp, op=reduce_op(op), group=group.handle)
+    out = out[: sizes[group.rank]]
+    if dim != 0:
+        out = out.movedim(0, dim).contiguous()
+    return out
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
+               split_sizes: Sequence[int], cat_sizes: Sequence[int]) -> torch.Tensor:
+    """Shard(cat_dim) -> Shard(split_dim) exchange with one ``all_to_all_single``.
+
+    ``x`` holds this rank's piece along ``cat_dim`` (``cat_sizes[me]``) and the
+    full extent along ``split_dim``; it is cut along ``split_dim`` into
+    ``split_sizes`` (rank i receives piece i) and the received pieces are joined
+    along ``cat_dim``. Uneven sizes are sent with uneven splits (no padding).
+    """
+    k = group.size
+    if k == 1:
+        return x
+    me = group.rank
+    pieces = torch.split(x, list(split_sizes), dim=split_dim)
+    send = torch.cat([p.contiguous().view(-1) for p in pieces]) if x.numel() else x.new_empty(0)
+    in_splits = [p.numel() for p in pieces]
+    # The piece from rank r has cat_sizes[r] along cat_dim and split_sizes[me] along split_dim.
+    inner = 1
+    for d, s in enumerate(x.shape):
+        if d not in (split_dim, cat_dim):
+            inner *= s
+    out_splits = [cat_sizes[r] * split_sizes[me] * inner for r in range(k)]
+    recv = x.new_empty(sum(out_splits))
+    esz = x.element_size()
+    rec.record(rec.ALL_TO_ALL, _nbytes(send), group.ranks, sent=(sum(in_splits) - in_splits[me]) * esz)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.handle)
+    shape = list(x.shape)
+    shape[split_dim] = split_sizes[me]
+    outs = []
+    for r, chunk in enumerate(torch.split(recv, out_splits)):
+        shape[cat_dim] = cat_sizes[r]
+        outs.append(chunk.view(shape))
+    return torch.cat(outs, dim=cat_dim)
+
+
+def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
+    """Broadcast from global rank ``src`` (in ``group``); returns the received tensor."""
+    if group.size == 1:
+        return x
+    out = x.contiguous()
+    me_src = dist.get_rank() == src
+    if not me_src:
+        out = out.clone()
+    rec.record(rec.BROADCAST, _nbytes(out), group.ranks, is_src=me_src)
+    dist.broadcast(out, src=src, group=group.handle)
+    return out
+
+
+def scatter(out: torch.Tensor, chunks, group, src: int) -> torch.Tensor:
+    """Scatter ``chunks`` (list of equal-shape tensors, only read on ``src``) into ``out``."""
+    if group.size == 1:
+        out.copy_(chunks[0])
+        return out
+    me_src = dist.get_rank() == src
+    total = sum(_nbytes(c) for c in chunks) if me_src else 0
+    rec.record(rec.SCATTER, total, group.ranks, is_src=me_src)
+    dist.scatter(out, [c.contiguous() for c in chunks] if me_src else None, src=src, group=group.handle)
+    return out
+
+
+def send(x: torch.Tensor, dst: int, group=None) -> None:
+    rec.record(rec.SEND, _nbytes(x), (dist.get_rank(), dst))
+    dist.send(x.contiguous(), dst=dst, group=group.handle if group is not None else None)
+
+
+def recv(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    rec.record(rec.RECV, _nbytes(x), (src, dist.get_rank()))
+    dist.recv(x, src=src, group=group.handle if group is not None else None)
+    return x

@@ -1,0 +1,152 @@
+"""PyTorch implementation of :class:`hyper_parallel.platform.Platform`."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
+from hyper_parallel.platform.torch import collectives, functions
+
+_DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
+
+
+class TorchPlatform(Platform):
+    platform_type = PlatformType.PYTORCH
+
+    Tensor = torch.Tensor
+    Module = nn.Module
+    Parameter = nn.Parameter
+    Function = torch.autograd.Function
+    DTensorBase = torch.Tensor
+    Size = torch.Size
+
+    float32 = torch.float32
+
+    # namespaces
+    collectives = collectives
+    functions = functions
+
+    def __init__(self):
+        self._groups = {}
+
+    # ------------------------------------------------------------ process groups
+    def is_initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def init_process_group(self, device_type: str = "cpu", timeout_s: float = None) -> None:
+        """Initialise the default group from torchrun-style env vars if needed."""
+        if self.is_initialized():
+            return
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"torch.distributed is not initialised and the environment lacks {missing}; "
+                "launch with torchrun or call torch.distributed.init_process_group first")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S))
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+    def get_rank(self) -> int:
+        return dist.get_rank() if self.is_initialized() else 0
+
+    def get_world_size(self) -> int:
+        return dist.get_world_size() if self.is_initialized() else 1
+
+    def new_group(self, ranks) -> CommGroup:
+        """Return the (cached) group over ``ranks``.
+
+        ``torch.distributed.new_group`` is collective over the whole world, so every
+        process must request the same groups in the same order; the mesh does so.
+        """
+        ranks = tuple(int(r) for r in ranks)
+        grp = self._groups.get(ranks)
+        if grp is None:
+            if ranks == tuple(range(self.get_world_size())):
+                handle = dist.group.WORLD
+            else:
+                handle = dist.new_group(list(ranks), use_local_synchronization=False)
+            grp = CommGroup(ranks, handle, self.get_rank())
+            self._groups[ranks] = grp
+        return grp
+
+    def reset_groups(self) -> None:
+        self._groups.clear()
+
+    # ------------------------------------------------------------ tensor helpers
+    @staticmethod
+    def chunk(x, chunks, dim=0):
+        return torch.chunk(x, chunks, dim)
+
+    @staticmethod
+    def cat(xs, dim=0):
+        return torch.cat(xs, dim)
+
+    @staticmethod
+    def empty(shape, **kw):
+        return torch.empty(shape, **kw)
+
+    @staticmethod
+    def zeros(shape, **kw):
+        return torch.zeros(shape, **kw)
+
+    @staticmethod
+    def ones(shape, **kw):
+        return torch.ones(shape, **kw)
+
+    @staticmethod
+    def full(shape, fill_value, **kw):
+        return torch.full(shape, fill_value, **kw)
+
+    @staticmethod
+    def is_tensor(x) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    @staticmethod
+    def element_size(dtype) -> int:
+        return torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def get_op_name(op) -> str:
+        name = getattr(op, "__name__", None) or getattr(op, "name", None) or repr(op)
+        return name
+
+    @staticmethod
+    def default_device(device_type: str):
+        if device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(device_type)
+
+    @staticmethod
+    def rank_tensor(ranks, shape):
+        return torch.tensor(list(ranks), dtype=torch.long).reshape(tuple(shape))
+
+    # ------------------------------------------------------------ seeded random
+    @staticmethod
+    def seeded_random(kind: str, shape, seed: int, dtype=None, device=None):
+        """Random tensor of ``shape`` from a fresh generator seeded with ``seed`` (CPU generator, then moved)."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        dtype = dtype or torch.get_default_dtype()
+        if kind == "rand":
+            out = torch.rand(shape, generator=gen, dtype=dtype)
+        elif kind == "randn":
+            out = torch.randn(shape, generator=gen, dtype=dtype)
+        else:
+            raise ValueError(f"seeded_random: kind must be 'rand' or 'randn', got {kind!r}")
+        return out if device is None or torch.device(device).type == "cpu" else out.to(device)
+
+    @staticmethod
+    def initial_seed() -> int:
+        return torch.initial_seed()
+
+    @staticmethod
+    def narrow_block(x, offsets, sizes):
+        for d, (o, s) in enumerate(zip(offsets, sizes)):
+            if o != 0 or s != x.shape[d]:
+                x = x.narrow(d, o, s)
+        return x.contiguous()

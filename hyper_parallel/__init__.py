@@ -16,6 +16,9 @@ from hyper_parallel.core.dtensor.api import (
     distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
 from hyper_parallel.core.dtensor.random import manual_seed
 from hyper_parallel.debug import CommDebugMode
+from hyper_parallel.core.shard import DistributedOp
+from hyper_parallel.core.shard._op_dispatch import (
+    set_strict_layouts, strict_layouts, implicit_replication, allow_replicate_fallback, set_debug)
 
 __version__ = "0.1.0"
 
@@ -29,5 +32,6 @@ def _testing_reset():
 __all__ = [
     "get_platform", "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
     "DTensor", "distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn",
-    "manual_seed", "CommDebugMode",
+    "manual_seed", "CommDebugMode", "DistributedOp", "set_strict_layouts", "strict_layouts",
+    "implicit_replication", "allow_replicate_fallback", "set_debug",
 ]

@@ -23,6 +23,11 @@ _REDUCE_OPS = {
 }
 
 
+# torch >= 2.13 renamed the single-tensor variants; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def reduce_op(name: str):
     try:
         return _REDUCE_OPS[name]
@@ -69,7 +74,7 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     xt = _pad_dim0(xt, m).contiguous()
     buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
     rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
-    dist.all_gather_into_tensor(buf, xt, group=group.handle)
+    _all_gather_single(buf, xt, group=group.handle)
     if all(s == m for s in sizes):
         out = buf
     else:
@@ -101,10 +106,10 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None
     out = inp.new_empty((m,) + tuple(inp.shape[1:]))
     rec.record(rec.REDUCE_SCATTER, _nbytes(inp), group.ranks)
     if op == "avg":
-        dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
+        _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
         out = out / k
     else:
-        dist.reduce_scatter_tensor(out, inp, op=reduce_op(op), group=group.handle)
+        _reduce_scatter_single(out, inp, op=reduce_op(op), group=group.handle)
     out = out[: sizes[group.rank]]
     if dim != 0:
         out = out.movedim(0, dim).contiguous()

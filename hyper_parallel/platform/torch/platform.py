@@ -150,3 +150,31 @@ class TorchPlatform(Platform):
             if o != 0 or s != x.shape[d]:
                 x = x.narrow(d, o, s)
         return x.contiguous()
+
+    # ------------------------------------------------------------ dispatch support
+    @staticmethod
+    def meta_empty(shape, dtype):
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+    @staticmethod
+    def to_meta(x):
+        return x.to("meta") if x.dim() > 0 else x
+
+    @staticmethod
+    def hashable_leaf_types():
+        return (torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+    @staticmethod
+    def op_name(func) -> str:
+        """Canonical name of a torch function / Tensor method / property getter."""
+        name = getattr(func, "__name__", None)
+        if name == "__get__":
+            owner = getattr(func, "__self__", None)
+            name = getattr(owner, "__name__", name)
+        if name is None:
+            name = getattr(func, "name", None) or repr(func)
+        return name
+
+    # Framework namespaces used by sharding rules to build local implementations.
+    import torch as ops  # noqa: E402  (torch.* functions: sum, where, ...)
+    import torch.nn.functional as F  # noqa: E402

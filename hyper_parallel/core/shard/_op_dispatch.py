@@ -1,0 +1,402 @@
+"""Op dispatch for DTensors at the ``__torch_function__`` level.
+
+For every op called with DTensor arguments the dispatcher
+
+1. builds a cheap hashable key (op, input layouts and global shapes, the other
+   arguments) and looks up a cached :class:`_Entry`; on a miss it asks the op's
+   :class:`DistributedOp` rule for a strategy and infers global output shapes on
+   the meta device;
+2. redistributes inputs whose layout differs from the strategy's (differentiable,
+   cheapest plan) - or raises in strict mode;
+3. gives inputs that are replicated on a mesh dim where an output is sharded or
+   partial a "partial gradient" view (one all_reduce / reduce_scatter of their
+   gradient, shared by all such consumers);
+4. runs the op (or the rule's local implementation) on local tensors, so autograd
+   records plain local ops and backward has no DTensor overhead;
+5. wraps the outputs as DTensors (in-place ops return their DTensor input).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+from hyper_parallel.core.dtensor import dtensor as _dt
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.redistribute import partial_grad_view
+from hyper_parallel.core.shard.ops import base as _base
+from hyper_parallel.platform import get_platform
+
+platform = get_platform()
+_Tensor = platform.Tensor
+_LEAF_TYPES = (type(None), bool, int, float, str, complex, type(Ellipsis)) + tuple(platform.hashable_leaf_types())
+_log = logging.getLogger("hyper_parallel.dispatch")
+
+# ----------------------------------------------------------------------------- modes
+_tls = threading.local()
+_FLAGS = {"strict": False, "implicit_replication": False, "fallback": False,
+          "debug": os.environ.get("HYPER_PARALLEL_DEBUG", "") not in ("", "0")}
+_WARNED_FALLBACK = set()
+
+
+def _skip_state():
+    st = getattr(_tls, "skip", None)
+    if st is None:
+        st = _tls.skip = [0, []]
+    return st
+
+
+def disable_dtensor_dispatch(no_skip=()):
+    st = _skip_state()
+    st[0] += 1
+    st[1].append(frozenset(no_skip))
+
+
+def enable_dtensor_dispatch():
+    st = _skip_state()
+    st[0] -= 1
+    st[1].pop()
+
+
+class _Entry:
+    __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
+                 "fallback", "strict_msg")
+
+    def __init__(self):
+        self.fallback = False
+
+
+_CACHE: dict = {}
+_STATS = {"hits": 0, "misses": 0}
+_base._INVALIDATE_HOOKS.append(_CACHE.clear)
+
+
+# ----------------------------------------------------------------------------- argument walking
+def _sig(a):
+    """Hashable signature of a non-DTensor argument (part of the cache key)."""
+    if isinstance(a, _LEAF_TYPES):
+        return a
+    if isinstance(a, DTensor):
+        return (a._layout, a._gshape)
+    if isinstance(a, _Tensor):
+        return ("T", tuple(a.shape), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_sig(x) for x in a)
+    if isinstance(a, slice):
+        return ("slice", _sig(a.start), _sig(a.stop), _sig(a.step))
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _sig(v)) for k, v in a.items())
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return ("id", id(a))
+
+
+def _collect(args, out):
+    """Append DTensors found in ``args`` (one level of list/tuple nesting and deeper) to ``out``."""
+    for a in args:
+        if isinstance(a, DTensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            _collect(a, out)
+
+
+def _replace(args, it):
+    """Rebuild ``args`` with DTensors replaced by successive items of ``it``."""
+    res = []
+    for a in args:
+        if isinstance(a, DTensor):
+            res.append(next(it))
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, (DTensor, list, tuple)) for x in a):
+            res.append(type(a)(_replace(a, it)) if type(a) in (list, tuple) else _replace(a, it))
+        else:
+            res.append(a)
+    return res
+
+
+def _check_plain_tensors(func, args, kwargs, mesh):
+    """Plain tensors mixed with DTensors: 0-d ones broadcast; others need implicit replication."""
+    def bad(a):
+        return isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.dim() > 0
+
+    def walk(xs):
+        for a in xs:
+            if bad(a):
+                return a
+            if isinstance(a, (list, tuple)):
+                r = walk(a)
+                if r is not None:
+                    return r
+        return None
+    offender = walk(args) or walk(kwargs.values())
+    if offender is None:
+        return args, kwargs
+    if not _FLAGS["implicit_replication"]:
+        raise TypeError(
+            f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
+            "convert it with distribute_tensor()/DTensor.from_local(), or wrap the code in "
+            "`with hyper_parallel.implicit_replication():` to treat plain tensors as replicated")
+    from hyper_parallel.core.dtensor.placement_types import Replicate
+
+    def conv(a):
+        if bad(a):
+            return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a) if type(a) in (list, tuple) else a
+        return a
+    return [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}
+
+
+# ----------------------------------------------------------------------------- main entry
+_OP_NAMES: dict = {}
+
+
+def _op_name(func):
+    n = _OP_NAMES.get(func)
+    if n is None:
+        n = _OP_NAMES[func] = platform.op_name(func)
+    return n
+
+
+def _handle(func, types, args, kwargs):
+    st = getattr(_tls, "skip", None)
+    if st is not None and st[0] > 0:
+        name = _op_name(func)
+        if not any(func in s or name in s for s in st[1]):
+            return _run_local(func, args, kwargs)
+    return _OP_DISPATCHER.dispatch(func, args, kwargs)
+
+
+def _run_local(func, args, kwargs):
+    """SkipDTensorDispatch path: run on local tensors, return local results."""
+    dts = []
+    _collect(args, dts)
+    _collect(kwargs.values(), dts)
+    it = iter([d._local_tensor for d in dts])
+    largs = _replace(args, it)
+    lkw = dict(zip(kwargs, _replace(list(kwargs.values()), it))) if kwargs else kwargs
+    return func(*largs, **lkw)
+
+
+class OpDispatcher:
+    """Routes ops on DTensors through their sharding rules (see module docstring)."""
+
+    def dispatch(self, func, args, kwargs=None):
+        kwargs = kwargs or {}
+        dts = []
+        _collect(args, dts)
+        if kwargs:
+            _collect(kwargs.values(), dts)
+        if not dts:
+            return func(*args, **kwargs)
+        meta_ops = _base.METADATA_OPS.get(_op_name(func))
+        if meta_ops is not None:
+            return meta_ops(*args, **kwargs)
+        mesh = dts[0]._mesh
+        key = (func, tuple(_sig(a) for a in args), tuple((k, _sig(v)) for k, v in kwargs.items()) if kwargs else ())
+        entry = _CACHE.get(key)
+        if entry is None:
+            args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+            dts = []
+            _collect(args, dts)
+            _collect(kwargs.values(), dts)
+            entry = self._build(func, args, kwargs, dts, mesh)
+            if entry is not None and key[1] == tuple(_sig(a) for a in args):
+                _CACHE[key] = entry
+            _STATS["misses"] += 1
+        else:
+            _STATS["hits"] += 1
+        return self._execute(entry, func, args, kwargs, dts, mesh)
+
+    # ------------------------------------------------------------------ build (cache miss)
+    def _build(self, func, args, kwargs, dts, mesh):
+        name = _op_name(func)
+        for d in dts[1:]:
+            if d._mesh != mesh:
+                raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d._mesh}); "
+                                 "redistributing across meshes is not supported")
+        rule = _base.get_rule(name)
+        call = _base.OpCall(func, name, args, kwargs, dts, mesh)
+        entry = _Entry()
+        if rule is None:
+            if not _FLAGS["fallback"]:
+                raise NotImplementedError(
+                    f"hyper_parallel has no sharding rule for op '{name}' (input layouts: "
+                    f"{[str(l) for l in call.layouts]}). Register one with a DistributedOp subclass, e.g. "
+                    f"`class MyRule(hyper_parallel.DistributedOp): def infer_layout(self, layouts, extra_args): ...` "
+                    f"then `MyRule('{name}')`, or enable hyper_parallel.allow_replicate_fallback() to gather inputs "
+                    "and run it replicated")
+            strategy = _base.replicate_fallback_strategy(call)
+            entry.fallback = True
+            if name not in _WARNED_FALLBACK:
+                _WARNED_FALLBACK.add(name)
+                warnings.warn(f"hyper_parallel: op '{name}' has no sharding rule; running it replicated "
+                              "(inputs gathered on every rank). Register a DistributedOp to avoid the communication.",
+                              stacklevel=4)
+        else:
+            strategy = rule.strategy(call)
+        in_layouts = list(strategy.in_layouts)
+        if len(in_layouts) != len(dts):
+            raise RuntimeError(f"rule for '{name}' returned {len(in_layouts)} input layouts for {len(dts)} DTensors")
+        redist = [None if tl is None or tl == d._layout else tl for d, tl in zip(dts, in_layouts)]
+        entry.strict_msg = None
+        if any(r is not None for r in redist):
+            changes = ", ".join(f"input {i}: {dts[i]._layout} -> {r}" for i, r in enumerate(redist) if r)
+            entry.strict_msg = (
+                f"strict layouts: {name} needs its inputs redistributed ({changes}). Redistribute them "
+                "explicitly with .redistribute(), or turn strict mode off (hyper_parallel.set_strict_layouts(False))")
+            if _FLAGS["debug"]:
+                _log.warning("hyper_parallel: %s redistributes inputs: %s", name,
+                             [(str(dts[i]._layout), str(r)) for i, r in enumerate(redist) if r])
+        entry.in_layouts = redist
+        entry.out_layouts = strategy.out_layouts
+        entry.local_fn = strategy.local_fn
+        entry.inplace = _base.is_inplace(name)
+        entry.redistributes = any(r is not None for r in redist)
+        final_in = [tl or d._layout for d, tl in zip(dts, in_layouts)]
+        entry.pgroups = _partial_groups(final_in, strategy.out_layouts, mesh)
+        entry.out_shapes = strategy.out_shapes if strategy.out_shapes is not None else \
+            _meta_shapes(func, args, kwargs, strategy.out_layouts, entry.inplace, dts)
+        return entry
+
+    # ------------------------------------------------------------------ execute (every call)
+    def _execute(self, entry, func, args, kwargs, dts, mesh):
+        if entry.redistributes and _FLAGS["strict"] and not entry.fallback:
+            raise RuntimeError(entry.strict_msg)
+        locals_ = []
+        for i, d in enumerate(dts):
+            tl = entry.in_layouts[i]
+            loc = d._local_tensor if tl is None else d._redistribute_local(tl)
+            pg = entry.pgroups[i]
+            if pg is not None and loc.requires_grad:
+                for g in pg:
+                    loc = partial_grad_view(loc, g)
+            locals_.append(loc)
+        it = iter(locals_)
+        largs = _replace(args, it)
+        lkw = dict(zip(kwargs, _replace(list(kwargs.values()), it))) if kwargs else kwargs
+        fn = entry.local_fn or func
+        out = fn(*largs, **lkw)
+        if entry.inplace and dts and isinstance(args[0], DTensor):
+            return args[0]
+        return _wrap(out, entry.out_layouts, entry.out_shapes, mesh)
+
+
+def _wrap(out, layouts, shapes, mesh):
+    if layouts is None:
+        return out
+    if isinstance(out, _Tensor):
+        return DTensor._wrap(out, mesh, layouts, shapes)
+    if isinstance(out, (list, tuple)):
+        items = [o if l is None or not isinstance(o, _Tensor) else DTensor._wrap(o, mesh, l, s)
+                 for o, l, s in zip(out, layouts, shapes)]
+        if type(out) in (list, tuple):
+            return type(out)(items)
+        return type(out)(*items) if hasattr(out, "_fields") or hasattr(type(out), "n_fields") else type(out)(items)
+    return out
+
+
+def _partial_groups(in_layouts, out_layouts, mesh):
+    outs = _flat_layouts(out_layouts)
+    mesh_ndim = mesh.ndim
+    non_rep = [False] * mesh_ndim
+    for lo in outs:
+        for d in range(mesh_ndim):
+            if lo.partial[d] is not None or lo.tensor_dim_of(d) is not None:
+                non_rep[d] = True
+    res = []
+    for li in in_layouts:
+        groups = []
+        for d in range(mesh_ndim):
+            if non_rep[d] and li.partial[d] is None and li.tensor_dim_of(d) is None and mesh.size(d) > 1:
+                groups.append(mesh.get_comm_group(d))
+        res.append(tuple(groups) if groups else None)
+    return res
+
+
+def _flat_layouts(lay):
+    if lay is None:
+        return []
+    if isinstance(lay, (list, tuple)):
+        out = []
+        for x in lay:
+            out.extend(_flat_layouts(x))
+        return out
+    return [lay]
+
+
+def _meta_shapes(func, args, kwargs, out_layouts, inplace, dts):
+    """Global output shapes, by running the op on meta tensors of the global input shapes."""
+    if out_layouts is None:
+        return None
+    if inplace and isinstance(args[0], DTensor):
+        return args[0]._gshape
+    try:
+        out = _base.meta_run(func, args, kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"{platform.op_name(func)}: could not infer the global output shape on the meta device "
+                           f"({exc}); the rule must provide Strategy.out_shapes") from exc
+    if isinstance(out, _Tensor):
+        return platform.Size(out.shape)
+    if isinstance(out, (list, tuple)):
+        return [platform.Size(o.shape) if isinstance(o, _Tensor) else None for o in out]
+    return None
+
+
+_OP_DISPATCHER = OpDispatcher()
+_dt._OP_HANDLER = _handle
+
+
+# ----------------------------------------------------------------------------- public switches
+def set_strict_layouts(enabled: bool = True) -> None:
+    """In strict mode an op whose inputs would need redistribution raises instead."""
+    _FLAGS["strict"] = bool(enabled)
+
+
+class strict_layouts:
+    """Context manager form of :func:`set_strict_layouts`."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.prev = _FLAGS["strict"]
+        _FLAGS["strict"] = self.enabled
+
+    def __exit__(self, *exc):
+        _FLAGS["strict"] = self.prev
+
+
+class implicit_replication:
+    """Inside, plain (non-0-d) tensors mixed with DTensors are treated as replicated."""
+
+    def __enter__(self):
+        self.prev = _FLAGS["implicit_replication"]
+        _FLAGS["implicit_replication"] = True
+
+    def __exit__(self, *exc):
+        _FLAGS["implicit_replication"] = self.prev
+
+
+def allow_replicate_fallback(enabled: bool = True) -> None:
+    """Run ops without a rule replicated (inputs gathered), warning once per op."""
+    _FLAGS["fallback"] = bool(enabled)
+    _CACHE.clear()
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Log every redistribution the dispatcher inserts (logger ``hyper_parallel.dispatch``)."""
+    _FLAGS["debug"] = bool(enabled)
+    _CACHE.clear()
+
+
+def cache_stats() -> dict:
+    """Dispatch cache hits and misses (misses run layout inference)."""
+    return dict(_STATS)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

@@ -1,0 +1,239 @@
+"""DistributedOp: the registry of sharding rules, and the shapes rules work with.
+
+A rule answers, for one call of an op on DTensors: which layout each DTensor
+input should have (the dispatcher redistributes to it), and which layout each
+output has. Rules are classes per op *family*, instantiated once per op name;
+instantiation registers the instance. ``op_table.py`` maps torch op names to
+rule classes; users register their own with ``MyRule("my_op")``.
+
+Two levels of API:
+
+* ``infer_layout(layouts, extra_args)`` - the simple, HyperParallel-compatible
+  form: input layouts (``None`` for non-DTensor args) in, output layout(s) out,
+  no redistribution. Enough for most custom ops and ``DFunction``.
+* ``strategy(call)`` - the full form used by built-in rules: returns a
+  :class:`Strategy` with target input layouts, output layouts and, optionally, a
+  local implementation replacing the op on local tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from hyper_parallel.core.dtensor.layout import Layout
+from hyper_parallel.core.dtensor import redistribute_plan as rp
+
+_REGISTRY: Dict[str, "DistributedOp"] = {}
+
+
+class OpCall:
+    """What a rule sees about one op call (only built on a cache miss)."""
+
+    __slots__ = ("func", "name", "args", "kwargs", "layouts", "shapes", "mesh", "itemsizes", "dtensor_args")
+
+    def __init__(self, func, name, args, kwargs, dtensor_args, mesh):
+        self.func = func
+        self.name = name
+        self.args = args
+        self.kwargs = kwargs
+        self.dtensor_args = dtensor_args              # DTensors in flattening order
+        self.layouts = [d._layout for d in dtensor_args]
+        self.shapes = [tuple(d._gshape) for d in dtensor_args]
+        self.itemsizes = [d._local_tensor.element_size() for d in dtensor_args]
+        self.mesh = mesh
+
+
+class Strategy:
+    """A rule's answer: target input layouts, output layouts, optional local function.
+
+    ``out_layouts`` mirrors the op's output: a Layout for a tensor, a list/tuple of
+    them (``None`` for non-tensor entries) for a sequence; ``local_fn`` replaces
+    the op on local tensors (same signature); ``out_shapes`` may give the global
+    output shapes when they cannot be inferred on the meta device.
+    """
+
+    __slots__ = ("in_layouts", "out_layouts", "local_fn", "out_shapes", "note")
+
+    def __init__(self, in_layouts, out_layouts, local_fn: Callable = None, out_shapes=None, note: str = None):
+        self.in_layouts = list(in_layouts)
+        self.out_layouts = out_layouts
+        self.local_fn = local_fn
+        self.out_shapes = out_shapes
+        self.note = note
+
+
+class DistributedOp:
+    """Base class of sharding rules; constructing one registers it under ``op_name``.
+
+    Example (a custom op whose output is laid out like its first input)::
+
+        class MyAddDistOp(DistributedOp):
+            def infer_layout(self, layouts, extra_args=None):
+                return layouts[0]
+
+        MyAddDistOp("MyAdd")
+    """
+
+    def __init__(self, op_name: str):
+        if not isinstance(op_name, str) or not op_name:
+            raise TypeError(f"DistributedOp(op_name): op_name must be a non-empty string, got {op_name!r}")
+        self.op_name = op_name
+        _REGISTRY[op_name] = self
+        _invalidate()
+
+    def infer_layout(self, layouts: Sequence[Optional[Layout]], extra_args=None):
+        raise NotImplementedError(f"{type(self).__name__} for {self.op_name!r} implements neither infer_layout "
+                                  "nor strategy")
+
+    def strategy(self, call: OpCall) -> Strategy:
+        """Default: inputs stay as they are; outputs from :meth:`infer_layout`."""
+        layouts = []
+        extra = []
+        it = iter(call.layouts)
+        for a in call.args:
+            if _is_dtensor(a):
+                layouts.append(next(it))
+            else:
+                layouts.append(None)
+                extra.append(a)
+        out = self.infer_layout(tuple(layouts), extra)
+        return Strategy(call.layouts, out)
+
+
+def _is_dtensor(x):
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    return isinstance(x, DTensor)
+
+
+_INVALIDATE_HOOKS: List[Callable[[], None]] = []
+
+
+def _invalidate():
+    for h in _INVALIDATE_HOOKS:
+        h()
+
+
+def get_rule(name: str) -> Optional[DistributedOp]:
+    return _REGISTRY.get(name)
+
+
+def registered_ops() -> Tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+# ----------------------------------------------------------------------------- helpers for rules
+def redistribution_cost(src: Layout, dst: Layout, shape, itemsize: int) -> int:
+    """Bytes the most loaded rank sends to turn ``src`` into ``dst`` (0 when equal)."""
+    if src == dst:
+        return 0
+    p = rp.plan(src, dst, shape, itemsize)
+    return max((sum(s.bytes[i] for s in p.steps) for i in range(len(src.rank_list))), default=0)
+
+
+def unshard_dims(layout: Layout, dims: Sequence[int]) -> Layout:
+    """``layout`` with tensor ``dims`` made unsharded (other shards kept; partials kept)."""
+    dims = {d % layout.ndim for d in dims} if layout.ndim else set()
+    if not any(layout.dim_map[d] for d in dims):
+        return layout
+    dm = tuple(() if t in dims else m for t, m in enumerate(layout.dim_map))
+    return layout.with_dim_map(dm, layout.partial)
+
+
+def reduce_all_partial(layout: Layout) -> Layout:
+    return layout.without_partial() if layout.has_partial() else layout
+
+
+def remap(layout: Layout, in_to_out: Dict[int, int], out_ndim: int, partial=None) -> Layout:
+    """Move shards of input tensor dims to output dims (dims missing from the map become unsharded)."""
+    dm = [()] * out_ndim
+    for t, mesh_dims in enumerate(layout.dim_map):
+        o = in_to_out.get(t)
+        if o is not None and mesh_dims:
+            dm[o] = mesh_dims
+    return layout.with_dim_map(dm, layout.partial if partial is None else partial)
+
+
+# ----------------------------------------------------------------------------- misc tables
+_DUNDER_INPLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                   "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def is_inplace(name: str) -> bool:
+    """Tensor methods ending in ``_`` (``add_``) and ``__iadd__``-style operators modify their first argument."""
+    if name in _DUNDER_INPLACE:
+        return True
+    return name.endswith("_") and not name.endswith("__") and not name.startswith("_foreach") or (
+        name.startswith("_foreach") and name.endswith("_"))
+
+
+def _global_stride(self, dim=None):
+    shape = tuple(self._gshape)
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    strides = tuple(reversed(strides))
+    return strides if dim is None else strides[dim]
+
+
+def _on_local(name):
+    def fn(self, *a, **k):
+        return getattr(self._local_tensor, name)(*a, **k)
+    return fn
+
+
+# Ops that only read metadata: answered without layout inference.
+METADATA_OPS = {
+    "stride": _global_stride,
+    "nelement": lambda self: self.numel(),
+    "ndimension": lambda self: self.ndim,
+    "is_complex": _on_local("is_complex"),
+    "is_floating_point": _on_local("is_floating_point"),
+    "element_size": _on_local("element_size"),
+    "get_device": _on_local("get_device"),
+    "is_signed": _on_local("is_signed"),
+    "is_contiguous": _on_local("is_contiguous"),
+    "is_inference": _on_local("is_inference"),
+    "__bool__": lambda self: bool(self.item()),
+    "__float__": lambda self: float(self.item()),
+    "__int__": lambda self: int(self.item()),
+    "__index__": lambda self: int(self.item()),
+    "is_shared": lambda self: False,
+    "is_pinned": _on_local("is_pinned"),
+    "storage_offset": lambda self: 0,
+    "untyped_storage": _on_local("untyped_storage"),
+    "data_ptr": _on_local("data_ptr"),
+    "is_meta": lambda self: False,
+}
+
+
+def meta_run(func, args, kwargs):
+    """Run ``func`` on meta tensors with the global shapes of the inputs (shape inference)."""
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    from hyper_parallel.platform import get_platform
+    plat = get_platform()
+
+    def conv(a):
+        if isinstance(a, DTensor):
+            return plat.meta_empty(a._gshape, a.dtype)
+        if isinstance(a, plat.Tensor):
+            return plat.to_meta(a)
+        if isinstance(a, (list, tuple)) and type(a) in (list, tuple):
+            return type(a)(conv(x) for x in a)
+        return a
+    return func(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+
+
+def replicate_fallback_strategy(call: OpCall) -> Strategy:
+    """Gather every DTensor input and run the op replicated (opt-in fallback)."""
+    from hyper_parallel.platform import get_platform
+    T = get_platform().Tensor
+    ins = [l.replicated() for l in call.layouts]
+    base = call.layouts[0]
+    out = meta_run(call.func, call.args, call.kwargs)
+    if isinstance(out, T):
+        outs = base.replicated(out.dim())
+    elif isinstance(out, (list, tuple)):
+        outs = [base.replicated(o.dim()) if isinstance(o, T) else None for o in out]
+    else:
+        outs = None
+    return Strategy(ins, outs, note="fallback")

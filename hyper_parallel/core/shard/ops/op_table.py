@@ -1,0 +1,36 @@
+"""Which rule class serves which op: loaded once when hyper_parallel.core.shard is imported.
+
+Each family module exposes ``register_all()`` that instantiates its rules (one
+instance per op name). Users add rules for their own ops by instantiating a
+:class:`~hyper_parallel.core.shard.ops.base.DistributedOp` subclass.
+"""
+from __future__ import annotations
+
+import importlib
+
+FAMILIES = (
+    "elementwise",
+    "matmul",
+    "view",
+    "reduction",
+    "tensor_ops",
+    "nn_ops",
+    "foreach",
+)
+
+_LOADED = False
+
+
+def load_all():
+    global _LOADED
+    if _LOADED:
+        return
+    for fam in FAMILIES:
+        try:
+            mod = importlib.import_module(f"hyper_parallel.core.shard.ops.{fam}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"hyper_parallel.core.shard.ops.{fam}":
+                continue  # family not written yet
+            raise
+        mod.register_all()
+    _LOADED = True

@@ -1,0 +1,125 @@
+"""Reductions: sum, mean, max/min/amax/amin/argmax/argmin, prod, norm, any/all, var/std, logsumexp.
+
+* Linear reductions (sum, mean, nansum) over a sharded dim give ``Partial(sum)``
+  with no communication; ``mean`` is computed as local sum / global count, so
+  it is exact for uneven shards too. Partial inputs stay partial.
+* Other reductions must see whole rows: the reduced dims are unsharded first
+  (and partials reduced), so results are exact.
+* Dims that are not reduced keep their shards (compressed if ``keepdim=False``).
+"""
+from __future__ import annotations
+
+from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy
+from hyper_parallel.core.shard.ops.elementwise import NONLINEAR, elementwise_strategy
+from hyper_parallel.platform import get_platform
+
+LINEAR = ("sum", "mean", "nansum")
+
+
+def _parse(call):
+    """(reduced dims as a sorted tuple, keepdim) from the call's arguments."""
+    nd = len(call.shapes[0])
+    args, kw = call.args, call.kwargs
+    dim = kw.get("dim", kw.get("axis"))
+    keepdim = kw.get("keepdim", False)
+    name = call.name
+    rest = list(args[1:])
+    if name in ("norm",):
+        # norm(input, p='fro', dim=None, keepdim=False, dtype=None)
+        if len(rest) >= 2 and dim is None:
+            dim = rest[1]
+        if len(rest) >= 3:
+            keepdim = rest[2]
+    elif name in ("vector_norm",):
+        if len(rest) >= 2 and dim is None:
+            dim = rest[1]
+        if len(rest) >= 3:
+            keepdim = rest[2]
+    elif name in ("var", "std") and rest:
+        if dim is None and not isinstance(rest[0], bool):
+            dim = rest[0]
+        if len(rest) >= 3 and isinstance(rest[-1], bool):
+            keepdim = rest[-1]
+    elif name == "logsumexp":
+        dim = rest[0] if rest and dim is None else dim
+        if len(rest) >= 2:
+            keepdim = rest[1]
+    else:
+        if rest and dim is None and not _is_dtype(rest[0]):
+            dim = rest[0]
+        if len(rest) >= 2 and isinstance(rest[1], bool):
+            keepdim = rest[1]
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0 and name not in ("sum", "mean")):
+        dims = tuple(range(nd))
+    elif isinstance(dim, (list, tuple)):
+        dims = tuple(sorted(d % nd for d in dim)) if nd else ()
+        if not dims:
+            dims = tuple(range(nd))
+    else:
+        dims = (dim % nd,) if nd else ()
+    return dims, bool(keepdim)
+
+
+def _is_dtype(x):
+    return type(x).__name__ == "dtype"
+
+
+class ReductionRule(DistributedOp):
+    def strategy(self, call):
+        name = call.name
+        if name in ("max", "min") and len(call.layouts) == 2:
+            # binary max/min(a, b) is elementwise maximum/minimum
+            return elementwise_strategy(call, NONLINEAR)
+        lay, shape = call.layouts[0], call.shapes[0]
+        dims, keepdim = _parse(call)
+        nd = len(shape)
+        linear = name in LINEAR
+        sharded_reduced = [d for d in dims if lay.dim_map[d]]
+        partial = list(lay.partial)
+        if linear:
+            in_layout = lay
+            for t in sharded_reduced:
+                for md in lay.dim_map[t]:
+                    partial[md] = "sum"
+            if any(p not in (None, "sum") for p in lay.partial):
+                in_layout = lay.without_partial()
+                partial = [None if p not in (None, "sum") else p for p in partial]
+        else:
+            dm = tuple(() if t in dims else m for t, m in enumerate(lay.dim_map))
+            in_layout = lay.with_dim_map(dm, (None,) * len(lay.mesh_shape))
+            partial = [None] * len(lay.mesh_shape)
+        # output dim map
+        out_dm = []
+        for t in range(nd):
+            if t in dims:
+                if keepdim:
+                    out_dm.append(())
+            else:
+                out_dm.append(in_layout.dim_map[t])
+        out = lay.with_dim_map(out_dm, partial)
+        ins = [in_layout]
+        local_fn = None
+        if name == "mean" and sharded_reduced:
+            count = 1
+            for d in dims:
+                count *= shape[d]
+            ops = get_platform().ops
+            dtype = call.kwargs.get("dtype")
+            dims_arg = list(dims)
+
+            def local_fn(x, *a, **k):
+                return ops.sum(x, dim=dims_arg, keepdim=keepdim, dtype=dtype) / count
+        n_out = 2 if name in ("max", "min", "aminmax", "var_mean", "std_mean") and (
+            name in ("aminmax", "var_mean", "std_mean") or len(call.args) > 1 or "dim" in call.kwargs) else 1
+        if n_out == 2:
+            out = (out, out)
+        ins += [l for l in call.layouts[1:]]
+        return Strategy(ins, out, local_fn=local_fn)
+
+
+def register_all():
+    for n in ("sum", "mean", "nansum", "max", "min", "amax", "amin", "argmax", "argmin", "prod", "norm",
+              "vector_norm", "any", "all", "var", "std", "logsumexp", "aminmax", "count_nonzero", "nanmean",
+              "var_mean", "std_mean"):
+        ReductionRule(n)
+

@@ -16,7 +16,7 @@ from hyper_parallel.core.dtensor.api import (
     distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
 from hyper_parallel.core.dtensor.random import manual_seed
 from hyper_parallel.debug import CommDebugMode
-from hyper_parallel.core.shard import DistributedOp
+from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispatch, local_map, custom_shard
 from hyper_parallel.core.shard._op_dispatch import (
     set_strict_layouts, strict_layouts, implicit_replication, allow_replicate_fallback, set_debug)
 
@@ -32,6 +32,6 @@ def _testing_reset():
 __all__ = [
     "get_platform", "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
     "DTensor", "distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn",
-    "manual_seed", "CommDebugMode", "DistributedOp", "set_strict_layouts", "strict_layouts",
+    "manual_seed", "CommDebugMode", "DistributedOp", "DFunction", "SkipDTensorDispatch", "local_map", "custom_shard", "set_strict_layouts", "strict_layouts",
     "implicit_replication", "allow_replicate_fallback", "set_debug",
 ]

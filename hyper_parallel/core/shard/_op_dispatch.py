@@ -131,11 +131,14 @@ def _check_plain_tensors(func, args, kwargs, mesh):
                 if r is not None:
                     return r
         return None
-    offender = walk(args) or walk(kwargs.values())
+    offender = walk(args)
+    if offender is None:
+        offender = walk(kwargs.values())
     if offender is None:
         return args, kwargs
     if not _FLAGS["implicit_replication"]:
-        raise TypeError(
+        # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
+        raise RuntimeError(
             f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
             "convert it with distribute_tensor()/DTensor.from_local(), or wrap the code in "
             "`with hyper_parallel.implicit_replication():` to treat plain tensors as replicated")
@@ -285,9 +288,18 @@ class OpDispatcher:
         return _wrap(out, entry.out_layouts, entry.out_shapes, mesh)
 
 
+DERIVE_SHAPES = "derive"
+
+
 def _wrap(out, layouts, shapes, mesh):
     if layouts is None:
         return out
+    if shapes is DERIVE_SHAPES:  # even-shard assumption when meta inference was impossible
+        if isinstance(out, _Tensor):
+            shapes = layouts.global_shape(tuple(out.shape))
+        else:
+            shapes = [l.global_shape(tuple(o.shape)) if l is not None and isinstance(o, _Tensor) else None
+                      for o, l in zip(out, layouts)]
     if isinstance(out, _Tensor):
         return DTensor._wrap(out, mesh, layouts, shapes)
     if isinstance(out, (list, tuple)):
@@ -336,9 +348,8 @@ def _meta_shapes(func, args, kwargs, out_layouts, inplace, dts):
         return args[0]._gshape
     try:
         out = _base.meta_run(func, args, kwargs)
-    except Exception as exc:  # noqa: BLE001
-        raise RuntimeError(f"{platform.op_name(func)}: could not infer the global output shape on the meta device "
-                           f"({exc}); the rule must provide Strategy.out_shapes") from exc
+    except Exception:  # noqa: BLE001 - e.g. a custom function that is not meta-compatible
+        return DERIVE_SHAPES
     if isinstance(out, _Tensor):
         return platform.Size(out.shape)
     if isinstance(out, (list, tuple)):

@@ -178,3 +178,13 @@ class TorchPlatform(Platform):
     # Framework namespaces used by sharding rules to build local implementations.
     import torch as ops  # noqa: E402  (torch.* functions: sum, where, ...)
     import torch.nn.functional as F  # noqa: E402
+
+    @staticmethod
+    def allow_foreach(tensor_type) -> None:
+        """Let optimizers pick their foreach implementation for ``tensor_type`` (as torch does for its DTensor)."""
+        try:
+            from torch.utils import _foreach_utils
+            if tensor_type not in _foreach_utils._foreach_supported_types:
+                _foreach_utils._foreach_supported_types.append(tensor_type)
+        except (ImportError, AttributeError):  # older/newer torch: the for-loop path still works
+            pass

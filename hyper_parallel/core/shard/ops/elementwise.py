@@ -155,7 +155,7 @@ NONLINEAR_OPS = [
     "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
     "greater", "less", "greater_equal", "less_equal", "not_equal", "equal_elementwise", "bool", "long", "int",
     "short", "char", "byte", "heaviside", "xlogy", "sigmoid_", "threshold", "hardsigmoid", "hardswish", "selu",
-    "celu", "softsign", "tanhshrink", "logsigmoid", "exp2", "sinc", "deg2rad", "rad2deg", "angle", "mul_scalar",
+    "celu", "softsign", "erfinv_", "sign_", "floor_", "ceil_", "round_", "trunc_", "square_", "tanhshrink", "logsigmoid", "exp2", "sinc", "deg2rad", "rad2deg", "angle", "mul_scalar",
 ]
 
 

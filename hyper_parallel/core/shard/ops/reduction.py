@@ -99,6 +99,18 @@ class ReductionRule(DistributedOp):
         out = lay.with_dim_map(out_dm, partial)
         ins = [in_layout]
         local_fn = None
+        if name in ("norm", "vector_norm") and not linear:
+            p = _norm_ord(call)
+            sharded_md = [md for t in dims for md in lay.dim_map[t]]
+            if p is not None and sharded_md and not lay.has_partial():
+                # exact and cheap: all-reduce the local powered sums, no gather
+                ins = [lay]
+                out = lay.with_dim_map([m for t, m in enumerate(lay.dim_map) if t not in dims or keepdim]
+                                       if not keepdim else
+                                       [() if t in dims else m for t, m in enumerate(lay.dim_map)],
+                                       (None,) * len(lay.mesh_shape))
+                local_fn = _sharded_norm_fn(p, list(dims), keepdim, [call.mesh.get_comm_group(md) for md in sharded_md])
+                return Strategy(ins + list(call.layouts[1:]), out, local_fn=local_fn)
         if name == "mean" and sharded_reduced:
             count = 1
             for d in dims:
@@ -115,6 +127,38 @@ class ReductionRule(DistributedOp):
             out = (out, out)
         ins += [l for l in call.layouts[1:]]
         return Strategy(ins, out, local_fn=local_fn)
+
+
+def _norm_ord(call):
+    if call.name == "vector_norm":
+        p = call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2)
+    else:
+        p = call.args[1] if len(call.args) > 1 else call.kwargs.get("p", "fro")
+    if p in ("fro", None):
+        return 2.0
+    if isinstance(p, (int, float)) and p > 0:
+        return float(p)
+    return None
+
+
+def _sharded_norm_fn(p, dims, keepdim, groups):
+    plat = get_platform()
+    ops, AllReduce = plat.ops, plat.functions.AllReduce
+
+    def local_fn(x, *a, **k):
+        ax = x.abs()
+        if p == float("inf"):
+            local = ops.amax(ax, dim=dims, keepdim=keepdim) if x.numel() else ax.new_zeros(())
+            op = "max"
+        else:
+            local = ops.sum(ax if p == 1 else ax.pow(p), dim=dims, keepdim=keepdim)
+            op = "sum"
+        for g in groups:
+            local = AllReduce.apply(local, g, op)
+        if p in (1.0, float("inf")):
+            return local
+        return local.sqrt() if p == 2 else local.pow(1.0 / p)
+    return local_fn
 
 
 def register_all():

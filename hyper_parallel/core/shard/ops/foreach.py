@@ -1,0 +1,146 @@
+"""Optimizer support: ``torch._foreach_*`` ops, exact ``_foreach_norm``, in-place random init.
+
+Optimizers (SGD, Adam, AdamW; foreach or for-loop) and ``clip_grad_norm_`` run
+unchanged on DTensor parameters: every foreach op is elementwise per list
+position, so entry ``i`` of every list is brought to the layout of entry ``i``
+of the first list. Norms of sharded tensors are exact: local powered sums are
+all-reduced over the sharding mesh dims, one collective per group of tensors
+sharded alike. ``normal_``/``uniform_`` draw from the layout-independent RNG so
+initialisation does not depend on the parallel layout.
+"""
+from __future__ import annotations
+
+from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, is_inplace
+from hyper_parallel.core.dtensor import random as dt_random
+from hyper_parallel.platform import get_platform
+
+
+def _structure(call):
+    """Per top-level arg: list of DTensor indices (for lists) or a single index, in _collect order."""
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    pos = 0
+    groups = []
+    for a in call.args:
+        if isinstance(a, (list, tuple)):
+            idx = []
+            for x in a:
+                if isinstance(x, DTensor):
+                    idx.append(pos)
+                    pos += 1
+                else:
+                    idx.append(None)
+            groups.append(("list", idx))
+        elif isinstance(a, DTensor):
+            groups.append(("single", pos))
+            pos += 1
+        else:
+            groups.append(("other", None))
+    return groups
+
+
+class ForeachRule(DistributedOp):
+    """Elementwise per list position; the first list's layouts win."""
+
+    def strategy(self, call):
+        groups = _structure(call)
+        lists = [g[1] for g in groups if g[0] == "list"]
+        targets = list(call.layouts)
+        base = lists[0]
+        for lst in lists[1:]:
+            for i, j in enumerate(lst):
+                if j is not None and i < len(base) and base[i] is not None:
+                    b = call.layouts[base[i]]
+                    targets[j] = b if call.shapes[j] == call.shapes[base[i]] else call.layouts[j]
+        if is_inplace(call.name):
+            return Strategy(targets, None)
+        outs = [call.layouts[j] if j is not None else None for j in base]
+        shapes = [get_platform().Size(call.shapes[j]) if j is not None else None for j in base]
+        return Strategy(targets, outs, out_shapes=shapes)
+
+
+class ForeachNormRule(DistributedOp):
+    """Exact per-tensor norms of sharded tensors (0-d replicated results)."""
+
+    def strategy(self, call):
+        groups = _structure(call)
+        idx = groups[0][1]
+        layouts = [call.layouts[j].without_partial() for j in idx]
+        mesh = call.mesh
+        plat = get_platform()
+        ops = plat.ops
+        coll = plat.collectives
+        sharded = [tuple(sorted(l.sharded_mesh_dims())) for l in layouts]
+
+        def local_fn(tensors, ord=2, dtype=None):
+            p = float(ord)
+            powered = []
+            for t in tensors:
+                t = t if dtype is None else t.to(dtype)
+                if t.numel() == 0:
+                    powered.append(t.new_zeros(()))
+                elif p == float("inf"):
+                    powered.append(t.abs().max())
+                else:
+                    powered.append(t.abs().pow(p).sum() if p != 2 else (t * t).sum())
+            by_dims = {}
+            for i, dims in enumerate(sharded):
+                if dims:
+                    by_dims.setdefault(dims, []).append(i)
+            op = "max" if p == float("inf") else "sum"
+            for dims, members in by_dims.items():
+                buf = ops.stack([powered[i] for i in members])
+                for d in dims:
+                    buf = coll.all_reduce(buf, mesh.get_comm_group(d), op)
+                for k, i in enumerate(members):
+                    powered[i] = buf[k]
+            if p == float("inf"):
+                return list(powered)
+            return [v.pow(1.0 / p) if p != 2 else v.sqrt() for v in powered]
+        outs = [l.replicated(0) for l in layouts]
+        return Strategy(layouts, outs, local_fn=local_fn, out_shapes=[plat.Size(())] * len(layouts))
+
+
+class RandomInplaceRule(DistributedOp):
+    """normal_/uniform_ on a DTensor from the layout-independent stream."""
+
+    def strategy(self, call):
+        lay = call.layouts[0]
+        if lay.has_partial():
+            raise RuntimeError(f"{call.name} on a Partial DTensor is ambiguous; call reduce_partial() first")
+        shape = call.shapes[0]
+        coord = call.mesh.get_coordinate()
+        lshape, offset = lay.local_shape_and_offset(shape, coord=coord)
+        name = call.name
+
+        def local_fn(t, *a, generator=None, **k):
+            if name == "normal_":
+                mean = a[0] if len(a) > 0 else k.get("mean", 0.0)
+                std = a[1] if len(a) > 1 else k.get("std", 1.0)
+                z = dt_random.random_local("randn", shape, lshape, offset, t.dtype, t.device)
+                return t.copy_(z.mul_(std).add_(mean))
+            lo = a[0] if len(a) > 0 else k.get("from", k.get("a", 0.0))
+            hi = a[1] if len(a) > 1 else k.get("to", k.get("b", 1.0))
+            u = dt_random.random_local("rand", shape, lshape, offset, t.dtype, t.device)
+            return t.copy_(u.mul_(hi - lo).add_(lo))
+        return Strategy([lay], lay, local_fn=local_fn)
+
+
+FOREACH_OPS = [
+    "_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_mul", "_foreach_mul_",
+    "_foreach_div", "_foreach_div_", "_foreach_addcmul", "_foreach_addcmul_", "_foreach_addcdiv",
+    "_foreach_addcdiv_", "_foreach_lerp", "_foreach_lerp_", "_foreach_sqrt", "_foreach_sqrt_", "_foreach_neg",
+    "_foreach_neg_", "_foreach_maximum", "_foreach_maximum_", "_foreach_minimum", "_foreach_minimum_",
+    "_foreach_copy_", "_foreach_zero_", "_foreach_abs", "_foreach_abs_", "_foreach_sign", "_foreach_sign_",
+    "_foreach_reciprocal", "_foreach_reciprocal_", "_foreach_pow", "_foreach_pow_", "_foreach_clamp_min_",
+    "_foreach_clamp_max_", "_foreach_exp", "_foreach_exp_", "_foreach_rsqrt", "_foreach_rsqrt_",
+]
+
+
+def register_all():
+    for n in FOREACH_OPS:
+        ForeachRule(n)
+    ForeachNormRule("_foreach_norm")
+    RandomInplaceRule("normal_")
+    RandomInplaceRule("uniform_")
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    get_platform().allow_foreach(DTensor)

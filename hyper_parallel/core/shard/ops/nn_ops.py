@@ -1,0 +1,505 @@
+"""Neural-network ops: softmax family, norms, embedding, dropout, losses, attention, scans.
+
+Every rule here picks target input layouts (the dispatcher redistributes to
+them) and output layouts; some add a local implementation (``local_fn``, same
+signature as the op) that makes a sharded computation exact:
+
+* ``softmax`` / ``log_softmax`` / ``softmin``: the softmax dim is unsharded,
+  other shards kept; Partial inputs are reduced.
+* ``layer_norm`` / ``rms_norm``: the normalized (trailing) dims are unsharded,
+  the others keep their shards (sequence parallel); weight/bias are replicated.
+* ``embedding``: ids keep their shards; a weight sharded on the embedding dim
+  shards the output's last dim; a weight sharded on the vocab rows ("vocab
+  parallel") looks up only its own rows (other ids give zero rows) and the
+  output is ``Partial(sum)``.
+* ``dropout``: the mask comes from the layout-independent DTensor RNG, so the
+  result does not depend on the mesh or the placements.
+* ``cross_entropy`` / ``nll_loss``: the class dim is unsharded; batch shards
+  give a local loss; ``sum`` -> ``Partial(sum)``; ``mean`` divides the local sum
+  by the global (all-reduced) count / weight sum -> ``Partial(sum)``, exact for
+  uneven shards; ``none`` -> sharded like the target.
+* ``scaled_dot_product_attention``: batch and head shards pass through (q, k, v
+  and the mask agree), sequence and feature dims are unsharded.
+* ``cumsum`` & co: the scan dim is unsharded (``cumsum`` keeps ``Partial(sum)``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+from hyper_parallel.core.dtensor.layout import Layout
+from hyper_parallel.core.shard.ops.base import (
+    DistributedOp, Strategy, redistribution_cost, reduce_all_partial, unshard_dims)
+from hyper_parallel.platform import get_platform
+
+
+# ----------------------------------------------------------------------------- argument helpers
+def _is_dt(x):
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    return isinstance(x, DTensor)
+
+
+def _bind(args, kwargs, names: Sequence[str]) -> Dict[str, object]:
+    """Argument values by name (positional ``args`` matched to ``names``, then ``kwargs``)."""
+    v = {}
+    for i, a in enumerate(args):
+        v[names[i] if i < len(names) else f"arg{i}"] = a
+    v.update(kwargs)
+    return v
+
+
+def _roles(call, names: Sequence[str]) -> List[str]:
+    """The argument name of every DTensor in ``call.dtensor_args`` (same walk as the dispatcher)."""
+    out = []
+
+    def walk(a, name):
+        if _is_dt(a):
+            out.append(name)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x, name)
+    for i, a in enumerate(call.args):
+        walk(a, names[i] if i < len(names) else f"arg{i}")
+    for k, a in call.kwargs.items():
+        walk(a, k)
+    return out
+
+
+class _Args:
+    """What a rule needs about one call: values, per-DTensor roles, layouts and shapes by role."""
+
+    def __init__(self, call, names):
+        self.call = call
+        self.names = names
+        self.v = _bind(call.args, call.kwargs, names)
+        self.roles = _roles(call, names)
+        self.layout = {}
+        self.shape = {}
+        for r, lay, shp in zip(self.roles, call.layouts, call.shapes):
+            self.layout.setdefault(r, lay)
+            self.shape.setdefault(r, shp)
+
+    def get(self, name, default=None):
+        return self.v.get(name, default)
+
+    def is_dt(self, name):
+        return name in self.layout
+
+    def targets(self, tgt: Dict[str, Layout]):
+        """Target layout for every DTensor input (``None`` = keep), in dispatcher order."""
+        return [tgt.get(r) for r in self.roles]
+
+    def cost(self, tgt: Dict[str, Layout]):
+        c = 0
+        for r, lay, shp, isz in zip(self.roles, self.call.layouts, self.call.shapes, self.call.itemsizes):
+            t = tgt.get(r)
+            if t is not None:
+                c += redistribution_cost(lay, t, shp, isz)
+        return c
+
+
+def _drop_mesh_dims(layout: Layout, mesh_dims) -> Layout:
+    """``layout`` without shards on ``mesh_dims`` (partials untouched)."""
+    mesh_dims = set(mesh_dims)
+    dm = tuple(tuple(d for d in m if d not in mesh_dims) for m in layout.dim_map)
+    return layout if dm == layout.dim_map else layout.with_dim_map(dm, layout.partial)
+
+
+def _coord(call):
+    return call.mesh.get_coordinate()
+
+
+# ----------------------------------------------------------------------------- softmax family
+class SoftmaxRule(DistributedOp):
+    """softmax / log_softmax / softmin (functional, torch.* and Tensor methods): softmax dim unsharded."""
+
+    def strategy(self, call):
+        a = _Args(call, ("input", "dim"))
+        if not a.is_dt("input"):
+            raise NotImplementedError(f"{call.name}: the input must be a DTensor")
+        lay, shape = a.layout["input"], a.shape["input"]
+        nd = len(shape)
+        dim = a.get("dim")
+        if dim is None:  # F.softmax's implicit dim (deprecated in torch)
+            dim = 0 if nd in (0, 1, 3) else 1
+        tgt = reduce_all_partial(lay)
+        if nd:
+            tgt = unshard_dims(tgt, [dim])
+        return Strategy(a.targets({"input": tgt}), tgt)
+
+
+# ----------------------------------------------------------------------------- scans
+class ScanRule(DistributedOp):
+    """cumsum / cumprod / logcumsumexp / cummax / cummin (+ in-place): scan dim unsharded."""
+
+    def __init__(self, op_name, linear=False, n_out=1):
+        self.linear = linear
+        self.n_out = n_out
+        super().__init__(op_name)
+
+    def strategy(self, call):
+        from hyper_parallel.core.shard.ops.base import is_inplace
+        a = _Args(call, ("input", "dim"))
+        if not a.is_dt("input"):
+            raise NotImplementedError(f"{call.name}: the input must be a DTensor")
+        lay, shape = a.layout["input"], a.shape["input"]
+        dim = a.get("dim")
+        if dim is None:
+            raise TypeError(f"{call.name}: missing the 'dim' argument")
+        tgt = lay
+        if lay.has_partial():
+            keep = self.linear and set(p for p in lay.partial if p is not None) <= {"sum"}
+            if not keep:
+                tgt = reduce_all_partial(lay)
+        if shape:
+            tgt = unshard_dims(tgt, [dim])
+        if is_inplace(call.name) and tgt != lay:
+            raise RuntimeError(f"{call.name}: in-place op on a DTensor with placements {lay.placements} would change "
+                               f"its layout to {tgt.placements}; redistribute first or use the out-of-place op")
+        out = tgt
+        if self.n_out > 1:
+            out = [out] + [tgt.without_partial()] * (self.n_out - 1)
+        return Strategy(a.targets({"input": tgt}), out)
+
+
+# ----------------------------------------------------------------------------- normalization
+class NormRule(DistributedOp):
+    """layer_norm(input, normalized_shape, weight, bias, eps) / rms_norm(input, normalized_shape, weight, eps)."""
+
+    def __init__(self, op_name, names):
+        self.names = names
+        super().__init__(op_name)
+
+    def strategy(self, call):
+        a = _Args(call, self.names)
+        if not a.is_dt("input"):
+            raise NotImplementedError(f"{call.name}: the input must be a DTensor (got a DTensor weight/bias only)")
+        lay, shape = a.layout["input"], a.shape["input"]
+        ns = a.get("normalized_shape")
+        k = 1 if isinstance(ns, int) else len(ns)
+        tgt = reduce_all_partial(lay)
+        tgt = unshard_dims(tgt, list(range(len(shape) - k, len(shape))))
+        t = {"input": tgt}
+        for r in ("weight", "bias"):
+            if a.is_dt(r):
+                t[r] = a.layout[r].replicated()
+        return Strategy(a.targets(t), tgt)
+
+
+# ----------------------------------------------------------------------------- embedding
+_F_EMB_NAMES = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+_T_EMB_NAMES = ("weight", "input", "padding_idx", "scale_grad_by_freq", "sparse")
+
+
+class EmbeddingRule(DistributedOp):
+    """F.embedding(input, weight, ...) and torch.embedding(weight, input, ...).
+
+    weight ``Shard(0)`` (vocab rows) -> each rank looks up its rows only and the
+    output is ``Partial(sum)``; weight ``Shard(1)`` -> output sharded on its last
+    dim; ids keep their shards on the other mesh dims.
+    """
+
+    def strategy(self, call):
+        plat = get_platform()
+        functional = call.func is not plat.ops.embedding
+        names = _F_EMB_NAMES if functional else _T_EMB_NAMES
+        a = _Args(call, names)
+        if not a.is_dt("weight") or not a.is_dt("input"):
+            raise NotImplementedError(f"{call.name}: both the ids and the weight must be DTensors "
+                                      "(use hyper_parallel.implicit_replication() for plain ids)")
+        ids, w = a.layout["input"], a.layout["weight"]
+        wshape = a.shape["weight"]
+        if ids.has_partial():
+            raise ValueError(f"{call.name}: the ids have a Partial placement ({ids.placements}); "
+                             "token ids cannot be pending sums - reduce them first")
+        w = reduce_all_partial(w)
+        if a.get("max_norm") is not None:
+            # max_norm renormalizes the looked-up rows of the weight in place: keep it whole
+            w = w.replicated()
+        if a.get("scale_grad_by_freq", False):
+            # frequencies must be counted over the whole batch and every looked-up row
+            w = _drop_mesh_dims(w, w.dim_map[0])
+            ids = ids.replicated()
+        # candidate A: keep the weight, drop conflicting id shards; B: keep the ids, drop weight shards
+        cands = []
+        wdims = set(w.dim_map[0]) | set(w.dim_map[1])
+        cands.append({"input": _drop_mesh_dims(ids, wdims), "weight": w})
+        idims = set(ids.sharded_mesh_dims())
+        if idims & wdims:
+            cands.append({"input": ids, "weight": _drop_mesh_dims(w, idims)})
+        best = min(cands, key=a.cost)
+        ti, tw = best["input"], best["weight"]
+        rows_dims, cols_dims = tw.dim_map[0], tw.dim_map[1]
+        partial = [None] * tw.mesh_ndim
+        for d in rows_dims:
+            partial[d] = "sum"
+        out = ti.with_dim_map(tuple(ti.dim_map) + (tuple(cols_dims),), partial)
+        out_shape = plat.Size(tuple(a.shape["input"]) + (wshape[1],))
+        local_fn = None
+        if rows_dims:
+            lshape, off = tw.local_shape_and_offset(wshape, coord=_coord(call))
+            local_fn = _vocab_parallel_embedding(names, off[0], lshape[0], wshape[0])
+        return Strategy(a.targets(best), out, local_fn=local_fn, out_shapes=out_shape)
+
+
+def _vocab_parallel_embedding(names, start, rows, vocab):
+    F = get_platform().F
+
+    def fn(*args, **kwargs):
+        v = _bind(args, kwargs, names)
+        ids, w = v["input"], v["weight"]
+        if rows == 0:
+            # this rank holds no rows: zeros, still connected to the (empty) weight for autograd
+            return w.new_zeros(tuple(ids.shape) + (w.shape[-1],)) + w.sum() * 0
+        pad = v.get("padding_idx")
+        if pad is not None:
+            if pad < 0:
+                pad += vocab
+            pad = pad - start if start <= pad < start + rows else None
+        outside = (ids < start) | (ids >= start + rows)
+        local_ids = (ids - start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, w, pad, None, v.get("norm_type", 2.0), v.get("scale_grad_by_freq", False),
+                          v.get("sparse", False))
+        return out.masked_fill(outside.unsqueeze(-1), 0)
+    return fn
+
+
+# ----------------------------------------------------------------------------- dropout
+_F_DROPOUT_NAMES = ("input", "p", "training", "inplace")
+_T_DROPOUT_NAMES = ("input", "p", "train")
+
+
+class DropoutRule(DistributedOp):
+    """F.dropout(input, p, training, inplace) / torch.dropout(input, p, train) with a layout-independent mask."""
+
+    def strategy(self, call):
+        plat = get_platform()
+        functional = call.func is not plat.ops.dropout
+        names = _F_DROPOUT_NAMES if functional else _T_DROPOUT_NAMES
+        a = _Args(call, names)
+        if not a.is_dt("input"):
+            raise NotImplementedError(f"{call.name}: the input must be a DTensor")
+        lay, shape = a.layout["input"], a.shape["input"]
+        p = float(a.get("p", 0.5))
+        training = bool(a.get("training" if functional else "train", True))
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"{call.name}: dropout probability has to be between 0 and 1, but got {p}")
+        if not training or p == 0.0:
+            return Strategy(a.targets({}), lay, out_shapes=plat.Size(shape))
+        tgt = reduce_all_partial(lay)
+        lshape, off = tgt.local_shape_and_offset(shape, coord=_coord(call))
+        inplace = bool(a.get("inplace", False)) and functional
+        return Strategy(a.targets({"input": tgt}), tgt, out_shapes=plat.Size(shape),
+                        local_fn=_dropout_fn(names, p, tuple(shape), lshape, off, inplace))
+
+
+def _dropout_fn(names, p, gshape, lshape, offset, inplace):
+    from hyper_parallel.core.dtensor.random import random_local
+    ops = get_platform().ops
+
+    def fn(*args, **kwargs):
+        x = _bind(args, kwargs, names)["input"]
+        u = random_local("rand", gshape, lshape, offset, dtype=ops.float32, device=x.device)
+        if p == 1.0:
+            return x.mul_(0) if inplace else x * 0
+        keep = (u >= p).to(x.dtype) * (1.0 / (1.0 - p))
+        return x.mul_(keep) if inplace else x * keep
+    return fn
+
+
+# ----------------------------------------------------------------------------- losses
+_CE_NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_NLL_NAMES = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+
+
+class ClassLossRule(DistributedOp):
+    """cross_entropy / nll_loss: class dim (1, or 0 for 1-d input) unsharded, batch shards local.
+
+    The vocab-parallel loss (class dim sharded, no gather) is not implemented
+    here: a sharded class dim is gathered.
+    """
+
+    def __init__(self, op_name, names):
+        self.names = names
+        super().__init__(op_name)
+
+    def strategy(self, call):
+        plat = get_platform()
+        a = _Args(call, self.names)
+        if not a.is_dt("input"):
+            raise NotImplementedError(f"{call.name}: the input (logits) must be a DTensor")
+        xl, xs = a.layout["input"], a.shape["input"]
+        n = len(xs)
+        reduction = a.get("reduction", "mean")
+        if a.get("size_average") is not None or a.get("reduce") is not None:
+            reduction = plat.F._Reduction.legacy_get_string(a.get("size_average"), a.get("reduce"))
+        ts = a.shape.get("target")
+        tl = a.layout.get("target")
+        prob_target = False
+        if ts is not None and tuple(ts) == tuple(xs) and call.name == "cross_entropy":
+            tgt_dt = [d for d, r in zip(call.dtensor_args, a.roles) if r == "target"][0]
+            prob_target = tgt_dt.is_floating_point()
+        cdim = 1 if n >= 2 else 0
+        batch = [t for t in range(n) if t != cdim]
+
+        def t_of(t):  # input dim -> target dim
+            return t if prob_target or t < cdim else t - 1
+
+        def make(bdm):
+            used = [d for t in batch for d in bdm[t]]
+            xdm = [bdm[t] if t != cdim else () for t in range(n)]
+            res = {"input": xl.with_dim_map(xdm, None)}
+            if tl is not None:
+                tdm = [()] * len(ts)
+                for t in batch:
+                    tdm[t_of(t)] = bdm[t]
+                res["target"] = tl.with_dim_map(tdm, None)
+            if a.is_dt("weight"):
+                res["weight"] = a.layout["weight"].replicated()
+            return res, used
+        cands = [make({t: xl.dim_map[t] for t in batch})]
+        if tl is not None and len(ts) == (n if prob_target else n - 1):
+            cands.append(make({t: tl.dim_map[t_of(t)] for t in batch}))
+        tgt, used = min(cands, key=lambda c: a.cost(c[0]))
+        bdm = {t: tgt["input"].dim_map[t] for t in batch}
+        if reduction == "none":
+            out_dm = [bdm[t] for t in batch]
+            out = xl.with_dim_map(out_dm, None)
+            return Strategy(a.targets(tgt), out)
+        if not used:
+            return Strategy(a.targets(tgt), xl.with_dim_map((), None))
+        partial = [None] * xl.mesh_ndim
+        for d in used:
+            partial[d] = "sum"
+        out = xl.with_dim_map((), partial)
+        local_fn = None
+        if reduction == "mean":
+            count = 1
+            for t in batch:
+                count *= xs[t]
+            groups = [call.mesh.get_comm_group(d) for d in used if call.mesh.size(d) > 1]
+            local_fn = _mean_loss_fn(call.name, self.names, prob_target, count, groups)
+        elif reduction == "sum":
+            local_fn = _sum_loss_fn(call.name, self.names)
+        else:
+            raise ValueError(f"{call.name}: {reduction} is not a valid value for reduction")
+        return Strategy(a.targets(tgt), out, local_fn=local_fn, out_shapes=plat.Size(()))
+
+
+def _loss_sum(name, v):
+    F = get_platform().F
+    x, t, w = v["input"], v["target"], v.get("weight")
+    ii = v.get("ignore_index", -100)
+    if name == "cross_entropy":
+        return F.cross_entropy(x, t, w, None, ii, None, "sum", v.get("label_smoothing", 0.0))
+    return F.nll_loss(x, t, w, None, ii, None, "sum")
+
+
+def _sum_loss_fn(name, names):
+    def fn(*args, **kwargs):
+        return _loss_sum(name, _bind(args, kwargs, names))
+    return fn
+
+
+def _mean_loss_fn(name, names, prob_target, static_count, groups):
+    plat = get_platform()
+    ops, coll = plat.ops, plat.collectives
+
+    def fn(*args, **kwargs):
+        v = _bind(args, kwargs, names)
+        s = _loss_sum(name, v)
+        if prob_target:
+            return s / static_count
+        t, w = v["target"], v.get("weight")
+        ii = v.get("ignore_index", -100)
+        with ops.no_grad():
+            valid = t != ii
+            if w is None:
+                denom = valid.sum().to(s.dtype)
+            else:
+                denom = w.detach().gather(0, t[valid].flatten()).sum().to(s.dtype)
+            for g in groups:
+                denom = coll.all_reduce(denom, g, "sum")
+        return s / denom
+    return fn
+
+
+# ----------------------------------------------------------------------------- attention
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class SDPARule(DistributedOp):
+    """scaled_dot_product_attention(q[..., L, E], k[..., S, E], v[..., S, Ev], attn_mask[..., L, S]).
+
+    Batch and head dims (everything but the last two) keep their shards - q, k,
+    v and the mask agree; sequence and feature dims are unsharded.
+    """
+
+    def strategy(self, call):
+        a = _Args(call, _SDPA_NAMES)
+        if float(a.get("dropout_p", 0.0) or 0.0) != 0.0:
+            raise NotImplementedError(
+                "scaled_dot_product_attention on DTensors: dropout_p must be 0 (a layout-independent attention "
+                "dropout is not implemented); apply dropout outside the attention op")
+        qkv = ("query", "key", "value")
+        if not all(a.is_dt(r) for r in qkv):
+            raise NotImplementedError("scaled_dot_product_attention: query, key and value must all be DTensors")
+        nb = len(a.shape["query"]) - 2
+        roles = [r for r in ("query", "key", "value", "attn_mask") if a.is_dt(r)]
+
+        def cand(src):
+            lay, shp = a.layout[src], a.shape[src]
+            off = len(shp) - 2 - nb
+            dm = [lay.dim_map[off + j] if off + j >= 0 else () for j in range(nb)]
+            # each batch dim: operands of the reference size share the shard, size-1 (broadcast) ones don't
+            ref = [max(a.shape[r][len(a.shape[r]) - 2 - nb + j] if len(a.shape[r]) - 2 - nb + j >= 0 else 1
+                       for r in roles) for j in range(nb)]
+            tg = {}
+            for j in range(nb):
+                if not dm[j]:
+                    continue
+                k = 1
+                for d in dm[j]:
+                    k *= lay.mesh_shape[d]
+                sizes = [a.shape[r][len(a.shape[r]) - 2 - nb + j] for r in roles
+                         if len(a.shape[r]) - 2 - nb + j >= 0]
+                odd = [s for s in sizes if s not in (1, ref[j])]
+                if odd and any(s % k for s in sizes if s != 1):
+                    dm[j] = ()  # grouped heads (GQA) shard consistently only when evenly divisible
+            for r in roles:
+                lr, sr = a.layout[r], a.shape[r]
+                o = len(sr) - 2 - nb
+                rdm = [()] * len(sr)
+                for j in range(nb):
+                    if o + j >= 0 and sr[o + j] != 1:
+                        rdm[o + j] = dm[j]
+                tg[r] = lr.with_dim_map(rdm, None)
+            return tg, dm
+        cands = [cand(r) for r in qkv]
+        tg, dm = min(cands, key=lambda c: a.cost(c[0]))
+        ql = a.layout["query"]
+        out = ql.with_dim_map(tuple(dm) + ((), ()), None)
+        return Strategy(a.targets(tg), out)
+
+
+# ----------------------------------------------------------------------------- registration
+def register_all():
+    for n in ("softmax", "log_softmax", "softmin"):
+        SoftmaxRule(n)
+    ScanRule("cumsum", linear=True)
+    ScanRule("cumsum_", linear=True)
+    ScanRule("cumprod")
+    ScanRule("cumprod_")
+    ScanRule("logcumsumexp")
+    ScanRule("cummax", n_out=2)
+    ScanRule("cummin", n_out=2)
+    NormRule("layer_norm", ("input", "normalized_shape", "weight", "bias", "eps"))
+    NormRule("rms_norm", ("input", "normalized_shape", "weight", "eps"))
+    EmbeddingRule("embedding")
+    DropoutRule("dropout")
+    ClassLossRule("cross_entropy", _CE_NAMES)
+    ClassLossRule("nll_loss", _NLL_NAMES)
+    SDPARule("scaled_dot_product_attention")
+
+
+__all__ = ["register_all", "SoftmaxRule", "ScanRule", "NormRule", "EmbeddingRule", "DropoutRule", "ClassLossRule",
+           "SDPARule"]

@@ -20,6 +20,10 @@ from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispa
 from hyper_parallel.core.shard._op_dispatch import (
     set_strict_layouts, strict_layouts, implicit_replication, allow_replicate_fallback, set_debug)
 
+from hyper_parallel.core.tensor_parallel import (
+    ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
+    PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
+
 __version__ = "0.1.0"
 
 
@@ -33,5 +37,7 @@ __all__ = [
     "get_platform", "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
     "DTensor", "distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn",
     "manual_seed", "CommDebugMode", "DistributedOp", "DFunction", "SkipDTensorDispatch", "local_map", "custom_shard", "set_strict_layouts", "strict_layouts",
-    "implicit_replication", "allow_replicate_fallback", "set_debug",
+    "implicit_replication", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
+    "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
 ]

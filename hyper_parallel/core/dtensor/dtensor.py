@@ -273,8 +273,27 @@ class DTensor(platform.DTensorBase):
         return DTensor._wrap(local, self._mesh, dst, self._gshape)
 
     def _redistribute_local(self, dst: Layout):
-        plan = rp.plan(self._layout, dst, tuple(self._gshape), self._local_tensor.element_size())
-        return run_plan(self._local_tensor, plan, self._mesh, self._mesh._rank_index())
+        """This tensor's local data laid out as ``dst``.
+
+        Results are memoised on this DTensor (keyed by target layout, grad mode and
+        the local tensor's version counter), so sibling consumers of one activation
+        (wq/wk/wv, w1/w3) share one collective forward and one in backward.
+        """
+        local = self._local_tensor
+        key = (dst, platform.grad_enabled(), local._version)
+        cache = self.__dict__.get("_redist_cache")
+        if cache is not None:
+            hit = cache.get(key)
+            if hit is not None:
+                return hit
+        else:
+            cache = self.__dict__["_redist_cache"] = {}
+        plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
+        out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
+        if len(cache) > 4:
+            cache.clear()
+        cache[key] = out
+        return out
 
     def reduce_partial(self) -> "DTensor":
         """Resolve pending ``Partial`` placements to ``Replicate`` (no-op without any)."""

@@ -178,6 +178,7 @@ class TorchPlatform(Platform):
     # Framework namespaces used by sharding rules to build local implementations.
     import torch as ops  # noqa: E402  (torch.* functions: sum, where, ...)
     import torch.nn.functional as F  # noqa: E402
+    import torch.nn as nn  # noqa: E402
 
     @staticmethod
     def allow_foreach(tensor_type) -> None:
@@ -188,3 +189,7 @@ class TorchPlatform(Platform):
                 _foreach_utils._foreach_supported_types.append(tensor_type)
         except (ImportError, AttributeError):  # older/newer torch: the for-loop path still works
             pass
+
+    @staticmethod
+    def grad_enabled() -> bool:
+        return torch.is_grad_enabled()

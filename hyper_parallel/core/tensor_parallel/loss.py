@@ -1,0 +1,124 @@
+"""loss_parallel: cross-entropy on logits sharded over the class dimension.
+
+Inside ``with loss_parallel():``, ``F.cross_entropy(logits, target)`` with
+``logits`` a DTensor sharded on its class (last) dim computes the loss without
+gathering the vocabulary: per rank, the local max, sum of exponentials and the
+target logit (if the target falls in the local shard) are combined with three
+small all_reduces of [N] values; the backward is ``softmax - onehot`` on each
+rank's own shard, with no communication.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.shard.ops import base as _base
+from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy
+from hyper_parallel.platform import get_platform
+
+platform = get_platform()
+
+
+class _VocabParallelCE(platform.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, ignore_index):
+        ops, coll = platform.ops, platform.collectives
+        x = logits.float()
+        local_max = x.max(dim=-1).values
+        gmax = coll.all_reduce(local_max, group, "max")
+        shifted = x - gmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = coll.all_reduce(exp.sum(dim=-1), group, "sum")
+        n_local = x.shape[-1]
+        local_t = target - vocab_start
+        in_shard = (local_t >= 0) & (local_t < n_local) & (target != ignore_index)
+        safe = local_t.clamp(0, max(n_local - 1, 0))
+        picked = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * in_shard
+        tgt_logit = coll.all_reduce(picked, group, "sum")
+        loss = sum_exp.log() - tgt_logit
+        valid = target != ignore_index
+        loss = loss * valid
+        ctx.save_for_backward(exp, sum_exp, safe, in_shard, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        exp, sum_exp, safe, in_shard, valid = ctx.saved_tensors
+        grad = exp / sum_exp.unsqueeze(-1)
+        onehot = platform.ops.zeros_like(grad).scatter_(-1, safe.unsqueeze(-1), in_shard.unsqueeze(-1).to(grad.dtype))
+        grad = (grad - onehot) * (g * valid).unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+class _LossParallelCE(DistributedOp):
+    """cross_entropy with class-sharded logits [N, C] / [N, C]-flattenable, target replicated or batch-sharded."""
+
+    def __init__(self, op_name, previous):
+        self.previous = previous
+        super().__init__(op_name)
+
+    def strategy(self, call):
+        lay = call.layouts[0]
+        shape = call.shapes[0]
+        ndim = len(shape)
+        cdim = ndim - 1
+        if not lay.dim_map[cdim]:
+            if self.previous is None:
+                raise NotImplementedError("cross_entropy: logits are not sharded on the class dim")
+            return self.previous.strategy(call)
+        if len(lay.dim_map[cdim]) != 1 or ndim != 2:
+            raise NotImplementedError(f"loss_parallel: logits must be 2-D [N, C] with the class dim sharded on one "
+                                      f"mesh dim, got shape {shape} with {lay.placements}; flatten first")
+        md = lay.dim_map[cdim][0]
+        mesh = call.mesh
+        group = mesh.get_comm_group(md)
+        coord = mesh.get_coordinate()
+        _, offset = lay.local_shape_and_offset(shape, coord=coord)
+        vocab_start = offset[cdim]
+        kwargs = call.kwargs
+        reduction = kwargs.get("reduction", "mean")
+        ignore_index = kwargs.get("ignore_index", -100)
+        if kwargs.get("label_smoothing", 0.0) or kwargs.get("weight") is not None:
+            raise NotImplementedError("loss_parallel: weight and label_smoothing are not supported")
+        tgt_layout = call.layouts[1] if len(call.layouts) > 1 else None
+        # target must be laid out like the logits' batch dim, replicated on the class mesh dim
+        batch_dm = lay.dim_map[0]
+        tgt_target = tgt_layout.with_dim_map([batch_dm], (None,) * len(lay.mesh_shape)) if tgt_layout else None
+        n_total = shape[0]
+
+        def local_fn(logits, target, *a, **k):
+            loss = _VocabParallelCE.apply(logits, target, group, vocab_start, ignore_index)
+            if reduction == "none":
+                return loss
+            if reduction == "sum":
+                return loss.sum()
+            valid = (target != ignore_index).sum()
+            count = valid
+            for d in batch_dm:
+                count = platform.collectives.all_reduce(count, mesh.get_comm_group(d), "sum")
+            return loss.sum() / count.clamp(min=1)
+        if reduction == "none":
+            out = lay.with_dim_map([batch_dm], (None,) * len(lay.mesh_shape))
+            out_shape = platform.Size((n_total,))
+        else:
+            partial = ["sum" if d in batch_dm else None for d in range(len(lay.mesh_shape))]
+            out = lay.with_dim_map([], partial)
+            out_shape = platform.Size(())
+        ins = [lay] + ([tgt_target] if tgt_layout else [])
+        return Strategy(ins, out, local_fn=local_fn, out_shapes=out_shape)
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    """Within this context, ``F.cross_entropy`` on class-sharded DTensor logits stays sharded."""
+    prev = _base.get_rule("cross_entropy")
+    _LossParallelCE("cross_entropy", prev)
+    try:
+        yield
+    finally:
+        if prev is not None:
+            _base._REGISTRY["cross_entropy"] = prev
+        else:
+            _base._REGISTRY.pop("cross_entropy", None)
+        _base._invalidate()

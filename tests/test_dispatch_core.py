@@ -86,14 +86,23 @@ def test_elementwise_mix(dist_runner):
 
 
 def _cache():
+    from hyper_parallel.core.shard.ops import base
     mesh = hp.init_device_mesh("cpu", (2,))
     x = hp.ones(4, 4, device_mesh=mesh, placements=[Shard(0)])
-    x + x
-    before = _op_dispatch.cache_stats()
-    x + x
-    after = _op_dispatch.cache_stats()
-    assert after["misses"] == before["misses"], (before, after)
-    assert after["hits"] == before["hits"] + 1
+    rule = base.get_rule("mul")
+    calls = []
+    orig = rule.strategy
+    rule.strategy = lambda call: calls.append(call.name) or orig(call)
+    try:
+        before = _op_dispatch.cache_stats()
+        x * x
+        assert calls == ["mul"], calls
+        x * x
+        x * x
+        assert calls == ["mul"], calls          # no layout inference on identical calls
+        assert _op_dispatch.cache_stats()["misses"] == before["misses"] + 1
+    finally:
+        del rule.strategy
 
 
 def test_cache_hit_skips_inference(dist_runner):

@@ -11,7 +11,7 @@ import hyper_parallel as hp
 from hyper_parallel import Replicate, Shard
 
 
-USE_NORM = False
+USE_NORM = True
 
 
 class MLP(nn.Module):

@@ -28,6 +28,8 @@ from hyper_parallel.platform import get_platform
 
 platform = get_platform()
 _Tensor = platform.Tensor
+_Size = platform.Size
+_make_wrapper = _Tensor._make_wrapper_subclass
 
 # Installed by hyper_parallel.core.shard._op_dispatch (a higher layer) on import.
 _OP_HANDLER = None
@@ -98,12 +100,11 @@ class DTensor(platform.DTensorBase):
     @classmethod
     def _wrap(cls, local, mesh, layout, shape, stride=None):
         """Fast internal constructor: no validation."""
-        r = _Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, dtype=local.dtype, device=local.device, requires_grad=False)
+        r = _make_wrapper(cls, shape, strides=stride, dtype=local.dtype, device=local.device, requires_grad=False)
         r._local_tensor = local
         r._mesh = mesh
         r._layout = layout
-        r._gshape = platform.Size(shape)
+        r._gshape = shape if type(shape) is _Size else _Size(shape)
         return r
 
     # ------------------------------------------------------------------ metadata

@@ -13,6 +13,7 @@ from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.platform import get_platform
 
 _F = get_platform().functions
+_GRAD_ENABLED = get_platform().grad_enabled
 
 
 def run_plan(local, plan: rp.Plan, mesh, rank_index: int):
@@ -60,13 +61,15 @@ def partial_grad_view(local, group):
     backward is a reduce_scatter into the gathered source (Megatron's sequence
     parallel pairing) instead of an all_reduce.
     """
-    if group.size == 1 or not local.requires_grad:
+    if group.size == 1 or not local.requires_grad or not _GRAD_ENABLED():
         return local
+    # Keyed by the version counter: after an in-place update (optimizer step) a new view is made.
+    key = (group.ranks, local._version)
     cache = getattr(local, "_hp_pgrad", None)
-    if cache is None:
-        cache = {}
+    if cache is None or cache.get("version") != local._version:
+        cache = {"version": local._version}
         local._hp_pgrad = cache
-    view = cache.get(group.ranks)
+    view = cache.get(key)
     if view is None:
         g = getattr(local, "_hp_gathered", None)
         if g is not None and g[0] == group.ranks and g[1].requires_grad:
@@ -74,7 +77,7 @@ def partial_grad_view(local, group):
             view = _F.GatheredPartialGrad.apply(src, local.detach(), dim, grp, sizes)
         else:
             view = _F.PartialGrad.apply(local, group)
-        cache[group.ranks] = view
+        cache[key] = view
     return view
 
 

@@ -48,29 +48,57 @@ def _skip_state():
     return st
 
 
+_SKIP_ANY = [0]  # active SkipDTensorDispatch contexts in any thread (fast check before the thread-local)
+_SKIP_LOCK = threading.Lock()
+
+
 def disable_dtensor_dispatch(no_skip=()):
     st = _skip_state()
     st[0] += 1
     st[1].append(frozenset(no_skip))
+    with _SKIP_LOCK:
+        _SKIP_ANY[0] += 1
 
 
 def enable_dtensor_dispatch():
     st = _skip_state()
     st[0] -= 1
     st[1].pop()
+    with _SKIP_LOCK:
+        _SKIP_ANY[0] -= 1
 
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg")
+                 "fallback", "strict_msg", "mesh")
 
     def __init__(self):
         self.fallback = False
 
 
 _CACHE: dict = {}
+# (func, layout, shape, scalar, ...) -> entry, for calls that need no redistribution,
+# no gradient hooks, no local implementation and return one tensor.
+_FAST: dict = {}
+_SCALARS = (int, float, bool, type(None))
+_TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _STATS = {"hits": 0, "misses": 0}
-_base._INVALIDATE_HOOKS.append(_CACHE.clear)
+
+
+def _clear_caches():
+    _CACHE.clear()
+    _FAST.clear()
+
+
+_base._INVALIDATE_HOOKS.append(_clear_caches)
+
+
+def _fast_eligible(entry, args, kwargs):
+    from hyper_parallel.core.dtensor.layout import Layout
+    return (not kwargs and not entry.redistributes and entry.local_fn is None and not entry.inplace
+            and not entry.fallback and all(g is None for g in entry.pgroups)
+            and isinstance(entry.out_layouts, Layout) and entry.out_shapes is not DERIVE_SHAPES
+            and all(type(a) is DTensor or type(a) in _SCALARS for a in args))
 
 
 # ----------------------------------------------------------------------------- argument walking
@@ -165,12 +193,37 @@ def _op_name(func):
 
 
 def _handle(func, types, args, kwargs):
-    st = getattr(_tls, "skip", None)
-    if st is not None and st[0] > 0:
-        name = _op_name(func)
-        if not any(func in s or name in s for s in st[1]):
-            return _run_local(func, args, kwargs)
+    if _SKIP_ANY[0]:
+        st = getattr(_tls, "skip", None)
+        if st is not None and st[0] > 0:
+            no_skip = st[1][-1]  # the innermost context decides
+            if not (func in no_skip or _op_name(func) in no_skip):
+                return _run_local(func, args, kwargs)
     return _OP_DISPATCHER.dispatch(func, args, kwargs)
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`."""
+    if not kwargs and not _SKIP_ANY[0]:
+        parts = [func]
+        for a in args:
+            t = type(a)
+            if t is _DT:
+                parts.append(a._layout)
+                parts.append(a._gshape)
+            elif t in _SCALARS:
+                parts.append(a)
+            else:
+                break
+        else:
+            entry = _FAST.get(tuple(parts))
+            if entry is not None:
+                out = func(*[a._local_tensor if type(a) is _DT else a for a in args])
+                return _wrap_one(_DT, out, entry.mesh, entry.out_layouts, entry.out_shapes)
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(*args, **(kwargs or {}))
+    return _handle(func, types, args, kwargs or {})
 
 
 def _run_local(func, args, kwargs):
@@ -188,16 +241,39 @@ class OpDispatcher:
     """Routes ops on DTensors through their sharding rules (see module docstring)."""
 
     def dispatch(self, func, args, kwargs=None):
-        kwargs = kwargs or {}
+        if not kwargs:
+            # Fast path: positional DTensors and scalars only, cached entry with nothing to redistribute.
+            parts = [func]
+            for a in args:
+                t = type(a)
+                if t is DTensor:
+                    parts.append(a._layout)
+                    parts.append(a._gshape)
+                elif t in _SCALARS:
+                    parts.append(a)
+                else:
+                    break
+            else:
+                entry = _FAST.get(tuple(parts))
+                if entry is not None:
+                    out = func(*[a._local_tensor if type(a) is DTensor else a for a in args])
+                    return DTensor._wrap(out, entry.mesh, entry.out_layouts, entry.out_shapes)
+        return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func, args, kwargs):
         dts = []
         _collect(args, dts)
         if kwargs:
             _collect(kwargs.values(), dts)
         if not dts:
             return func(*args, **kwargs)
-        meta_ops = _base.METADATA_OPS.get(_op_name(func))
+        name = _op_name(func)
+        meta_ops = _base.METADATA_OPS.get(name)
         if meta_ops is not None:
             return meta_ops(*args, **kwargs)
+        if getattr(func, "__name__", None) == "__get__" and name not in _TENSOR_PROPERTIES:
+            # metadata properties (is_sparse, is_cuda, itemsize...) read from the local tensor
+            return getattr(args[0]._local_tensor, name)
         mesh = dts[0]._mesh
         key = (func, tuple(_sig(a) for a in args), tuple((k, _sig(v)) for k, v in kwargs.items()) if kwargs else ())
         entry = _CACHE.get(key)
@@ -209,6 +285,10 @@ class OpDispatcher:
             entry = self._build(func, args, kwargs, dts, mesh)
             if entry is not None and key[1] == tuple(_sig(a) for a in args):
                 _CACHE[key] = entry
+                if _fast_eligible(entry, args, kwargs):
+                    entry.mesh = mesh
+                    _FAST[(func,) + tuple(x for a in args for x in (
+                        (a._layout, a._gshape) if type(a) is DTensor else (a,)))] = entry
             _STATS["misses"] += 1
         else:
             _STATS["hits"] += 1
@@ -359,6 +439,10 @@ def _meta_shapes(func, args, kwargs, out_layouts, inplace, dts):
 
 _OP_DISPATCHER = OpDispatcher()
 _dt._OP_HANDLER = _handle
+_DT = DTensor
+_SPECIAL = _dt._SPECIAL
+_wrap_one = DTensor._wrap.__func__
+DTensor.__torch_function__ = classmethod(_torch_function)
 
 
 # ----------------------------------------------------------------------------- public switches
@@ -395,13 +479,13 @@ class implicit_replication:
 def allow_replicate_fallback(enabled: bool = True) -> None:
     """Run ops without a rule replicated (inputs gathered), warning once per op."""
     _FLAGS["fallback"] = bool(enabled)
-    _CACHE.clear()
+    _clear_caches()
 
 
 def set_debug(enabled: bool = True) -> None:
     """Log every redistribution the dispatcher inserts (logger ``hyper_parallel.dispatch``)."""
     _FLAGS["debug"] = bool(enabled)
-    _CACHE.clear()
+    _clear_caches()
 
 
 def cache_stats() -> dict:
@@ -410,4 +494,4 @@ def cache_stats() -> dict:
 
 
 def clear_cache() -> None:
-    _CACHE.clear()
+    _clear_caches()

@@ -139,14 +139,14 @@ UNARY_LINEAR_OPS = ["neg", "negative", "__neg__", "neg_", "positive", "clone", "
                     "double", "half", "bfloat16", "type_as", "type", "real", "conj", "resolve_conj", "resolve_neg",
                     "__pos__", "requires_grad_", "zero_"]
 MUL_OPS = ["mul", "__mul__", "__rmul__", "mul_", "__imul__", "multiply"]
-DIV_OPS = ["div", "__truediv__", "div_", "__itruediv__", "true_divide", "divide"]
+DIV_OPS = ["div", "__div__", "__idiv__", "__truediv__", "div_", "__itruediv__", "true_divide", "divide"]
 NONLINEAR_OPS = [
     # activations & math
     "relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "softplus", "elu", "leaky_relu",
     "hardtanh", "relu6", "mish", "exp", "exp_", "expm1", "log", "log_", "log1p", "log2", "log10", "sqrt", "sqrt_",
     "rsqrt", "rsqrt_", "abs", "abs_", "sin", "cos", "tan", "erf", "erfinv", "sign", "sgn", "floor", "ceil", "round",
     "trunc", "frac", "reciprocal", "reciprocal_", "square", "pow", "pow_", "__pow__", "__rpow__", "__ipow__",
-    "float_power", "__rtruediv__", "__floordiv__", "__rfloordiv__", "floor_divide", "remainder", "__mod__", "fmod",
+    "float_power", "__rtruediv__", "__rdiv__", "__abs__", "__rmod__", "__rand__", "__ror__", "__rxor__", "__floordiv__", "__rfloordiv__", "floor_divide", "remainder", "__mod__", "fmod",
     "clamp", "clamp_", "clip", "clamp_min", "clamp_max", "clamp_min_", "clamp_max_", "nan_to_num", "logit",
     "sigmoid", "atan", "asin", "acos", "sinh", "cosh", "atan2", "hypot", "lerp", "lerp_", "addcmul", "addcmul_",
     "addcdiv", "addcdiv_", "maximum", "minimum", "fmax", "fmin", "where", "masked_fill", "masked_fill_",

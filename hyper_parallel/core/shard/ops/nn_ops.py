@@ -478,7 +478,18 @@ class SDPARule(DistributedOp):
         tg, dm = min(cands, key=lambda c: a.cost(c[0]))
         ql = a.layout["query"]
         out = ql.with_dim_map(tuple(dm) + ((), ()), None)
-        return Strategy(a.targets(tg), out)
+        return Strategy(a.targets(tg), out, local_fn=_sdpa_local)
+
+
+def _sdpa_local(*args, **kwargs):
+    out = get_platform().F.scaled_dot_product_attention(*args, **kwargs)
+    if out.numel() == 0:
+        # empty shard (uneven batch/heads): torch leaves a float attn_mask without a gradient; keep every
+        # input connected so that its local gradient is an (empty) tensor as on the other ranks
+        for x in list(args) + list(kwargs.values()):
+            if isinstance(x, get_platform().Tensor) and x.requires_grad:
+                out = out + x.sum() * 0
+    return out
 
 
 # ----------------------------------------------------------------------------- registration

@@ -30,7 +30,7 @@ def _parse(call):
             dim = rest[1]
         if len(rest) >= 3:
             keepdim = rest[2]
-    elif name in ("vector_norm",):
+    elif name in ("vector_norm", "linalg_vector_norm"):
         if len(rest) >= 2 and dim is None:
             dim = rest[1]
         if len(rest) >= 3:
@@ -99,7 +99,7 @@ class ReductionRule(DistributedOp):
         out = lay.with_dim_map(out_dm, partial)
         ins = [in_layout]
         local_fn = None
-        if name in ("norm", "vector_norm") and not linear:
+        if name in ("norm", "vector_norm", "linalg_vector_norm") and not linear:
             p = _norm_ord(call)
             sharded_md = [md for t in dims for md in lay.dim_map[t]]
             if p is not None and sharded_md and not lay.has_partial():
@@ -130,7 +130,7 @@ class ReductionRule(DistributedOp):
 
 
 def _norm_ord(call):
-    if call.name == "vector_norm":
+    if call.name in ("vector_norm", "linalg_vector_norm"):
         p = call.args[1] if len(call.args) > 1 else call.kwargs.get("ord", 2)
     else:
         p = call.args[1] if len(call.args) > 1 else call.kwargs.get("p", "fro")
@@ -163,7 +163,7 @@ def _sharded_norm_fn(p, dims, keepdim, groups):
 
 def register_all():
     for n in ("sum", "mean", "nansum", "max", "min", "amax", "amin", "argmax", "argmin", "prod", "norm",
-              "vector_norm", "any", "all", "var", "std", "logsumexp", "aminmax", "count_nonzero", "nanmean",
+              "vector_norm", "linalg_vector_norm", "any", "all", "var", "std", "logsumexp", "aminmax", "count_nonzero", "nanmean",
               "var_mean", "std_mean"):
         ReductionRule(n)
 

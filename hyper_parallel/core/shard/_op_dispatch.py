@@ -81,6 +81,8 @@ _CACHE: dict = {}
 # no gradient hooks, no local implementation and return one tensor.
 _FAST: dict = {}
 _SCALARS = (int, float, bool, type(None))
+_INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
+_BOOL = platform.ops.bool
 _TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _STATS = {"hits": 0, "misses": 0}
 
@@ -147,8 +149,14 @@ def _replace(args, it):
 
 def _check_plain_tensors(func, args, kwargs, mesh):
     """Plain tensors mixed with DTensors: 0-d ones broadcast; others need implicit replication."""
+    index_op = _op_name(func) in _INDEX_OPS
+
     def bad(a):
-        return isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.dim() > 0
+        if not isinstance(a, _Tensor) or isinstance(a, DTensor) or a.dim() == 0:
+            return False
+        # integer index tensors of indexing ops are naturally replicated (bool masks are not:
+        # the output shape depends on their values, which the cache key does not hold)
+        return not (index_op and a.dtype != _BOOL and not a.is_floating_point() and not a.is_complex())
 
     def walk(xs):
         for a in xs:
@@ -173,7 +181,7 @@ def _check_plain_tensors(func, args, kwargs, mesh):
     from hyper_parallel.core.dtensor.placement_types import Replicate
 
     def conv(a):
-        if bad(a):
+        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.dim() > 0:
             return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
         if isinstance(a, (list, tuple)):
             return type(a)(conv(x) for x in a) if type(a) in (list, tuple) else a
@@ -278,7 +286,8 @@ class OpDispatcher:
         key = (func, tuple(_sig(a) for a in args), tuple((k, _sig(v)) for k, v in kwargs.items()) if kwargs else ())
         entry = _CACHE.get(key)
         if entry is None:
-            args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+            if not _op_name(func).startswith("_foreach_"):  # foreach lists may hold plain parameters
+                args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
             dts = []
             _collect(args, dts)
             _collect(kwargs.values(), dts)
@@ -387,7 +396,9 @@ def _wrap(out, layouts, shapes, mesh):
                  for o, l, s in zip(out, layouts, shapes)]
         if type(out) in (list, tuple):
             return type(out)(items)
-        return type(out)(*items) if hasattr(out, "_fields") or hasattr(type(out), "n_fields") else type(out)(items)
+        if hasattr(type(out), "n_fields"):  # torch.return_types.* (structseq) take one sequence
+            return type(out)(items)
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
     return out
 
 

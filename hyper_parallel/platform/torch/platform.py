@@ -158,7 +158,7 @@ class TorchPlatform(Platform):
 
     @staticmethod
     def to_meta(x):
-        return x.to("meta") if x.dim() > 0 else x
+        return x.to("meta")
 
     @staticmethod
     def hashable_leaf_types():

@@ -63,13 +63,14 @@ class ForeachNormRule(DistributedOp):
 
     def strategy(self, call):
         groups = _structure(call)
-        idx = groups[0][1]
-        layouts = [call.layouts[j].without_partial() for j in idx]
+        idx = groups[0][1]  # None for plain (replicated) tensors in the list
+        in_layouts = [call.layouts[j].without_partial() for j in idx if j is not None]
+        layouts = [call.layouts[j].without_partial() if j is not None else None for j in idx]
         mesh = call.mesh
         plat = get_platform()
         ops = plat.ops
         coll = plat.collectives
-        sharded = [tuple(sorted(l.sharded_mesh_dims())) for l in layouts]
+        sharded = [tuple(sorted(l.sharded_mesh_dims())) if l is not None else () for l in layouts]
 
         def local_fn(tensors, ord=2, dtype=None):
             p = float(ord)
@@ -96,8 +97,8 @@ class ForeachNormRule(DistributedOp):
             if p == float("inf"):
                 return list(powered)
             return [v.pow(1.0 / p) if p != 2 else v.sqrt() for v in powered]
-        outs = [l.replicated(0) for l in layouts]
-        return Strategy(layouts, outs, local_fn=local_fn, out_shapes=[plat.Size(())] * len(layouts))
+        outs = [l.replicated(0) if l is not None else None for l in layouts]
+        return Strategy(in_layouts, outs, local_fn=local_fn, out_shapes=[plat.Size(())] * len(layouts))
 
 
 class RandomInplaceRule(DistributedOp):

@@ -79,9 +79,15 @@ class CatRule(DistributedOp):
         v = _bind(call.args, call.kwargs, ("tensors", "dim"))
         tensors = v.get("tensors")
         dim = v.get("dim", v.get("axis", 0))
-        if not isinstance(tensors, (list, tuple)) or len(call.layouts) != len(tensors):
-            raise NotImplementedError(f"{call.name}: every tensor must be a DTensor")
+        if not isinstance(tensors, (list, tuple)):
+            raise NotImplementedError(f"{call.name}: expected a list of tensors")
         layouts, shapes = call.layouts, call.shapes
+        if len(layouts) != len(tensors):
+            # plain 0-d tensors mixed in (e.g. norms of plain and DTensor grads in clip_grad_norm_):
+            # they are replicated values, so everything runs replicated
+            tg = [l.replicated(len(sh)) for l, sh in zip(layouts, shapes)]
+            out = meta_run(call.func, call.args, call.kwargs)
+            return Strategy(tg, layouts[0].replicated(out.dim()))
         nd = len(shapes[0])
         if any(len(s) != nd for s in shapes):  # legacy empty (0,) tensors & co: run replicated
             tg = [l.replicated(len(s)) for l, s in zip(layouts, shapes)]

@@ -1,0 +1,129 @@
+"""Train the example Llama with data x tensor (x sequence) parallelism on CPU processes.
+
+    torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
+
+Every rank builds the same model (same seed), ``parallelize_llama`` shards it
+over a ("dp", "tp") mesh, and AdamW with gradient clipping trains it on the
+rank's share of each global batch. Rank 0 prints a progress bar, writes the
+loss curve (CSV + PNG) and finally trains the same model for the same steps in
+one process and prints the largest loss difference.
+
+Multi-node: run the same command on every node with
+``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
+--nproc_per_node P examples/llama/train.py ...`` (dp * tp = N * P).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # make `examples.llama` importable when run as a script
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import hyper_parallel as hp  # noqa: E402
+from examples.llama.configs import get_config  # noqa: E402
+from examples.llama.data import TokenBatches, dp_shard  # noqa: E402
+from examples.llama.model import build_model, loss_fn  # noqa: E402
+from examples.llama.parallelize import parallelize_llama  # noqa: E402
+from examples.llama.reference import build_optimizer, train_reference  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="DP x TP (+SP) training of the example Llama on CPU")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
+    p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
+    p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
+    p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
+    return p.parse_args(argv)
+
+
+def train(args, steps, cfg, mesh, log=print):
+    """Distributed training loop; returns the global mean loss of every step."""
+    dp = mesh.size(0)
+    model = build_model(cfg.model, cfg.seed)
+    # every rank built identical weights, so each slices its own shard: no communication
+    parallelize_llama(model, mesh, sequence_parallel=args.sp, src_data_rank=None)
+    opt = build_optimizer(model.parameters(), cfg.optim)
+    data = TokenBatches(seed=cfg.seed)
+    dp_rank, dp_group = mesh.get_local_rank(0), mesh.get_group(0)
+    losses = []
+    t0 = time.perf_counter()
+    tokens = 0
+    for step in range(steps):
+        x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
+        x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        opt.step()
+        g = loss.detach().clone()
+        if dp > 1:
+            dist.all_reduce(g, group=dp_group)
+            g /= dp
+        losses.append(g.item())
+        tokens += cfg.global_batch * cfg.seq_len
+        log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
+    return losses
+
+
+def progress(step, steps, loss, tok_s, width=30):
+    done = int(width * (step + 1) / steps)
+    line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
+    end = "\n" if step + 1 == steps or not sys.stdout.isatty() else ""
+    if sys.stdout.isatty():
+        print("\r" + line, end=end, flush=True)
+    elif (step + 1) % 5 == 0 or step == 0 or step + 1 == steps:
+        print(line, flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.dp * args.tp != world:
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} must equal the number of "
+                         f"processes ({world}); launch with torchrun --nproc_per_node {args.dp * args.tp}")
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
+    mesh = hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    cfg = get_config(args.config)
+    steps = args.steps or cfg.steps
+    rank = dist.get_rank()
+    if rank == 0:
+        n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
+        print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp} tp={args.tp} "
+              f"sp={'on' if args.sp else 'off'}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
+    t0 = time.perf_counter()
+    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None))
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        from examples.llama.plot import save_loss_curves
+        series = {f"dp{args.dp}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
+        print(f"trained {steps} steps in {elapsed:.1f}s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        if not args.no_compare:
+            print("running the same training in one process for comparison ...", flush=True)
+            ref, _ = train_reference(cfg.model, steps, seed=cfg.seed, global_batch=cfg.global_batch,
+                                     seq_len=cfg.seq_len, optim=cfg.optim)
+            series["single_process"] = ref
+            diff = max(abs(a - b) for a, b in zip(losses, ref))
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+            print(f"largest loss difference vs single process: {diff:.2e} (relative {rel:.2e})")
+        paths = save_loss_curves(args.out, series, title="example Llama training loss")
+        print("loss curve written to " + ", ".join(str(p) for p in paths))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

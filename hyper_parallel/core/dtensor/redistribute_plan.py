@@ -140,7 +140,11 @@ def _moves(ctx: _Ctx, state, target):
                     members = list(new_map[t]) + [d]
                     members.sort(key=lambda x, tm=dims, m=list(members): tm.index(x) if x in tm else 100 + m.index(x))
                     new_map[t] = tuple(members)
-            new_partial[d] = tgt_partial[d]
+            if tgt_partial[d] is not None and any(p not in (None, tgt_partial[d]) for i, p in enumerate(partial)
+                                                  if i != d):
+                new_partial[d] = None
+            else:
+                new_partial[d] = tgt_partial[d]
             new = (tuple(new_map), tuple(new_partial))
             if new != state:
                 yield Step("relabel", d, nbytes=(0,) * len(ctx.coords)), new
@@ -206,7 +210,9 @@ def _moves(ctx: _Ctx, state, target):
             nm = list(dim_map)
             nm[u] = nm[u] + (d,)
             yield Step(SPLIT, d, tensor_dim=u, sizes=sizes, nbytes=zero), (tuple(nm), partial)
-        if tgt_partial[d] is not None:
+        # Reductions of different kinds do not commute: only start a new partial when every pending
+        # one has the same op (so Partial(max) is resolved before a Partial(sum) is introduced).
+        if tgt_partial[d] is not None and all(p in (None, tgt_partial[d]) for p in partial):
             np_ = list(partial)
             np_[d] = tgt_partial[d]
             yield Step(TO_PARTIAL, d, reduce_op=tgt_partial[d], nbytes=zero), (dim_map, tuple(np_))

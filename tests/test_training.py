@@ -96,3 +96,58 @@ def test_optimizers_tp(dist_runner, opt_name, foreach):
 
 def test_adamw_dp_tp(dist_runner):
     dist_runner.run(4, _train, "adamw", True, (2, 2))
+
+
+class Attn(nn.Module):
+    """A small attention block computed entirely on DTensors (heads sharded by the parameters)."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(d)
+        self.wqkv = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(3)])
+        self.wo = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm(x)
+        q, k, v = [w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in self.wqkv]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = o.transpose(1, 2).reshape(b, s, d)
+        return x + F.dropout(self.wo(o), p=0.0)
+
+
+def _train_attention():
+    torch.manual_seed(0)
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    ref = Attn()
+    model = copy.deepcopy(ref)
+
+    def partition(name, mod, m):
+        if name.startswith("wqkv."):
+            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, [Shard(0)]))
+        elif name == "wo":
+            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, [Shard(1)]))
+    hp.distribute_module(model, mesh, partition)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(10):
+        x = torch.randn(2, 6, 16)
+        loss_ref = ref(x).pow(2).mean()
+        opt_ref.zero_grad()
+        loss_ref.backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt_ref.step()
+        out = model(hp.distribute_tensor(x, mesh, [Replicate()]))
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        torch.testing.assert_close(loss.full_tensor(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_attention_block_training(dist_runner):
+    dist_runner.run(2, _train_attention)

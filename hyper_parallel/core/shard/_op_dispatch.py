@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any
 
 from hyper_parallel.core.dtensor import dtensor as _dt
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -249,23 +248,7 @@ class OpDispatcher:
     """Routes ops on DTensors through their sharding rules (see module docstring)."""
 
     def dispatch(self, func, args, kwargs=None):
-        if not kwargs:
-            # Fast path: positional DTensors and scalars only, cached entry with nothing to redistribute.
-            parts = [func]
-            for a in args:
-                t = type(a)
-                if t is DTensor:
-                    parts.append(a._layout)
-                    parts.append(a._gshape)
-                elif t in _SCALARS:
-                    parts.append(a)
-                else:
-                    break
-            else:
-                entry = _FAST.get(tuple(parts))
-                if entry is not None:
-                    out = func(*[a._local_tensor if type(a) is DTensor else a for a in args])
-                    return DTensor._wrap(out, entry.mesh, entry.out_layouts, entry.out_shapes)
+        """Run ``func`` on DTensor arguments (the fast path lives in :func:`_torch_function`)."""
         return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):

@@ -104,6 +104,18 @@ def _is_dtensor(x):
     return isinstance(x, DTensor)
 
 
+is_dtensor = _is_dtensor
+
+
+def bind_args(args, kwargs, names) -> Dict[str, Any]:
+    """Argument values by name: positional ``args`` matched to ``names`` (extra ones as ``argN``), then ``kwargs``."""
+    v = {}
+    for i, a in enumerate(args):
+        v[names[i] if i < len(names) else f"arg{i}"] = a
+    v.update(kwargs)
+    return v
+
+
 _INVALIDATE_HOOKS: List[Callable[[], None]] = []
 
 

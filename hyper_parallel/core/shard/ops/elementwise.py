@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import List
 
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, is_inplace, redistribution_cost
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt
 
 NONLINEAR, ADD, MUL, DIV, UNARY_LINEAR = "nonlinear", "add", "mul", "div", "unary_linear"
 
@@ -117,11 +118,6 @@ def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
 
 def _layout_like(base, dm, partial):
     return base.with_dim_map(dm, partial)
-
-
-def _is_dt(x):
-    from hyper_parallel.core.dtensor.dtensor import DTensor
-    return isinstance(x, DTensor)
 
 
 def _is_number_like(a):

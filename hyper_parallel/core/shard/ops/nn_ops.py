@@ -29,22 +29,13 @@ from typing import Dict, List, Sequence
 from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.core.shard.ops.base import (
     DistributedOp, Strategy, redistribution_cost, reduce_all_partial, unshard_dims)
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind
 from hyper_parallel.platform import get_platform
 
 
 # ----------------------------------------------------------------------------- argument helpers
-def _is_dt(x):
-    from hyper_parallel.core.dtensor.dtensor import DTensor
-    return isinstance(x, DTensor)
 
 
-def _bind(args, kwargs, names: Sequence[str]) -> Dict[str, object]:
-    """Argument values by name (positional ``args`` matched to ``names``, then ``kwargs``)."""
-    v = {}
-    for i, a in enumerate(args):
-        v[names[i] if i < len(names) else f"arg{i}"] = a
-    v.update(kwargs)
-    return v
 
 
 def _roles(call, names: Sequence[str]) -> List[str]:

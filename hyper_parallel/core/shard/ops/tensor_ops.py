@@ -24,23 +24,14 @@ unless stated otherwise.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
 
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, meta_run, redistribution_cost, unshard_dims
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind
 from hyper_parallel.platform import get_platform
 
 
-def _is_dt(x):
-    from hyper_parallel.core.dtensor.dtensor import DTensor
-    return isinstance(x, DTensor)
 
 
-def _bind(args, kwargs, names: Sequence[str]) -> Dict[str, object]:
-    v = {}
-    for i, a in enumerate(args):
-        v[names[i] if i < len(names) else f"arg{i}"] = a
-    v.update(kwargs)
-    return v
 
 
 def _self(call):

@@ -26,12 +26,10 @@ import itertools
 
 from hyper_parallel.core.dtensor.layout import local_shape_and_offset
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, meta_run
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt
 from hyper_parallel.platform import get_platform
 
 
-def _is_dt(x):
-    from hyper_parallel.core.dtensor.dtensor import DTensor
-    return isinstance(x, DTensor)
 
 
 def _prod(xs):

@@ -7,7 +7,6 @@ Each step prints every rank's local shard and the collectives the move issued
 all_to_all for Shard->Shard, reduce_scatter for Partial->Shard, and no
 communication at all for Replicate->Shard.
 """
-import os
 
 import torch
 import torch.distributed as dist

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hyper_parallel as hp
-from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                             Replicate, RowwiseParallel, SequenceParallel, Shard, parallelize_module)
 
 

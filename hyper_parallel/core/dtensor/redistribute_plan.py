@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from functools import lru_cache
-from typing import Tuple
+
 
 from hyper_parallel.core.dtensor.layout import Layout, chunk_sizes, coordinate_of, local_shape_and_offset
 from hyper_parallel.platform import comm_record as rec

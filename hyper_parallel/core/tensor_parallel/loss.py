@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 
-from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.shard.ops import base as _base
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy
 from hyper_parallel.platform import get_platform
@@ -22,7 +21,7 @@ platform = get_platform()
 class _VocabParallelCE(platform.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, ignore_index):
-        ops, coll = platform.ops, platform.collectives
+        coll = platform.collectives
         x = logits.float()
         local_max = x.max(dim=-1).values
         gmax = coll.all_reduce(local_max, group, "max")

@@ -20,7 +20,7 @@ is how torchtitan-style plans keep the model code unchanged.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
 from hyper_parallel.core.dtensor.api import distribute_tensor
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh

@@ -69,7 +69,7 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh")
+                 "fallback", "strict_msg", "mesh", "pg_args")
 
     def __init__(self):
         self.fallback = False
@@ -77,7 +77,7 @@ class _Entry:
 
 _CACHE: dict = {}
 # (func, layout, shape, scalar, ...) -> entry, for calls that need no redistribution,
-# no gradient hooks, no local implementation and return one tensor.
+# no local implementation and return one tensor (partial-gradient views are applied inline).
 _FAST: dict = {}
 _SCALARS = (int, float, bool, type(None))
 _INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
@@ -97,7 +97,7 @@ _base._INVALIDATE_HOOKS.append(_clear_caches)
 def _fast_eligible(entry, args, kwargs):
     from hyper_parallel.core.dtensor.layout import Layout
     return (not kwargs and not entry.redistributes and entry.local_fn is None and not entry.inplace
-            and not entry.fallback and all(g is None for g in entry.pgroups)
+            and not entry.fallback
             and isinstance(entry.out_layouts, Layout) and entry.out_shapes is not DERIVE_SHAPES
             and all(type(a) is DTensor or type(a) in _SCALARS for a in args))
 
@@ -225,8 +225,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         else:
             entry = _FAST.get(tuple(parts))
             if entry is not None:
-                out = func(*[a._local_tensor if type(a) is _DT else a for a in args])
-                return _wrap_one(_DT, out, entry.mesh, entry.out_layouts, entry.out_shapes)
+                locs = [a._local_tensor if type(a) is _DT else a for a in args]
+                if entry.pg_args is not None:
+                    for i, groups in entry.pg_args:
+                        loc = locs[i]
+                        if loc.requires_grad:
+                            for g in groups:
+                                loc = partial_grad_view(loc, g)
+                            locs[i] = loc
+                return _wrap_one(_DT, func(*locs), entry.mesh, entry.out_layouts, entry.out_shapes)
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **(kwargs or {}))
@@ -279,6 +286,10 @@ class OpDispatcher:
                 _CACHE[key] = entry
                 if _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh
+                    # DTensor positional args are the DTensors in order: map pgroups to arg positions
+                    pos = [i for i, a in enumerate(args) if type(a) is DTensor]
+                    pg = tuple((pos[j], g) for j, g in enumerate(entry.pgroups) if g is not None)
+                    entry.pg_args = pg or None
                     _FAST[(func,) + tuple(x for a in args for x in (
                         (a._layout, a._gshape) if type(a) is DTensor else (a,)))] = entry
             _STATS["misses"] += 1
@@ -316,7 +327,8 @@ class OpDispatcher:
         in_layouts = list(strategy.in_layouts)
         if len(in_layouts) != len(dts):
             raise RuntimeError(f"rule for '{name}' returned {len(in_layouts)} input layouts for {len(dts)} DTensors")
-        redist = [None if tl is None or tl == d._layout else tl for d, tl in zip(dts, in_layouts)]
+        redist = [None if tl is None or tl == d._layout or _same_data(d._layout, tl) else tl
+                  for d, tl in zip(dts, in_layouts)]
         entry.strict_msg = None
         if any(r is not None for r in redist):
             changes = ", ".join(f"input {i}: {dts[i]._layout} -> {r}" for i, r in enumerate(redist) if r)
@@ -383,6 +395,16 @@ def _wrap(out, layouts, shapes, mesh):
             return type(out)(items)
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
     return out
+
+
+def _same_data(src, dst) -> bool:
+    """True when ``src`` and ``dst`` differ only on size-1 mesh dims (identical local data)."""
+    if src.ndim != dst.ndim:
+        return False
+    keep = [k > 1 for k in src.mesh_shape]
+    strip = lambda lay: (tuple(tuple(d for d in m if keep[d]) for m in lay.dim_map),
+                         tuple(p if keep[d] else None for d, p in enumerate(lay.partial)))
+    return strip(src) == strip(dst)
 
 
 def _partial_groups(in_layouts, out_layouts, mesh):

@@ -70,18 +70,25 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     if sizes is None:
         sizes = [x.shape[dim]] * k
     m = max(sizes)
-    xt = x.movedim(dim, 0) if dim != 0 else x
-    xt = _pad_dim0(xt, m).contiguous()
-    buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
+    even = all(s == m for s in sizes)
+    if dim == 0:
+        xt = _pad_dim0(x, m).contiguous()
+        buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
+        rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
+        _all_gather_single(buf, xt, group=group.handle)
+        return buf if even else torch.cat([buf[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
+    # other dims: gather whole (padded) pieces, then one cat along dim
+    if x.shape[dim] < m:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = m - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    xt = x.contiguous()
+    # the wire format is dim-0 concatenation; view it as (k, *piece) afterwards
+    buf = xt.new_empty((k * xt.shape[0],) + tuple(xt.shape[1:]))
     rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
     _all_gather_single(buf, xt, group=group.handle)
-    if all(s == m for s in sizes):
-        out = buf
-    else:
-        out = torch.cat([buf[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
-    if dim != 0:
-        out = out.movedim(0, dim).contiguous()
-    return out
+    buf = buf.view((k,) + tuple(xt.shape))
+    return torch.cat([buf[i] if even else buf[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim=dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:

@@ -459,3 +459,12 @@ def _run_check(local, mesh, layout, gshape):
 
 
 __all__ = ["DTensor", "build_layout"]
+
+
+def __getattr__(name):
+    # HyperParallel documents ``from hyper_parallel.core.dtensor.dtensor import SkipDTensorDispatch``;
+    # it lives in the (higher) shard layer, so resolve it lazily instead of importing upwards.
+    if name == "SkipDTensorDispatch":
+        from hyper_parallel.core.shard.skip import SkipDTensorDispatch
+        return SkipDTensorDispatch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -148,7 +148,9 @@ def _sharded_norm_fn(p, dims, keepdim, groups):
     def local_fn(x, *a, **k):
         ax = x.abs()
         if p == float("inf"):
-            local = ops.amax(ax, dim=dims, keepdim=keepdim) if x.numel() else ax.new_zeros(())
+            # an empty shard contributes 0, through the graph so every rank's result requires grad alike
+            local = ops.amax(ax, dim=dims, keepdim=keepdim) if x.numel() else \
+                ops.sum(ax, dim=dims, keepdim=keepdim) * 0
             op = "max"
         else:
             local = ops.sum(ax if p == 1 else ax.pow(p), dim=dims, keepdim=keepdim)

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.layout import Layout, is_alias_spelling
-from hyper_parallel.core.dtensor.placement_types import Placement, Replicate
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate
 from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
 from hyper_parallel.platform import get_platform
@@ -60,6 +60,10 @@ def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placement
                              f"has {ndim} dims; give one alias per tensor dim")
         layout = base.with_aliases(placements)
     else:
+        has_alias = any(isinstance(p, (str, tuple)) for p in placements)
+        if has_alias and any(isinstance(p, Partial) for p in placements):
+            raise ValueError(f"{what}: Partial cannot be written as an alias ({placements!r}); pass placement "
+                             "objects, one per mesh dim, e.g. [Partial(), Replicate()]")
         for i, p in enumerate(placements):
             if not isinstance(p, Placement):
                 if isinstance(p, str) or (isinstance(p, tuple) and p and isinstance(p[0], str)):

@@ -1,0 +1,204 @@
+"""DTensor API, creation functions, meshes and error messages on real process groups."""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hyper_parallel as hp
+from hyper_parallel import Partial, Replicate, Shard
+
+
+def _api():
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mesh = hp.init_device_mesh("cpu", (ws,), mesh_dim_names=("x",))
+    # from_local with explicit shape/stride for uneven shards (torch.chunk: 5 rows -> 2,2,1,0 on 4 ranks)
+    full = torch.arange(5.0 * 3).view(5, 3)
+    local = full.chunk(ws)[rank] if rank < len(full.chunk(ws)) else full[5:]
+    dt = hp.DTensor.from_local(local, mesh, [Shard(0)], shape=(5, 3), stride=(3, 1))
+    assert dt.shape == (5, 3) and dt.size() == (5, 3) and dt.size(0) == 5 and dt.numel() == 15
+    assert dt.ndim == 2 and dt.dim() == 2 and dt.local_shape == local.shape
+    assert dt.dtype == torch.float32 and dt.device.type == "cpu" and not dt.requires_grad
+    assert dt.placements == (Shard(0),) and dt.alias_placements == ("x", "None")
+    assert dt.layout.placements == (Shard(0),) and "Shard(dim=0)" in repr(dt)
+    torch.testing.assert_close(dt.full_tensor(), full)
+    assert dt.to(torch.float64).dtype == torch.float64 and dt.to(torch.float64).placements == dt.placements
+    assert dt.to(torch.float64).float().dtype == torch.float32
+    # alias spelling
+    assert hp.DTensor.from_local(local, mesh, ("x", "None"), shape=(5, 3)).placements == (Shard(0),)
+    # run_check: a wrong local shape is reported on the rank that has it
+    bad = torch.zeros(3 if rank == 0 else 2, 3)
+    if ws > 1:
+        try:
+            hp.DTensor.from_local(bad, mesh, [Shard(0)], shape=(4 * ws // 2 + 1, 3), run_check=True)
+        except ValueError as e:
+            assert f"rank {rank}" in str(e) and "local" in str(e)
+    # to_local(grad_placements=[Partial()]) on a Replicate tensor all-reduces the gradient
+    x = torch.ones(4, requires_grad=True)
+    r = hp.DTensor.from_local(x, mesh, [Replicate()])
+    out = r.to_local(grad_placements=[Partial()])
+    (out * (rank + 1)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((4,), float(sum(range(1, ws + 1)))))
+    # full_tensor gradient on a sharded leaf: its own slice
+    s = hp.distribute_tensor(full, mesh, [Shard(1)]).requires_grad_()
+    (s.full_tensor() * full).sum().backward()
+    torch.testing.assert_close(s.grad.full_tensor(), full)
+    assert isinstance(s.grad, hp.DTensor) and s.grad.placements == (Shard(1),)
+    # a Partial tensor's gradient is Replicate (PyTorch's convention)
+    p = hp.DTensor.from_local(torch.ones(3, requires_grad=True), mesh, [Partial()])
+    p.full_tensor().sum().backward()
+    assert p.grad.placements == (Replicate(),)
+    # nn.Parameter holding a DTensor
+    prm = nn.Parameter(hp.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+    assert isinstance(prm, nn.Parameter) and isinstance(prm, hp.DTensor) and prm.requires_grad and prm.is_leaf
+    (prm * 2).sum().backward()
+    assert isinstance(prm.grad, hp.DTensor)
+    torch.testing.assert_close(prm.grad.full_tensor(), torch.full((4, 4), 2.0))
+    # reduce_partial
+    q = hp.DTensor.from_local(torch.ones(2) * (rank + 1), mesh, [Partial()])
+    torch.testing.assert_close(q.reduce_partial().to_local(), torch.full((2,), float(sum(range(1, ws + 1)))))
+
+
+def test_dtensor_api(dist_runner):
+    for ws in (1, 2, 4):
+        dist_runner.run(ws, _api)
+
+
+def _creation():
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mesh = hp.init_device_mesh("cpu", (ws,))
+    # src_data_rank=0: ranks pass different data, everyone gets rank 0's
+    mine = torch.full((4, 2), float(rank))
+    d = hp.distribute_tensor(mine, mesh, [Shard(0)])
+    torch.testing.assert_close(d.full_tensor(), torch.zeros(4, 2))
+    # src_data_rank=None: no communication, local slicing
+    with hp.CommDebugMode() as comm:
+        d2 = hp.distribute_tensor(torch.arange(8.0).view(4, 2), mesh, [Shard(0)], src_data_rank=None)
+    assert comm.get_total_counts() == 0
+    torch.testing.assert_close(d2.full_tensor(), torch.arange(8.0).view(4, 2))
+    with pytest.raises(ValueError, match="src_data_rank"):
+        hp.distribute_tensor(mine, mesh, [Shard(0)], src_data_rank=ws)
+    with pytest.raises(ValueError, match="Partial"):
+        hp.distribute_tensor(mine, mesh, [Partial()])
+    # distribute_module: partition_fn shards a Linear weight, the rest become Replicate DTensors
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def partition(name, mod, m):
+        if name == "0":
+            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, [Shard(0)]))
+    calls = []
+    hp.distribute_module(model, mesh, partition,
+                         input_fn=lambda mod, inputs, m: (calls.append("in3"), inputs)[1],
+                         output_fn=lambda mod, outputs, m: (calls.append("out3"), outputs)[1])
+    assert model[0].weight.placements == (Shard(0),)
+    assert model[0].bias.placements == (Replicate(),) and model[2].weight.placements == (Replicate(),)
+    model(hp.distribute_tensor(torch.randn(3, 4), mesh, [Replicate()]))
+    assert calls == ["in3", "out3"]
+    with pytest.raises(RuntimeError, match="only be called once"):
+        hp.distribute_module(model, mesh)
+    m2 = nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        hp.distribute_module(m2, mesh, input_fn=lambda inputs, m: inputs, output_fn=lambda outputs, m: outputs)
+    assert any(issubclass(x.category, FutureWarning) for x in w)
+    with pytest.raises(ValueError, match="2 or 3 arguments"):
+        hp.distribute_module(nn.Linear(2, 2), mesh, input_fn=lambda a: a)
+    # factories (both spellings)
+    o = hp.ones(5, 3, device_mesh=mesh, placements=[Shard(0)])
+    assert o.shape == (5, 3) and o.placements == (Shard(0),)
+    torch.testing.assert_close(o.full_tensor(), torch.ones(5, 3))
+    z = hp.zeros((4, 4), mesh, [Shard(1)])
+    torch.testing.assert_close(z.full_tensor(), torch.zeros(4, 4))
+    f = hp.full((2, 3), 7.0, device_mesh=mesh, placements=[Replicate()], dtype=torch.float64)
+    assert f.dtype == torch.float64 and f.to_local().eq(7).all()
+    e = hp.empty(6, device_mesh=mesh, placements=[Shard(0)], requires_grad=True)
+    assert e.shape == (6,) and e.requires_grad
+    # random: replicas equal, shards differ, layout-independent with the same seed
+    hp.manual_seed(3)
+    rep = hp.rand(4, 4, device_mesh=mesh, placements=[Replicate()])
+    gathered = [torch.empty(4, 4) for _ in range(ws)]
+    dist.all_gather(gathered, rep.to_local())
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    hp.manual_seed(3)
+    sh = hp.rand(4 * ws, 4, device_mesh=mesh, placements=[Shard(0)])
+    pieces = sh.full_tensor().chunk(ws)
+    if ws > 1:
+        assert not torch.equal(pieces[0], pieces[1])
+    return hp.randn  # marker
+
+
+def test_creation(dist_runner):
+    dist_runner.run(2, _creation)
+    dist_runner.run(4, _creation)
+
+
+def _rng_layouts():
+    ws = dist.get_world_size()
+    results = []
+    meshes = [hp.init_device_mesh("cpu", (ws,)), hp.init_device_mesh("cpu", (2, ws // 2))]
+    for mesh in meshes:
+        for pl in ([Replicate()] * mesh.ndim, [Shard(0)] * mesh.ndim, [Shard(1)] + [Shard(0)] * (mesh.ndim - 1)):
+            hp.manual_seed(11)
+            results.append(hp.randn(7, 5, device_mesh=mesh, placements=pl).full_tensor())
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    return results[0]
+
+
+def test_random_is_layout_independent(dist_runner):
+    r4 = dist_runner.run(4, _rng_layouts)[0]
+    r2 = dist_runner.run(2, _rng_layouts)[0]
+    assert torch.equal(r4, r2)
+
+
+def _mesh():
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mesh = hp.init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    assert mesh.ndim == 2 and mesh.shape == (2, ws // 2) and mesh.size() == ws and mesh.size("tp") == ws // 2
+    assert mesh.get_coordinate() == (rank // (ws // 2), rank % (ws // 2)) and mesh.get_rank() == rank
+    assert mesh.get_local_rank("dp") == rank // (ws // 2) and mesh.get_local_rank(1) == rank % (ws // 2)
+    tp = mesh["tp"]
+    assert tp.ndim == 1 and tp.mesh_dim_names == ("tp",) and rank in tp.rank_list
+    assert mesh["dp", "tp"] is mesh
+    assert dist.get_world_size(mesh.get_group("tp")) == ws // 2
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=tp.get_group())
+    assert t.item() == sum(r for r in range(ws) if r // (ws // 2) == rank // (ws // 2))
+    flat = mesh._flatten("dp_tp")
+    assert flat.ndim == 1 and flat.size() == ws and flat.mesh_dim_names == ("dp_tp",)
+    assert mesh.mesh.tolist() == [[r * (ws // 2) + c for c in range(ws // 2)] for r in range(2)]
+    # the current mesh is used when the argument is omitted
+    with mesh:
+        x = hp.distribute_tensor(torch.ones(4, 4), placements=[Shard(0), Replicate()])
+        assert x.device_mesh is mesh
+        assert hp.ones(4, placements=[Replicate(), Replicate()]).device_mesh is mesh
+    for shape in ((1, ws), (ws, 1)):
+        m = hp.init_device_mesh("cpu", shape)
+        y = hp.distribute_tensor(torch.arange(12.0).view(4, 3), m, [Shard(0), Shard(1)])
+        torch.testing.assert_close(y.redistribute(m, [Replicate(), Shard(0)]).full_tensor(), torch.arange(12.0).view(4, 3))
+    with pytest.raises(ValueError, match=rf"mesh_shape \(3,\) has 3 devices but the world size is {ws}"):
+        hp.init_device_mesh("cpu", (3,))
+    with pytest.raises(KeyError, match="'pp' not found"):
+        mesh["pp"]
+    # redistributing to another mesh is an explicit error naming both
+    other = hp.init_device_mesh("cpu", (ws,))
+    with pytest.raises(ValueError, match="differs from the source mesh"):
+        x.redistribute(other, [Replicate()])
+    with pytest.raises(ValueError, match="different meshes"):
+        x + hp.ones(4, 4, device_mesh=hp.init_device_mesh("cpu", (ws // 2, 2)), placements=[Replicate()] * 2)
+    with pytest.raises(ValueError, match=r"has 1 entries but the mesh \(2, \d\) has 2 dims"):
+        hp.distribute_tensor(torch.ones(2), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="out of range"):
+        hp.distribute_tensor(torch.ones(2), mesh, [Shard(1), Replicate()])
+    with pytest.raises(ValueError, match="unknown alias 'pp'"):
+        hp.distribute_tensor(torch.ones(2, 2), mesh, ("pp", "None"))
+    with pytest.raises(ValueError, match="used twice"):
+        hp.distribute_tensor(torch.ones(2, 2), mesh, ("dp", "dp"))
+    with pytest.raises(ValueError, match="Partial cannot be written as an alias"):
+        hp.DTensor.from_local(torch.ones(2, 2), mesh, (Partial(), "None"))
+
+
+def test_mesh_and_errors(dist_runner):
+    dist_runner.run(4, _mesh)
+    dist_runner.run(8, _mesh)

@@ -12,20 +12,13 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
+from tests._parity import _make, _meshes, _randn
 
 DT = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 
 # ----------------------------------------------------------------------------- helpers (run on every rank)
-def _meshes():
-    ws = torch.distributed.get_world_size()
-    meshes = [hp.init_device_mesh("cpu", (ws,))]
-    if ws == 4:
-        meshes.append(hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
-    return meshes
-
-
 def _placements(mesh, nd, partial=True):
     """A sweep of placements for an ``nd``-d tensor on ``mesh``."""
     if mesh.ndim == 1:
@@ -45,20 +38,6 @@ def _placements(mesh, nd, partial=True):
     return uniq
 
 
-def _make(full, mesh, placements, requires_grad):
-    """DTensor holding ``full`` laid out as ``placements`` (Partial pieces sum to ``full``)."""
-    if not any(isinstance(p, Partial) for p in placements):
-        d = hp.distribute_tensor(full.detach(), mesh, placements)
-        return d.requires_grad_() if requires_grad else d
-    base = [Replicate() if isinstance(p, Partial) else p for p in placements]
-    local = hp.distribute_tensor(full.detach(), mesh, base).to_local().detach().clone()
-    coord = mesh.get_coordinate()
-    for d, p in enumerate(placements):
-        if isinstance(p, Partial):
-            k = mesh.size(d)
-            local = local * ((coord[d] + 1) * 2.0 / (k * (k + 1)))
-    d = hp.DTensor.from_local(local, mesh, placements, shape=tuple(full.shape))
-    return d.requires_grad_() if requires_grad else d
 
 
 def _check(label, mesh, f, inputs, check_out=None, tol=TOL):
@@ -90,14 +69,8 @@ def _check(label, mesh, f, inputs, check_out=None, tol=TOL):
     return out
 
 
-def _randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
 
 
-def _placed(*pl):
-    def chk(out):
-        assert tuple(out.placements) == tuple(pl), (out.placements, pl)
-    return chk
 
 
 # ----------------------------------------------------------------------------- softmax family

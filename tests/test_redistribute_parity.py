@@ -19,9 +19,9 @@ Value mismatches are collected and reported with the exact (src, dst, shape);
 an exception inside a collective is re-raised at once with the same context
 (the harness then reports that rank's traceback).
 
-Set ``HP_PARITY_FULL=1`` to run the complete product on the (2, 2, 2) mesh too
-(by default every source is paired with a fixed, seeded sample of targets there,
-which keeps the file under the time budget on a 2-core machine).
+The (2, 2, 2) mesh runs the complete product too (4480 cases, about 5 minutes on
+8 ranks sharing 2 cores). Set ``HP_PARITY_QUICK=1`` for a quick local run that pairs
+every source with a fixed, seeded sample of targets there instead.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _cases(mesh_key: str):
         dsts = list(itertools.product((R, S0, S1), repeat=3))
         dsts += [(P, R, S0), (R, S1, P)]
         dsts += [(("tp", "pp"), "dp"), ("None", ("tp", "dp", "pp")), ("dp", ("tp", "pp"))]
-        if os.environ.get("HP_PARITY_FULL") == "1":
+        if os.environ.get("HP_PARITY_QUICK") != "1":
             pairs = [(s, d) for s in srcs for d in dsts]
         else:
             rng = random.Random(1234)
@@ -295,5 +295,6 @@ def test_parity_2d_mesh_2x2(dist_runner):
 
 
 @requires_world_size(8)
+@pytest.mark.timeout(1000)
 def test_parity_3d_mesh_2x2x2(dist_runner):
-    _report(dist_runner.run(8, _parity_body, "3d", timeout=170), "3d")
+    _report(dist_runner.run(8, _parity_body, "3d", timeout=900), "3d")

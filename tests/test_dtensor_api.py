@@ -1,4 +1,5 @@
 """DTensor API, creation functions, meshes and error messages on real process groups."""
+import re
 import warnings
 
 import pytest
@@ -27,13 +28,8 @@ def _api():
     assert dt.to(torch.float64).float().dtype == torch.float32
     # alias spelling
     assert hp.DTensor.from_local(local, mesh, ("x", "None"), shape=(5, 3)).placements == (Shard(0),)
-    # run_check: a wrong local shape is reported on the rank that has it
-    bad = torch.zeros(3 if rank == 0 else 2, 3)
     if ws > 1:
-        try:
-            hp.DTensor.from_local(bad, mesh, [Shard(0)], shape=(4 * ws // 2 + 1, 3), run_check=True)
-        except ValueError as e:
-            assert f"rank {rank}" in str(e) and "local" in str(e)
+        _run_check_1d(mesh, ws, rank)
     # to_local(grad_placements=[Partial()]) on a Replicate tensor all-reduces the gradient
     x = torch.ones(4, requires_grad=True)
     r = hp.DTensor.from_local(x, mesh, [Replicate()])
@@ -58,6 +54,35 @@ def _api():
     # reduce_partial
     q = hp.DTensor.from_local(torch.ones(2) * (rank + 1), mesh, [Partial()])
     torch.testing.assert_close(q.reduce_partial().to_local(), torch.full((2,), float(sum(range(1, ws + 1)))))
+
+
+def _run_check_1d(mesh, ws, rank):
+    # a local shape that disagrees with the layout: rank 1 raises describing its shape, the others name rank 1
+    bad = torch.zeros(3 if rank == 1 else 2, 3)
+    if rank == 1:
+        msg = (rf"rank 1 has local shape \(3, 3\) \(global shape \({3 * ws}, 3\)\), but with placements "
+               rf"\(Shard\(dim=0\),\) and the global shape \({2 * ws}, 3\) of rank 0 it should have local shape "
+               r"\(2, 3\); pass shape=")
+    else:
+        msg = r"the local shapes of rank\(s\) \[1\] do not match placements \(Shard\(dim=0\),\)"
+    with pytest.raises(ValueError, match=msg):
+        hp.DTensor.from_local(bad, mesh, [Shard(0)], run_check=True)
+    # uneven shards pass with shape= (torch.chunk: 5 rows)
+    rows = [c.shape[0] for c in torch.arange(5).chunk(ws)] + [0] * ws
+    ok = hp.DTensor.from_local(torch.zeros(rows[rank], 3), mesh, [Shard(0)], run_check=True, shape=(5, 3))
+    assert ok.shape == (5, 3)
+    # replicated data is broadcast from rank 0: every rank passes different data
+    mine = torch.full((2, 3), float(rank))
+    r = hp.DTensor.from_local(mine, mesh, [Replicate()], run_check=True)
+    torch.testing.assert_close(r.to_local(), torch.zeros(2, 3))
+    # ... also when the local tensor requires grad; its gradient passes through unchanged
+    leaf = torch.full((2, 3), float(rank), requires_grad=True)
+    r = hp.DTensor.from_local(leaf, mesh, [Replicate()], run_check=True)
+    torch.testing.assert_close(r.to_local(), torch.zeros(2, 3))
+    (r.to_local() * 3).sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.full((2, 3), 3.0))
+    # without run_check nothing is exchanged
+    assert torch.equal(hp.DTensor.from_local(mine, mesh, [Replicate()]).to_local(), mine)
 
 
 def test_dtensor_api(dist_runner):
@@ -89,19 +114,34 @@ def _creation():
             mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, [Shard(0)]))
     calls = []
     hp.distribute_module(model, mesh, partition,
-                         input_fn=lambda mod, inputs, m: (calls.append("in3"), inputs)[1],
-                         output_fn=lambda mod, outputs, m: (calls.append("out3"), outputs)[1])
+                         input_fn=lambda mod, inputs, m: (calls.append(("in3", mod is model, m is mesh)), inputs)[1],
+                         output_fn=lambda mod, outputs, m: (calls.append(("out3", mod is model, m is mesh)), outputs)[1])
     assert model[0].weight.placements == (Shard(0),)
     assert model[0].bias.placements == (Replicate(),) and model[2].weight.placements == (Replicate(),)
     model(hp.distribute_tensor(torch.randn(3, 4), mesh, [Replicate()]))
-    assert calls == ["in3", "out3"]
+    assert calls == [("in3", True, True), ("out3", True, True)]
     with pytest.raises(RuntimeError, match="only be called once"):
         hp.distribute_module(model, mesh)
+    # 2-argument hooks (deprecated, still run): their return values replace the inputs / outputs
     m2 = nn.Linear(2, 2)
+    calls2 = []
+
+    def in2(inputs, m):
+        calls2.append(("in2", m is mesh))
+        return tuple(hp.distribute_tensor(i, m, [Replicate()]) for i in inputs)
+
+    def out2(outputs, m):
+        calls2.append(("out2", isinstance(outputs, hp.DTensor), m is mesh))
+        return outputs.to_local()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        hp.distribute_module(m2, mesh, input_fn=lambda inputs, m: inputs, output_fn=lambda outputs, m: outputs)
-    assert any(issubclass(x.category, FutureWarning) for x in w)
+        hp.distribute_module(m2, mesh, input_fn=in2, output_fn=out2)
+    assert sum(issubclass(x.category, FutureWarning) for x in w) == 2
+    inp = torch.arange(6.0).view(3, 2)   # the same on every rank (input_fn broadcasts rank 0's)
+    out = m2(inp)   # a plain tensor in, a plain tensor out
+    assert calls2 == [("in2", True), ("out2", True, True)]
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, inp @ m2.weight.full_tensor().T + m2.bias.full_tensor())
     with pytest.raises(ValueError, match="2 or 3 arguments"):
         hp.distribute_module(nn.Linear(2, 2), mesh, input_fn=lambda a: a)
     # factories (both spellings)
@@ -183,8 +223,9 @@ def _mesh():
         mesh["pp"]
     # redistributing to another mesh is an explicit error naming both
     other = hp.init_device_mesh("cpu", (ws,))
-    with pytest.raises(ValueError, match="differs from the source mesh"):
+    with pytest.raises(ValueError, match=re.escape(f"target mesh {other!r} differs from the source mesh {mesh!r}")):
         x.redistribute(other, [Replicate()])
+    assert "DeviceMesh('cpu', [0, 1," in repr(other) and "mesh_dim_names=('dp', 'tp')" in repr(mesh)
     with pytest.raises(ValueError, match="different meshes"):
         x + hp.ones(4, 4, device_mesh=hp.init_device_mesh("cpu", (ws // 2, 2)), placements=[Replicate()] * 2)
     with pytest.raises(ValueError, match=r"has 1 entries but the mesh \(2, \d\) has 2 dims"):
@@ -197,6 +238,56 @@ def _mesh():
         hp.distribute_tensor(torch.ones(2, 2), mesh, ("dp", "dp"))
     with pytest.raises(ValueError, match="Partial cannot be written as an alias"):
         hp.DTensor.from_local(torch.ones(2, 2), mesh, (Partial(), "None"))
+    # run_check on a 2-d mesh: replicated data comes from tp rank 0 of each dp row; a bad shape names its rank
+    d = hp.DTensor.from_local(torch.full((2, 2), float(rank)), mesh, [Shard(0), Replicate()], run_check=True)
+    torch.testing.assert_close(d.to_local(), torch.full((2, 2), float(rank - rank % (ws // 2))))
+    msg = r"rank 2 has local shape \(1, 2\)" if rank == 2 else r"the local shapes of rank\(s\) \[2\] do not match"
+    with pytest.raises(ValueError, match=msg):
+        hp.DTensor.from_local(torch.ones(1 if rank == 2 else 2, 2), mesh, [Shard(0), Replicate()], run_check=True)
+    if ws == 8:
+        _mesh_3d(rank)
+
+
+def _mesh_3d(rank):
+    """Slicing and flattening a ("pp", "dp", "tp") (2, 2, 2) mesh."""
+    mesh = hp.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp, dp, tp = rank // 4, (rank // 2) % 2, rank % 2
+    base = 4 * pp
+    assert mesh.get_coordinate() == (pp, dp, tp)
+    sub = mesh["dp", "tp"]
+    assert sub.ndim == 2 and sub.shape == (2, 2) and sub.mesh_dim_names == ("dp", "tp") and sub.size() == 4
+    assert sub.mesh.tolist() == [[base, base + 1], [base + 2, base + 3]]
+    assert sub.get_coordinate() == (dp, tp) and sub.get_local_rank("dp") == dp and sub.get_local_rank("tp") == tp
+    assert sub.get_rank() == rank and sub["tp"].rank_list == (rank - tp, rank - tp + 1)
+    assert mesh["pp", "tp"].mesh.tolist() == [[2 * dp, 2 * dp + 1], [4 + 2 * dp, 5 + 2 * dp]]
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=sub.get_group("dp"))
+    assert t.item() == 2 * rank + 2 - 4 * dp   # rank + its dp partner (rank + 2 or rank - 2)
+    # flatten dp x tp: one group of 4 ranks, reachable from the root mesh by name
+    flat = sub._flatten()
+    assert flat.mesh_dim_names == ("dp_tp",) and flat.ndim == 1 and flat.rank_list == tuple(range(base, base + 4))
+    assert flat.get_local_rank() == rank % 4 and flat.get_coordinate() == (rank % 4,)
+    assert mesh["dp_tp"] is flat and sub["dp_tp"] is flat and sub._flatten("dp_tp") is flat
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=flat.get_group())
+    assert t.item() == sum(range(base, base + 4))
+    p = hp.DTensor.from_local(torch.full((2,), float(rank)), flat, [Partial()])
+    with hp.CommDebugMode() as comm:
+        r = p.redistribute(flat, [Replicate()])
+    assert comm.get_comm_counts() == {"all_reduce": 1}
+    torch.testing.assert_close(r.to_local(), torch.full((2,), float(sum(range(base, base + 4)))))
+    # a DTensor sharded over the flattened dim: values and gradient
+    full = torch.arange(8.0 * 3).view(8, 3)
+    x = hp.distribute_tensor(full, flat, [Shard(0)]).requires_grad_()
+    torch.testing.assert_close(x.to_local(), full[2 * (rank % 4):2 * (rank % 4) + 2])
+    (x.full_tensor() * full).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), full)
+    with pytest.raises(ValueError, match="name 'tp' is already a dim of the root mesh"):
+        sub._flatten("tp")
+    with pytest.raises(ValueError, match=r"name 'dp_tp' already names the flattening of root dims \['dp', 'tp'\]"):
+        mesh["pp", "dp"]._flatten("dp_tp")
+    with pytest.raises(KeyError, match="'dp_tp' is a flattened dim; slice it alone"):
+        mesh["pp", "dp_tp"]
 
 
 def test_mesh_and_errors(dist_runner):

@@ -14,9 +14,15 @@ all_gather                input_bytes * (k - 1)
 all_reduce                2 * input_bytes * (k - 1) // k
 reduce_scatter            input_bytes * (k - 1) // k  (input = k chunks)
 all_to_all                input_bytes * (k - 1) // k  (even split)
-broadcast / scatter       sender only: input_bytes * (k - 1) [// k]
+broadcast / scatter       root only: input_bytes * (k - 1) [// k]
+reduce                    root: input_bytes * (k - 1) // k; others: input_bytes
+gather                    others only: input_bytes
 send                      input_bytes
 ========================  ==========================================
+
+``is_src`` says whether this rank is the collective's root: the source of a
+broadcast or scatter, the destination of a reduce or gather. ``reduce`` is
+costed as a reduce_scatter followed by a gather of the reduced pieces to the root.
 """
 from __future__ import annotations
 
@@ -28,10 +34,12 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 BROADCAST = "broadcast"
 SCATTER = "scatter"
+REDUCE = "reduce"
+GATHER = "gather"
 SEND = "send"
 RECV = "recv"
 
-COLLECTIVES = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SCATTER, SEND, RECV)
+COLLECTIVES = (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SCATTER, REDUCE, GATHER, SEND, RECV)
 
 
 def bytes_sent(kind: str, input_bytes: int, group_size: int, *, is_src: bool = True) -> int:
@@ -49,6 +57,10 @@ def bytes_sent(kind: str, input_bytes: int, group_size: int, *, is_src: bool = T
         return input_bytes * (k - 1) if is_src else 0
     if kind == SCATTER:
         return input_bytes * (k - 1) // k if is_src else 0
+    if kind == REDUCE:
+        return input_bytes * (k - 1) // k if is_src else input_bytes
+    if kind == GATHER:
+        return 0 if is_src else input_bytes
     if kind == SEND:
         return input_bytes
     if kind == RECV:

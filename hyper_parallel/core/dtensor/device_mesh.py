@@ -70,6 +70,7 @@ class DeviceMesh:
         self._key = (device_type, self.rank_list, self._shape, self._names)
         self._hash = hash(self._key)
         self._groups = [None] * len(shape)
+        self._flat_meshes = {}  # on a root mesh: flattened name -> (root dims, flattened mesh of this rank)
         if _init_groups:
             if plat.get_world_size() < max(flat) + 1:
                 raise ValueError(f"DeviceMesh: mesh uses rank {max(flat)} but the world has only "
@@ -116,6 +117,9 @@ class DeviceMesh:
     def _dim_index(self, dim: Union[int, str]) -> int:
         if isinstance(dim, str):
             if not self._names or dim not in self._names:
+                if dim in self._root._flat_meshes:
+                    raise KeyError(f"mesh dim name {dim!r} is a flattened dim; slice it alone (mesh[{dim!r}]) "
+                                   f"or use its parts; this mesh's dim names are {self._names}")
                 raise KeyError(f"mesh dim name {dim!r} not found; this mesh's dim names are {self._names}")
             return self._names.index(dim)
         if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
@@ -194,6 +198,9 @@ class DeviceMesh:
     def __getitem__(self, names) -> "DeviceMesh":
         if isinstance(names, (str, int)):
             names = (names,)
+        flat = self._flattened(names)
+        if flat is not None:
+            return flat
         dims = tuple(self._dim_index(n) for n in names)
         if len(set(dims)) != len(dims):
             raise ValueError(f"mesh[{names}]: a mesh dim is named twice")
@@ -212,12 +219,38 @@ class DeviceMesh:
             sub._groups[i] = self._groups[d]
         return sub
 
+    def _flattened(self, names):
+        """The mesh flattened earlier under ``names[0]`` from dims of this mesh, if any."""
+        if len(names) != 1 or not isinstance(names[0], str) or (self._names and names[0] in self._names):
+            return None
+        entry = self._root._flat_meshes.get(names[0])
+        if entry is None or not set(entry[0]) <= set(self._root_dims):
+            return None
+        return entry[1]
+
     def _flatten(self, mesh_dim_name: Optional[str] = None) -> "DeviceMesh":
-        """Merge all dims of this (sub)mesh into one; collective over the world (every rank must call)."""
+        """Merge all dims of this (sub)mesh into one; collective over the world (every rank must call).
+
+        The result is registered on the root mesh under ``mesh_dim_name`` (default:
+        the dim names joined by ``_``), so ``root[mesh_dim_name]`` returns it later;
+        flattening the same dims under the same name again returns the same mesh.
+        """
         root = self._root
         plat = get_platform()
         if mesh_dim_name is None:
             mesh_dim_name = "_".join(self._names) if self._names else "flat"
+        if root._names and mesh_dim_name in root._names:
+            if self._root_dims == (root._names.index(mesh_dim_name),):
+                return self
+            raise ValueError(f"DeviceMesh._flatten: name {mesh_dim_name!r} is already a dim of the root mesh "
+                             f"(dim names {root._names}); choose another name")
+        known = root._flat_meshes.get(mesh_dim_name)
+        if known is not None:
+            if known[0] != self._root_dims:
+                dims_names = [root._names[d] if root._names else d for d in known[0]]
+                raise ValueError(f"DeviceMesh._flatten: name {mesh_dim_name!r} already names the flattening of "
+                                 f"root dims {dims_names}; choose another name")
+            return known[1]
         my_line = None
         for ranks in root._lines(self._root_dims):
             g = plat.new_group(ranks)
@@ -225,6 +258,7 @@ class DeviceMesh:
                 my_line = (ranks, g)
         flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False)
         flat._groups[0] = my_line[1]
+        root._flat_meshes[mesh_dim_name] = (self._root_dims, flat)
         return flat
 
     flatten = _flatten

@@ -104,7 +104,11 @@ class DTensor(platform.DTensorBase):
     @classmethod
     def _wrap(cls, local, mesh, layout, shape, stride=None):
         """Fast internal constructor: no validation."""
-        r = _make_wrapper(cls, shape, strides=stride, dtype=local.dtype, device=local.device, requires_grad=False)
+        # fewest keyword arguments: each one costs ~0.2 us on this per-op hot path
+        if stride is None:
+            r = _make_wrapper(cls, shape, dtype=local.dtype, device=local.device)
+        else:
+            r = _make_wrapper(cls, shape, strides=stride, dtype=local.dtype, device=local.device)
         r._local_tensor = local
         r._mesh = mesh
         r._layout = layout
@@ -238,8 +242,10 @@ class DTensor(platform.DTensorBase):
             if len(gshape) != local_tensor.dim():
                 raise ValueError(f"DTensor.from_local: shape {gshape} has {len(gshape)} dims but the local tensor "
                                  f"has {local_tensor.dim()}")
+            # with run_check the shape check is collective (_run_check): a rank raising here
+            # alone would leave the others waiting in it
             expect = layout.local_shape(gshape, coord=mesh.get_coordinate())
-            if expect != tuple(local_tensor.shape):
+            if not run_check and expect != tuple(local_tensor.shape):
                 raise ValueError(f"DTensor.from_local: local tensor shape {tuple(local_tensor.shape)} on rank "
                                  f"{mesh.get_rank()} does not match shape={gshape} with placements "
                                  f"{layout.placements} (expected local shape {expect})")
@@ -264,7 +270,13 @@ class DTensor(platform.DTensorBase):
         return GradRedistribute.apply(self._local_tensor, plan, self._mesh, self._mesh._rank_index())
 
     def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False) -> "DTensor":
-        """Return this tensor laid out as ``placements`` (differentiable; cheapest plan)."""
+        """Return this tensor laid out as ``placements`` (differentiable; cheapest plan).
+
+        ``async_op`` is accepted for PyTorch compatibility, but the collectives
+        always run synchronously: the result is complete when this returns (a
+        valid implementation of the asynchronous contract, which only promises
+        that the data is ready by the time it is used).
+        """
         mesh = device_mesh if device_mesh is not None else self._mesh
         if mesh is not self._mesh and mesh != self._mesh:
             raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
@@ -445,20 +457,52 @@ _SPECIAL = _build_special()
 
 
 def _run_check(local, mesh, layout, gshape):
-    """Validate local shapes against the layout and sync replicated data (collective)."""
+    """Validate every rank's local shape against one global layout and sync replicated data (collective).
+
+    Every rank's local and global shape is gathered over the mesh (one small
+    all_gather per mesh dim); the global shape of the mesh's first rank is the
+    reference. A rank whose shapes disagree raises a ValueError describing its
+    own shape; every other rank raises one naming those ranks, so no rank is left
+    waiting in a later collective. Then the data of each replicated mesh dim is
+    broadcast from that dim's first rank, also when ``local`` requires grad: the
+    result's gradient flows to ``local`` unchanged (as in PyTorch).
+    """
+    from hyper_parallel.core.dtensor.layout import coordinate_of
+
     plat = get_platform()
     coll = plat.collectives
-    # every rank checks its own shape first so the error is raised on the rank that has the problem
-    expect = layout.local_shape(gshape, coord=mesh.get_coordinate())
-    if tuple(local.shape) != tuple(expect):
-        raise ValueError(f"DTensor.from_local(run_check=True): rank {mesh.get_rank()} has local shape "
-                         f"{tuple(local.shape)} but placements {layout.placements} with global shape {tuple(gshape)} "
-                         f"need {expect}")
+    nd = len(gshape)
+    table = plat.int_tensor((nd,) + tuple(local.shape) + tuple(gshape), device=local.device).reshape(1, -1)
+    for d in reversed(range(mesh.ndim)):  # innermost dim first: rows end up in row-major mesh order
+        if mesh.size(d) > 1:
+            table = coll.all_gather(table, 0, mesh.get_comm_group(d))
+    rows = [tuple(r) for r in table.tolist()]
+    first = mesh.rank_list[0]
+    ref = rows[0][1 + nd:]
+    bad = []
+    for i, row in enumerate(rows):
+        want = layout.local_shape(ref, coord=coordinate_of(i, mesh.shape))
+        if row[0] != nd or row[1 + nd:] != ref or row[1:1 + nd] != tuple(want):
+            bad.append(mesh.rank_list[i])
+    me = mesh.get_rank()
+    if me in bad:
+        want = layout.local_shape(ref, coord=mesh.get_coordinate())
+        raise ValueError(f"DTensor.from_local(run_check=True): rank {me} has local shape {tuple(local.shape)} "
+                         f"(global shape {tuple(gshape)}), but with placements {layout.placements} and the global "
+                         f"shape {ref} of rank {first} it should have local shape {want}; pass shape= (and "
+                         "stride=) for uneven shards")
+    if bad:
+        raise ValueError(f"DTensor.from_local(run_check=True): the local shapes of rank(s) {bad} do not match "
+                         f"placements {layout.placements} with the global shape {ref} of rank {first} "
+                         "(see the error raised there)")
     for d, p in enumerate(layout.placements):
         if p.is_replicate() and mesh.size(d) > 1:
             group = mesh.get_comm_group(d)
-            local = coll.broadcast(local.detach(), group, group.ranks[0]).requires_grad_(local.requires_grad) \
-                if not local.requires_grad else local
+            synced = coll.broadcast(local.detach(), group, group.ranks[0])
+            if not local.requires_grad:
+                local = synced
+            elif synced.data_ptr() != local.data_ptr():  # the source keeps its own tensor
+                local = plat.functions.WithValue.apply(local, synced)
     return local
 
 

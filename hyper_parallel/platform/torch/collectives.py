@@ -183,12 +183,92 @@ def scatter(out: torch.Tensor, chunks, group, src: int) -> torch.Tensor:
     return out
 
 
+def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if x.shape[dim] == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def split_scatter(x: torch.Tensor, dim: int, group, src: int, sizes: Sequence[int]) -> torch.Tensor:
+    """Cut ``x`` (read on global rank ``src`` only) along ``dim`` into ``sizes`` and give piece i to group rank i.
+
+    Every rank passes a tensor of the full shape (the non-source ranks' values are
+    ignored); uneven pieces are padded for the wire and trimmed after.
+    """
+    k = group.size
+    if k == 1:
+        return x
+    m = max(sizes)
+    me = group.rank
+    shape = list(x.shape)
+    shape[dim] = m
+    out = x.new_empty(shape)
+    if out.numel() == 0:  # nothing to move (known alike on every rank)
+        return out.narrow(dim, 0, sizes[me])
+    chunks = None
+    if dist.get_rank() == src:
+        chunks, start = [], 0
+        for s in sizes:
+            chunks.append(_pad_dim(x.narrow(dim, start, s), dim, m).contiguous())
+            start += s
+    scatter(out, chunks, group, src)
+    return out if sizes[me] == m else out.narrow(dim, 0, sizes[me]).contiguous()
+
+
+def gather(x: torch.Tensor, dim: int, group, dst: int, sizes: Sequence[int]):
+    """Concatenate every rank's ``x`` along ``dim`` on global rank ``dst`` (``None`` elsewhere).
+
+    ``sizes[i]`` is group rank i's extent along ``dim``; pieces are padded for the wire.
+    """
+    k = group.size
+    if k == 1:
+        return x
+    m = max(sizes)
+    xt = _pad_dim(x, dim, m).contiguous()
+    me_dst = dist.get_rank() == dst
+    if xt.numel() == 0:
+        shape = list(x.shape)
+        shape[dim] = sum(sizes)
+        return x.new_empty(shape) if me_dst else None
+    bufs = [torch.empty_like(xt) for _ in range(k)] if me_dst else None
+    rec.record(rec.GATHER, _nbytes(xt), group.ranks, is_src=me_dst)
+    dist.gather(xt, bufs, dst=dst, group=group.handle)
+    if not me_dst:
+        return None
+    return torch.cat([b if s == m else b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
+
+
+def reduce(x: torch.Tensor, group, dst: int, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over ``group`` onto global rank ``dst``.
+
+    Returns the reduction on ``dst``; on the other ranks the returned buffer's
+    contents are unspecified (``x`` itself is never modified).
+    """
+    k = group.size
+    if k == 1:
+        return x
+    out = x.contiguous().clone()
+    me_dst = dist.get_rank() == dst
+    rec.record(rec.REDUCE, _nbytes(out), group.ranks, is_src=me_dst)
+    if op == "avg":
+        if not out.is_floating_point():
+            raise TypeError(f"reduce(op='avg') needs a floating dtype, got {out.dtype}")
+        dist.reduce(out, dst=dst, op=dist.ReduceOp.SUM, group=group.handle)
+        return out / k if me_dst else out
+    dist.reduce(out, dst=dst, op=reduce_op(op), group=group.handle)
+    return out
+
+
 def send(x: torch.Tensor, dst: int, group=None) -> None:
+    """Send ``x`` to global rank ``dst`` (blocking)."""
     rec.record(rec.SEND, _nbytes(x), (dist.get_rank(), dst))
     dist.send(x.contiguous(), dst=dst, group=group.handle if group is not None else None)
 
 
 def recv(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Receive into ``x`` from global rank ``src`` (blocking); returns ``x``."""
     rec.record(rec.RECV, _nbytes(x), (src, dist.get_rank()))
     dist.recv(x, src=src, group=group.handle if group is not None else None)
     return x

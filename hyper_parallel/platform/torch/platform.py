@@ -122,6 +122,11 @@ class TorchPlatform(Platform):
         return torch.device(device_type)
 
     @staticmethod
+    def int_tensor(values, device=None):
+        """1-d int64 tensor of ``values`` (metadata exchanged through collectives)."""
+        return torch.tensor([int(v) for v in values], dtype=torch.long, device=device)
+
+    @staticmethod
     def rank_tensor(ranks, shape):
         return torch.tensor(list(ranks), dtype=torch.long).reshape(tuple(shape))
 

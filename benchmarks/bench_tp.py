@@ -55,7 +55,8 @@ def worker(iters, cfg_name):
     from torch.distributed.tensor.debug import CommDebugMode as TComm
 
     import hyper_parallel as hp
-    from examples.llama.model import ModelArgs, TransformerBlock, precompute_rope
+    from examples.llama.model import ModelArgs, RMSNorm, TransformerBlock, precompute_rope
+    hp.SequenceParallel.register_module_type(RMSNorm)  # the example's norm is per token: SP may shard it
     c = CONFIGS[cfg_name]
     ws, rank = dist.get_world_size(), dist.get_rank()
     args = ModelArgs(dim=c["dim"], n_layers=c["n_layers"], n_heads=8, n_kv_heads=8, vocab_size=256,

@@ -5,7 +5,7 @@ import fnmatch
 from typing import Dict, Optional, Union
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
-from hyper_parallel.core.tensor_parallel.style import ParallelStyle
+from hyper_parallel.core.tensor_parallel.style import ParallelStyle, _module_path
 
 
 def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
@@ -18,45 +18,62 @@ def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
         device_mesh: a 1-D mesh (slice a multi-dimensional mesh first, e.g. ``mesh["tp"]``);
             defaults to the current mesh (``with mesh:``).
         parallelize_plan: a :class:`ParallelStyle` for ``module`` itself, or a dict from
-            fully-qualified submodule names to styles; names may use ``fnmatch``
-            wildcards per path component (``"layers.*.attention.wq"``).
+            fully-qualified submodule names to styles (or to nested plans); names may use
+            ``fnmatch`` wildcards per path component (``"layers.*.attention.wq"``).
         src_data_rank: the rank whose parameter values are scattered (``None``: every rank
             slices its own copy with no communication).
 
     Raises:
         ValueError: for a multi-dimensional mesh, or a plan entry that matches no submodule.
+        TypeError: for a plan that is not a style or a dict of them.
+        NotImplementedError: from a style applied to a module type it does not support; the
+            message names the module's fully qualified path.
     """
     mesh = resolve_mesh(device_mesh, "parallelize_module")
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_module: device_mesh must be 1-D, got a {mesh.ndim}-D mesh {mesh}; slice it "
                          f"first, e.g. mesh['{(mesh.mesh_dim_names or ('tp',))[-1]}']")
-    if parallelize_plan is None:
+    if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
+        raise TypeError(f"parallelize_module: src_data_rank must be an int rank or None, got {src_data_rank!r}")
+    return _parallelize(module, mesh, parallelize_plan, src_data_rank, "")
+
+
+def _parallelize(module, mesh, plan, src_data_rank, prefix: str):
+    """Apply ``plan`` to ``module``, whose fully qualified name in the root module is ``prefix``."""
+    if plan is None:
         return module
-    if isinstance(parallelize_plan, ParallelStyle):
-        parallelize_plan.src_data_rank = src_data_rank
-        return parallelize_plan.apply(module, mesh)
-    if not isinstance(parallelize_plan, dict):
-        raise TypeError(f"parallelize_module: parallelize_plan must be a ParallelStyle or a dict of them, "
-                        f"got {type(parallelize_plan).__name__}")
-    for fqn, style in parallelize_plan.items():
+    if isinstance(plan, ParallelStyle):
+        plan.src_data_rank = src_data_rank
+        with _module_path(prefix):
+            return plan.apply(module, mesh)
+    if not isinstance(plan, dict):
+        at = f" for {prefix!r}" if prefix else ""
+        raise TypeError(f"parallelize_module: parallelize_plan{at} must be a ParallelStyle or a dict of them, "
+                        f"got {type(plan).__name__}")
+    for fqn, style in plan.items():
+        full = f"{prefix}.{fqn}" if prefix else fqn
+        if not isinstance(fqn, str) or not fqn:
+            raise TypeError(f"parallelize_module: plan keys must be non-empty module names (str), got {fqn!r}")
         if not isinstance(style, (ParallelStyle, dict)):
-            raise TypeError(f"parallelize_module: plan entry {fqn!r} must be a ParallelStyle, got {style!r}")
-        matched = _apply_path(module, fqn.split("."), style, mesh, src_data_rank)
+            raise TypeError(f"parallelize_module: plan entry {full!r} must be a ParallelStyle (or a nested plan "
+                            f"dict), got {style!r}")
+        matched = _apply_path(module, fqn.split("."), style, mesh, src_data_rank, prefix)
         if not matched:
             names = [n for n, _ in module.named_modules() if n][:20]
-            raise ValueError(f"parallelize_module: plan entry {fqn!r} matches no submodule of "
+            raise ValueError(f"parallelize_module: plan entry {full!r} matches no submodule of "
                              f"{type(module).__name__} (submodules include {names})")
     return module
 
 
-def _apply_path(module, atoms, style, mesh, src_data_rank) -> int:
+def _apply_path(module, atoms, style, mesh, src_data_rank, prefix) -> int:
     head, rest = atoms[0], atoms[1:]
     n = 0
     for name, child in module.named_children():
         if fnmatch.fnmatch(name, head):
+            path = f"{prefix}.{name}" if prefix else name
             if rest:
-                n += _apply_path(child, rest, style, mesh, src_data_rank)
+                n += _apply_path(child, rest, style, mesh, src_data_rank, path)
             else:
-                parallelize_module(child, mesh, style, src_data_rank=src_data_rank)
+                _parallelize(child, mesh, style, src_data_rank, path)
                 n += 1
     return n

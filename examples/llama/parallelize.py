@@ -6,11 +6,25 @@ gradients over it. Per layer and training step this issues the Megatron
 minimum: without SP 2 all_reduce forward + 2 backward; with SP 2 all_gather +
 2 reduce_scatter in each direction (plus the all_reduce of the two replicated
 norm weights' gradients).
+
+``loss_parallel=True`` keeps the logits vocabulary-sharded (a DTensor
+``Shard(-1)`` on ``mesh["tp"]``) instead of gathering them; compute the loss
+inside ``with hyper_parallel.loss_parallel():`` (``train_loss`` below does), which
+takes the plain token targets as they are (replicated over tp) and never
+gathers the vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
+
+import hyper_parallel as hp
 from hyper_parallel import (ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel, SequenceParallel,
                             Shard, parallelize_module, replicate)
+from examples.llama.model import RMSNorm
+
+# The example's hand-written RMSNorm normalises each token on its own, so it may run on
+# sequence-sharded activations: let SequenceParallel accept it (nn.RMSNorm is built in).
+SequenceParallel.register_module_type(RMSNorm)
 
 
 def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_parallel: bool = False,
@@ -48,3 +62,17 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
     if "dp" in names and mesh["dp"].size() > 1:
         replicate(model, mesh["dp"])
     return model
+
+
+def train_loss(model, tokens, targets, loss_fn, *, loss_parallel: bool = False):
+    """Forward + loss + backward of one step; returns the loss as a plain tensor (this rank's batch mean).
+
+    With ``loss_parallel`` the cross-entropy runs on the vocabulary-sharded logits
+    inside ``hyper_parallel.loss_parallel()`` (three all_reduces of [tokens] values,
+    no communication backward).
+    """
+    with hp.loss_parallel() if loss_parallel else contextlib.nullcontext():
+        loss = loss_fn(model(tokens), targets)
+        loss.backward()
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, hp.DTensor) else loss

@@ -6,7 +6,9 @@ Every rank builds the same model (same seed), ``parallelize_llama`` shards it
 over a ("dp", "tp") mesh, and AdamW with gradient clipping trains it on the
 rank's share of each global batch. Rank 0 prints a progress bar, writes the
 loss curve (CSV + PNG) and finally trains the same model for the same steps in
-one process and prints the largest loss difference.
+one process and prints the largest loss difference. ``--loss-parallel``
+computes the cross-entropy on the vocabulary-sharded logits (no gather of the
+vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
 
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
@@ -31,7 +33,7 @@ import hyper_parallel as hp  # noqa: E402
 from examples.llama.configs import get_config  # noqa: E402
 from examples.llama.data import TokenBatches, dp_shard  # noqa: E402
 from examples.llama.model import build_model, loss_fn  # noqa: E402
-from examples.llama.parallelize import parallelize_llama  # noqa: E402
+from examples.llama.parallelize import parallelize_llama, train_loss  # noqa: E402
 from examples.llama.reference import build_optimizer, train_reference  # noqa: E402
 
 
@@ -40,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="cross-entropy on the vocabulary-sharded logits (no vocabulary gather)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
     p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
@@ -52,7 +56,8 @@ def train(args, steps, cfg, mesh, log=print):
     dp = mesh.size(0)
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
-    parallelize_llama(model, mesh, sequence_parallel=args.sp, src_data_rank=None)
+    parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
+                      src_data_rank=None)
     opt = build_optimizer(model.parameters(), cfg.optim)
     data = TokenBatches(seed=cfg.seed)
     dp_rank, dp_group = mesh.get_local_rank(0), mesh.get_group(0)
@@ -63,11 +68,9 @@ def train(args, steps, cfg, mesh, log=print):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         opt.step()
-        g = loss.detach().clone()
         if dp > 1:
             dist.all_reduce(g, group=dp_group)
             g /= dp
@@ -102,8 +105,9 @@ def main(argv=None):
     rank = dist.get_rank()
     if rank == 0:
         n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
+        lp = ", loss_parallel" if args.loss_parallel else ""
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp} tp={args.tp} "
-              f"sp={'on' if args.sp else 'off'}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
+              f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
     losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None))
     elapsed = time.perf_counter() - t0

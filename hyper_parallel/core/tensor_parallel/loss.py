@@ -6,11 +6,23 @@ gathering the vocabulary: per rank, the local max, sum of exponentials and the
 target logit (if the target falls in the local shard) are combined with three
 small all_reduces of [N] values; the backward is ``softmax - onehot`` on each
 rank's own shard, with no communication.
+
+The target holds class indices ([N], an integer tensor). It may be a DTensor
+laid out like the logits' batch dim (replicated over the class-sharding mesh
+dim), or - as in PyTorch - a plain tensor when the logits' batch dim is not
+sharded: every rank then passes the same full target, which is treated as
+replicated (``DTensor.from_local(target, mesh, [Replicate()] * mesh.ndim)``, no
+communication). A plain target with batch-sharded logits is ambiguous (full or
+local?) and raises ``ValueError``; wrap it with ``DTensor.from_local`` yourself.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
+from hyper_parallel.core.dtensor import dtensor as _dt
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.shard.ops import base as _base
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy
 from hyper_parallel.platform import get_platform
@@ -81,6 +93,9 @@ class _LossParallelCE(DistributedOp):
         if kwargs.get("label_smoothing", 0.0) or kwargs.get("weight") is not None:
             raise NotImplementedError("loss_parallel: weight and label_smoothing are not supported")
         tgt_layout = call.layouts[1] if len(call.layouts) > 1 else None
+        if tgt_layout is not None and len(call.shapes[1]) != 1:
+            raise NotImplementedError(f"loss_parallel: target must hold class indices of shape [N] = [{shape[0]}], "
+                                      f"got shape {tuple(call.shapes[1])} (class probabilities are not supported)")
         # target must be laid out like the logits' batch dim, replicated on the class mesh dim
         batch_dm = lay.dim_map[0]
         tgt_target = tgt_layout.with_dim_map([batch_dm], (None,) * len(lay.mesh_shape)) if tgt_layout else None
@@ -108,14 +123,72 @@ class _LossParallelCE(DistributedOp):
         return Strategy(ins, out, local_fn=local_fn, out_shapes=out_shape)
 
 
+def _is_class_sharded(logits) -> bool:
+    return isinstance(logits, DTensor) and logits.dim() >= 1 and bool(logits._layout.dim_map[-1])
+
+
+_tls = threading.local()
+
+
+def _cross_entropy_plain_target(input, target=None, *args, **kwargs):
+    """``F.cross_entropy`` inside ``loss_parallel()``: accept a plain class-index target (see module doc)."""
+    if getattr(_tls, "active", False):
+        # re-entered from the op handler below: go straight to the rule-based dispatch
+        from hyper_parallel.core.shard._op_dispatch import _OP_DISPATCHER
+        call_args = (input,) + args if target is None else (input, target) + args
+        return _OP_DISPATCHER.dispatch(platform.F.cross_entropy, call_args, kwargs)
+    in_kwargs = target is None and "target" in kwargs
+    if in_kwargs:
+        target = kwargs["target"]
+    if _is_class_sharded(input) and isinstance(target, platform.Tensor) and not isinstance(target, DTensor):
+        lay, shape = input._layout, tuple(input.shape)
+        if lay.dim_map[0]:
+            raise ValueError(
+                f"loss_parallel: target is a plain tensor but the logits' batch dim is sharded "
+                f"(logits placements {lay.placements}); pass the target as a DTensor "
+                "(DTensor.from_local(local_target, mesh, placements)) so that its layout is explicit")
+        if target.dim() != 1 or target.shape[0] != shape[0] or target.is_floating_point() or target.is_complex():
+            raise ValueError(
+                f"loss_parallel: target must be an integer tensor of class indices of shape ({shape[0]},) "
+                f"matching logits of shape {shape}, got {target.dtype} of shape {tuple(target.shape)}")
+        target = DTensor.from_local(target, input.device_mesh, [Replicate()] * input.device_mesh.ndim)
+    if in_kwargs:
+        kwargs = dict(kwargs, target=target)
+        call_args = (input,) + args
+    else:
+        call_args = (input, target) + args
+    # through the regular handler, so that SkipDTensorDispatch and friends still apply
+    _tls.active = True
+    try:
+        return _dt._OP_HANDLER(platform.F.cross_entropy, (), call_args, kwargs)
+    finally:
+        _tls.active = False
+
+
 @contextlib.contextmanager
 def loss_parallel():
-    """Within this context, ``F.cross_entropy`` on class-sharded DTensor logits stays sharded."""
+    """Within this context, ``F.cross_entropy`` on class-sharded DTensor logits stays sharded.
+
+    ``logits`` must be a 2-D DTensor [N, C] sharded on C over one mesh dim
+    (flatten [B, S, C] first). ``target`` ([N] class indices) is a DTensor laid out
+    like the logits' batch dim, or a plain integer tensor when that dim is not
+    sharded (then every rank passes the same full target; treated as replicated).
+    ``reduction`` mean/sum/none and ``ignore_index`` are supported; ``weight`` and
+    ``label_smoothing`` are not. Forward: three all_reduces of [N] values; backward:
+    no communication.
+    """
     prev = _base.get_rule("cross_entropy")
     _LossParallelCE("cross_entropy", prev)
+    ce = platform.F.cross_entropy
+    prev_special = _dt._SPECIAL.get(ce)
+    _dt._SPECIAL[ce] = _cross_entropy_plain_target
     try:
         yield
     finally:
+        if prev_special is not None:
+            _dt._SPECIAL[ce] = prev_special
+        else:
+            _dt._SPECIAL.pop(ce, None)
         if prev is not None:
             _base._REGISTRY["cross_entropy"] = prev
         else:

@@ -1,17 +1,38 @@
-"""Optimizers on DTensor parameters: training equals single-process training."""
-import copy
+"""Optimizers on DTensor parameters: training equals single-process training.
 
-import pytest
+Every case trains the same model twice, on DTensor parameters and on plain parameters in one
+process, and compares the loss and the clip norm every step, the parameters and the optimizer
+state at the end (fp32, 1e-5). The MLP matrix also checkpoints module + optimizer state at step 5,
+loads it into a freshly built model and optimizer and checks that training continues identically.
+"""
+import copy
+import math
+
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import hyper_parallel as hp
-from hyper_parallel import Replicate, Shard
+from hyper_parallel import Partial, Replicate, Shard
+from tests._parity import _make
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+STEPS, RESUME_AT = 10, 5
+
+# {SGD(momentum), Adam, AdamW} x {foreach, for-loop}; each case also gets one clip_grad_norm_
+# configuration, so that every (foreach, norm_type) pair is met once per world size.
+OPT_CASES = [(o, fe) for o in ("sgd", "adam", "adamw") for fe in (True, False)]
+CLIP_CASES = [(False, 2.0), (True, math.inf), (False, 1.0), (True, 2.0), (False, math.inf), (True, 1.0)]
+CASES = [(o, fe, cfe, nt) for (o, fe), (cfe, nt) in zip(OPT_CASES, CLIP_CASES)]
+assert sorted((c, n) for _, _, c, n in CASES) == sorted((c, n) for c in (False, True) for n in (1.0, 2.0, math.inf))
 
 
-USE_NORM = True
+def _make_opt(opt_name, foreach, params):
+    if opt_name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-2, foreach=foreach)
+    if opt_name == "adam":
+        return torch.optim.Adam(params, lr=1e-2, foreach=foreach)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
 
 
 class MLP(nn.Module):
@@ -19,83 +40,187 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d, h)
         self.fc2 = nn.Linear(h, d)
-        self.norm = nn.LayerNorm(d) if USE_NORM else nn.Identity()
+        self.norm = nn.LayerNorm(d)
 
     def forward(self, x):
         return self.fc2(F.silu(self.fc1(self.norm(x))))
-
-
-def _shard_mlp(model, mesh, tp_dim):
-    def partition(name, mod, m):
-        if name == "fc1":
-            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, _pl(m, tp_dim, 0)))
-            mod.bias = nn.Parameter(hp.distribute_tensor(mod.bias.data, m, _pl(m, tp_dim, 0)))
-        elif name == "fc2":
-            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, _pl(m, tp_dim, 1)))
-    return hp.distribute_module(model, mesh, partition)
 
 
 def _pl(mesh, tp_dim, shard_dim):
     return [Shard(shard_dim) if d == tp_dim else Replicate() for d in range(mesh.ndim)]
 
 
-def _train(opt_name, foreach, mesh_shape):
-    torch.manual_seed(0)
+def _shard_mlp(model, mesh):
+    tp = mesh.ndim - 1
+
+    def partition(name, mod, m):
+        if name == "fc1":
+            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, _pl(m, tp, 0)))
+            mod.bias = nn.Parameter(hp.distribute_tensor(mod.bias.data, m, _pl(m, tp, 0)))
+        elif name == "fc2":
+            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, _pl(m, tp, 1)))
+    return hp.distribute_module(model, mesh, partition)
+
+
+def _batch_pl(mesh):
+    """Batch sharded over the data-parallel dim of a 2-D mesh, replicated on a 1-D (TP-only) mesh."""
+    return [Shard(0), Replicate()] if mesh.ndim == 2 else [Replicate()]
+
+
+def _ref_step(model, opt, x, y, clip, set_to_none, loss_fn):
+    opt.zero_grad(set_to_none=set_to_none)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), clip[0], norm_type=clip[2], foreach=clip[1])
+    opt.step()
+    return loss.detach(), norm
+
+
+def _dt_step(model, opt, x, y, clip, set_to_none, loss_fn, mesh, x_pl):
+    opt.zero_grad(set_to_none=set_to_none)
+    for n, p in model.named_parameters():
+        if set_to_none:
+            assert p.grad is None, f"{n}: grad not None after zero_grad(set_to_none=True)"
+        elif p.grad is not None:  # zeroed in place, still a DTensor
+            assert isinstance(p.grad, hp.DTensor), f"{n}: grad is {type(p.grad).__name__} after zero_grad(False)"
+            assert not p.grad.to_local().any(), f"{n}: grad not zeroed by zero_grad(set_to_none=False)"
+    dx = hp.distribute_tensor(x, mesh, x_pl)
+    dy = hp.distribute_tensor(y, mesh, x_pl) if y is not None else None
+    loss = loss_fn(model(dx), dy)
+    loss.backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), clip[0], norm_type=clip[2], foreach=clip[1])
+    opt.step()
+    assert isinstance(norm, hp.DTensor) and all(p.is_replicate() for p in norm.placements), norm
+    return loss.full_tensor(), norm.full_tensor()
+
+
+def _check_params(model, ref, label):
+    for (n, p), (rn, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert n == rn
+        assert isinstance(p, hp.DTensor), f"{label}: {n} is {type(p).__name__}"
+        torch.testing.assert_close(p.full_tensor(), r.detach(), **TOL, msg=f"{label}: param {n}")
+
+
+def _check_opt_state(opt, model, opt_ref, ref, label):
+    """Every state tensor of a DTensor parameter (except the scalar step) is a DTensor laid out like
+    the parameter and equal to the single-process state."""
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        st, st_ref = opt.state[p], opt_ref.state[r]
+        assert st and set(st) == set(st_ref), f"{label}: {n} state keys {sorted(st)} != {sorted(st_ref)}"
+        for key, v in st.items():
+            if key == "step":
+                torch.testing.assert_close(torch.as_tensor(v), torch.as_tensor(st_ref[key]), msg=f"{label}: {n}.{key}")
+                continue
+            assert isinstance(v, hp.DTensor), f"{label}: {n}.{key} is {type(v).__name__}"
+            assert v.device_mesh == p.device_mesh and tuple(v.placements) == tuple(p.placements), \
+                f"{label}: {n}.{key} placements {v.placements} != param {p.placements}"
+            torch.testing.assert_close(v.full_tensor(), st_ref[key], **TOL, msg=f"{label}: {n}.{key}")
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _train_matrix(mesh_shape):
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
-    ref = MLP()
-    model = _shard_mlp(copy.deepcopy(ref), mesh, mesh.ndim - 1)
-    kw = dict(lr=1e-2)
-    if opt_name == "sgd":
-        make = lambda p: torch.optim.SGD(p, momentum=0.9, foreach=foreach, **kw)
-    elif opt_name == "adam":
-        make = lambda p: torch.optim.Adam(p, foreach=foreach, **kw)
-    else:
-        make = lambda p: torch.optim.AdamW(p, weight_decay=0.1, foreach=foreach, **kw)
-    opt_ref, opt = make(ref.parameters()), make(model.parameters())
-    batch_pl = [Shard(0)] + [Replicate()] * (mesh.ndim - 1) if mesh.ndim == 2 else [Replicate()]
-    for step in range(10):
-        x = torch.randn(12, 8)
-        y = torch.randn(12, 8)
-        loss_ref = F.mse_loss(ref(x), y)
-        opt_ref.zero_grad()
-        loss_ref.backward()
-        norm_ref = nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt_ref.step()
+    x_pl = _batch_pl(mesh)
+    for opt_name, foreach, clip_foreach, norm_type in CASES:
+        label = f"{mesh_shape} {opt_name} foreach={foreach} clip(foreach={clip_foreach}, norm_type={norm_type})"
+        clip = (0.05, clip_foreach, norm_type)
+        torch.manual_seed(0)
+        ref = MLP()
+        model = _shard_mlp(copy.deepcopy(ref), mesh)
+        opt_ref, opt = _make_opt(opt_name, foreach, ref.parameters()), _make_opt(opt_name, foreach, model.parameters())
+        data = [(torch.randn(12, 8), torch.randn(12, 8)) for _ in range(STEPS)]
+        losses, clipped = [], False
+        for step, (x, y) in enumerate(data):
+            if step == RESUME_AT:  # the checkpoint: module and optimizer state, deep-copied
+                sd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+                sd_params = {k: v.full_tensor() for k, v in sd.items()}
+            set_to_none = step % 2 == 1  # both zero_grad flavours, in-place zeroing once grads exist
+            loss_ref, norm_ref = _ref_step(ref, opt_ref, x, y, clip, set_to_none, _mse)
+            loss, norm = _dt_step(model, opt, x, y, clip, set_to_none, _mse, mesh, x_pl)
+            torch.testing.assert_close(loss, loss_ref, **TOL, msg=f"{label}: loss at step {step}")
+            torch.testing.assert_close(norm, norm_ref, **TOL, msg=f"{label}: clip norm at step {step}")
+            clipped |= bool(norm_ref > clip[0])
+            losses.append(loss)
+        assert clipped, f"{label}: max_norm never clipped"
+        _check_params(model, ref, label)
+        _check_opt_state(opt, model, opt_ref, ref, label)
 
-        dx = hp.distribute_tensor(x, mesh, batch_pl)
-        dy = hp.distribute_tensor(y, mesh, batch_pl)
-        out = model(dx)
-        loss = ((out - dy) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        torch.testing.assert_close(loss.full_tensor(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(norm.full_tensor(), norm_ref, rtol=1e-5, atol=1e-6)
-    for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        assert isinstance(p, hp.DTensor), n
-        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-5, msg=n)
-    # state dicts keep DTensors and load back
-    sd = model.state_dict()
-    assert all(isinstance(v, hp.DTensor) for v in sd.values())
-    osd = opt.state_dict()
-    st = next(iter(osd["state"].values()))
-    assert any(isinstance(v, hp.DTensor) for v in st.values())
-    model2 = _shard_mlp(MLP(), mesh, mesh.ndim - 1)
-    model2.load_state_dict(sd)
-    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
-        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), msg=n)
-    opt2 = make(model2.parameters())
-    opt2.load_state_dict(osd)
+        # resume: a freshly built (differently initialised) model and optimizer load the step-5 state
+        assert all(isinstance(v, hp.DTensor) for v in sd.values()), label
+        model2 = _shard_mlp(MLP(), mesh)
+        model2.load_state_dict(sd)
+        opt2 = _make_opt(opt_name, foreach, model2.parameters())
+        opt2.load_state_dict(osd)
+        for n, p in model2.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), sd_params[n], rtol=0, atol=0, msg=f"{label}: loaded {n}")
+            for key, v in opt2.state[p].items():
+                if key != "step":
+                    assert isinstance(v, hp.DTensor) and tuple(v.placements) == tuple(p.placements), \
+                        f"{label}: loaded {n}.{key}: {type(v).__name__} {getattr(v, 'placements', None)}"
+        for step in range(RESUME_AT, STEPS):
+            x, y = data[step]
+            loss, _ = _dt_step(model2, opt2, x, y, clip, step % 2 == 1, _mse, mesh, x_pl)
+            torch.testing.assert_close(loss, losses[step], rtol=1e-6, atol=1e-7, msg=f"{label}: resumed loss {step}")
+        _check_params(model2, ref, label + " resumed")
+        _check_opt_state(opt2, model2, opt_ref, ref, label + " resumed")
 
 
-@pytest.mark.parametrize("opt_name,foreach", [("sgd", False), ("adam", True), ("adamw", False), ("adamw", True)])
-def test_optimizers_tp(dist_runner, opt_name, foreach):
-    dist_runner.run(2, _train, opt_name, foreach, (2,))
+def test_optimizer_matrix_tp(dist_runner):
+    dist_runner.run(2, _train_matrix, (2,))
 
 
-def test_adamw_dp_tp(dist_runner):
-    dist_runner.run(4, _train, "adamw", True, (2, 2))
+def test_optimizer_matrix_dp_tp(dist_runner):
+    dist_runner.run(4, _train_matrix, (2, 2))
+
+
+def _norm_specs(mesh):
+    """(shape, placements): uneven shards, empty local shards, Partial, sharded on either mesh dim."""
+    if mesh.ndim == 1:
+        return [((5, 3), [Shard(0)]), ((5, 3), [Shard(1)]), ((7,), [Shard(0)]), ((3,), [Shard(0)]),
+                ((3, 4), [Partial()]), ((2, 2), [Replicate()])]
+    return [((5, 3), [Shard(0), Shard(1)]), ((5, 3), [Shard(1), Shard(0)]), ((7,), [Shard(0), Shard(0)]),
+            ((3,), [Replicate(), Shard(0)]), ((3, 4), [Partial(), Shard(1)]), ((2, 2), [Replicate(), Partial()])]
+
+
+def _norms_mixed_layouts():
+    """get_total_norm / clip_grads_with_norm_ (what clip_grad_norm_ runs) and torch._foreach_norm on
+    tensors sharded in every way at once: exact global norms, for 1, 2, 3 and inf, foreach or not."""
+    for shape in [(4,), (2, 2)]:
+        mesh = hp.init_device_mesh("cpu", shape)
+        specs = _norm_specs(mesh)
+        gen = torch.Generator().manual_seed(7)
+        fulls = [torch.randn(s, generator=gen) for s, _ in specs]
+        fulls[0][1, 1] = fulls[0][2, 0] = 0.0  # zeros count for ord=0
+        for norm_type in (0.0, 0.5, 1.0, 2.0, 3.0, math.inf, -math.inf, -1.0):
+            label = f"{shape} norm_type={norm_type}"
+            ref_each = list(torch._foreach_norm(fulls, norm_type))
+            dts = [_make(f, mesh, pl, False) for f, (_, pl) in zip(fulls, specs)]
+            # a plain (replicated) tensor in the list, and the dtype argument
+            each = torch._foreach_norm(dts + [fulls[0]], norm_type, dtype=torch.float64)
+            for i, (e, r) in enumerate(zip(each, ref_each + [ref_each[0]])):
+                e = e.full_tensor() if isinstance(e, hp.DTensor) else e
+                assert e.dtype == torch.float64, f"{label}: _foreach_norm dtype of entry {i}: {e.dtype}"
+                torch.testing.assert_close(e, r.double(), rtol=1e-6, atol=1e-6, msg=f"{label}: _foreach_norm[{i}]")
+            if norm_type not in (1.0, 2.0, 3.0, math.inf):
+                continue
+            for foreach in (True, False):
+                ref = [f.clone() for f in fulls]
+                ref_total = nn.utils.get_total_norm(ref, norm_type, foreach=foreach)
+                nn.utils.clip_grads_with_norm_(ref, 0.5 * ref_total, ref_total, foreach=foreach)
+                dts = [_make(f, mesh, pl, False) for f, (_, pl) in zip(fulls, specs)]
+                total = nn.utils.get_total_norm(dts, norm_type, foreach=foreach)
+                assert isinstance(total, hp.DTensor) and all(p.is_replicate() for p in total.placements), label
+                torch.testing.assert_close(total.full_tensor(), ref_total, **TOL, msg=f"{label} foreach={foreach}")
+                nn.utils.clip_grads_with_norm_(dts, 0.5 * ref_total, total, foreach=foreach)
+                for i, (d, r) in enumerate(zip(dts, ref)):
+                    torch.testing.assert_close(d.full_tensor(), r, **TOL, msg=f"{label} foreach={foreach}: clipped [{i}]")
+
+
+def test_clip_norms_mixed_layouts(dist_runner):
+    dist_runner.run(4, _norms_mixed_layouts)
 
 
 class Attn(nn.Module):
@@ -117,37 +242,42 @@ class Attn(nn.Module):
         return x + F.dropout(self.wo(o), p=0.0)
 
 
-def _train_attention():
-    torch.manual_seed(0)
-    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    ref = Attn()
-    model = copy.deepcopy(ref)
+def _train_attention(mesh_shapes):
+    for mesh_shape in mesh_shapes:
+        mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
+        tp = mesh.ndim - 1
+        label = f"attention {mesh_shape}"
+        torch.manual_seed(0)
+        ref = Attn()
+        model = copy.deepcopy(ref)
 
-    def partition(name, mod, m):
-        if name.startswith("wqkv."):
-            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, [Shard(0)]))
-        elif name == "wo":
-            mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, [Shard(1)]))
-    hp.distribute_module(model, mesh, partition)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(10):
-        x = torch.randn(2, 6, 16)
-        loss_ref = ref(x).pow(2).mean()
-        opt_ref.zero_grad()
-        loss_ref.backward()
-        nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt_ref.step()
-        out = model(hp.distribute_tensor(x, mesh, [Replicate()]))
-        loss = out.pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        torch.testing.assert_close(loss.full_tensor(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
-    for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=1e-5, msg=n)
+        def partition(name, mod, m):
+            if name.startswith("wqkv."):
+                mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, _pl(m, tp, 0)))
+            elif name == "wo":
+                mod.weight = nn.Parameter(hp.distribute_tensor(mod.weight.data, m, _pl(m, tp, 1)))
+        hp.distribute_module(model, mesh, partition)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        clip = (0.1, None, 2.0)
+        loss_fn = lambda out, _: out.pow(2).mean()
+        clipped = False
+        for step in range(STEPS):
+            x = torch.randn(2, 6, 16)
+            loss_ref, norm_ref = _ref_step(ref, opt_ref, x, None, clip, True, loss_fn)
+            loss, norm = _dt_step(model, opt, x, None, clip, True, loss_fn, mesh, _batch_pl(mesh))
+            torch.testing.assert_close(loss, loss_ref, **TOL, msg=f"{label}: loss at step {step}")
+            torch.testing.assert_close(norm, norm_ref, **TOL, msg=f"{label}: clip norm at step {step}")
+            clipped |= bool(norm_ref > clip[0])
+        assert clipped, f"{label}: max_norm never clipped"
+        _check_params(model, ref, label)
+        _check_opt_state(opt, model, opt_ref, ref, label)
+        assert all(isinstance(v, hp.DTensor) for v in model.state_dict().values()), label
 
 
 def test_attention_block_training(dist_runner):
-    dist_runner.run(2, _train_attention)
+    dist_runner.run(2, _train_attention, [(2,)])
+
+
+def test_attention_block_training_4_ranks(dist_runner):
+    dist_runner.run(4, _train_attention, [(4,), (2, 2)])

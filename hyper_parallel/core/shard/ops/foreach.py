@@ -59,7 +59,11 @@ class ForeachRule(DistributedOp):
 
 
 class ForeachNormRule(DistributedOp):
-    """Exact per-tensor norms of sharded tensors (0-d replicated results)."""
+    """Exact per-tensor norms of sharded tensors (0-d replicated results), for any ``ord``.
+
+    Each rank reduces its shard (sum of ``|x|**ord``; max / min of ``|x|`` for +-inf; the count of
+    non-zeros for 0); the partial values of tensors sharded alike are all-reduced together.
+    """
 
     def strategy(self, call):
         groups = _structure(call)
@@ -73,30 +77,38 @@ class ForeachNormRule(DistributedOp):
         sharded = [tuple(sorted(l.sharded_mesh_dims())) if l is not None else () for l in layouts]
 
         def local_fn(tensors, ord=2, dtype=None):
+            # per tensor: a local partial value, combined across shards with `op`, then finished
             p = float(ord)
+            inf = float("inf")
+            op = "max" if p == inf else "min" if p == -inf else "sum"
             powered = []
             for t in tensors:
                 t = t if dtype is None else t.to(dtype)
-                if t.numel() == 0:
-                    powered.append(t.new_zeros(()))
-                elif p == float("inf"):
-                    powered.append(t.abs().max())
+                if t.numel() == 0:  # an empty local shard contributes the identity of `op`
+                    powered.append(t.new_full((), inf) if op == "min" else t.new_zeros(()))
+                elif op == "max":
+                    powered.append(t.abs().amax())
+                elif op == "min":
+                    powered.append(t.abs().amin())
+                elif p == 0:  # number of non-zeros
+                    powered.append((t != 0).sum().to(t.dtype))
+                elif p == 2:
+                    powered.append((t * t).sum())
                 else:
-                    powered.append(t.abs().pow(p).sum() if p != 2 else (t * t).sum())
+                    powered.append(t.abs().pow(p).sum())
             by_dims = {}
             for i, dims in enumerate(sharded):
                 if dims:
                     by_dims.setdefault(dims, []).append(i)
-            op = "max" if p == float("inf") else "sum"
             for dims, members in by_dims.items():
                 buf = ops.stack([powered[i] for i in members])
                 for d in dims:
                     buf = coll.all_reduce(buf, mesh.get_comm_group(d), op)
                 for k, i in enumerate(members):
                     powered[i] = buf[k]
-            if p == float("inf"):
+            if op != "sum" or p == 0:
                 return list(powered)
-            return [v.pow(1.0 / p) if p != 2 else v.sqrt() for v in powered]
+            return [v.sqrt() if p == 2 else v.pow(1.0 / p) for v in powered]
         outs = [l.replicated(0) if l is not None else None for l in layouts]
         return Strategy(in_layouts, outs, local_fn=local_fn, out_shapes=[plat.Size(())] * len(layouts))
 

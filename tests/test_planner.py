@@ -65,9 +65,9 @@ def test_partial_to_shard_is_one_reduce_scatter(op):
 
 
 @pytest.mark.parametrize("op", ["max", "min", "prod"])
-def test_partial_nonlinear_to_shard_is_all_reduce_then_split(op):
+def test_partial_nonlinear_to_shard_is_one_reduce_scatter(op):
     p = plan(L(B1, Partial(op)), L(B1, Shard(0)), (8, 8), 4)
-    assert kinds(p) == ["all_reduce", "split"]
+    assert kinds(p) == ["reduce_scatter"]
     assert p.steps[0].reduce_op == op
 
 

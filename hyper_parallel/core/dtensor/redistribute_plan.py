@@ -8,7 +8,7 @@ moved, which keeps every move exact under ``torch.chunk`` rules):
 move             effect on mesh dim d            bytes one rank sends
 ===============  ==============================  ==================================
 all_reduce       Partial -> Replicate            2 * local * (k-1) / k
-reduce_scatter   Partial(sum|avg) -> Shard(t)    padded local * (k-1) / k
+reduce_scatter   Partial -> Shard(t)             padded local * (k-1) / k
 all_gather       Shard(t) -> Replicate           padded piece * (k-1)
 all_to_all       Shard(t) -> Shard(u)            local - the piece it keeps
 split            Replicate -> Shard(t)           0 (local slice)
@@ -156,7 +156,7 @@ def _moves(ctx: _Ctx, state, target):
             np_ = list(partial)
             np_[d] = None
             yield Step(ALL_REDUCE, d, reduce_op=op, nbytes=b), (dim_map, tuple(np_))
-            if op in ("sum", "avg"):
+            if True:  # reduce_scatter serves every reduce op (gloo and NCCL both support them)
                 for t in range(ndim):
                     sizes, b = [], []
                     for c in ctx.coords:

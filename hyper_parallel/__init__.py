@@ -30,7 +30,14 @@ __version__ = "0.1.0"
 def _testing_reset():
     """Reset per-process caches between tests (used by the test harness)."""
     from hyper_parallel.core.dtensor import random as _r
+    from hyper_parallel.core.shard import _op_dispatch as _d
     _r._state.update(seed=None, counter=0)
+    _d._WARNED_FALLBACK.clear()
+    _d._FLAGS.update(strict=False, implicit_replication=False)
+    if _d._FLAGS["fallback"]:
+        _d.allow_replicate_fallback(False)
+    if _d._FLAGS["debug"] != _d._debug_from_env():
+        _d.set_debug(_d._debug_from_env())
 
 
 __all__ = [

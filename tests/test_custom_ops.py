@@ -155,3 +155,128 @@ def _unknown_and_fallback():
 
 def test_unknown_op_and_fallback(dist_runner):
     dist_runner.run(2, _unknown_and_fallback)
+
+
+def _skip_threads():
+    from hyper_parallel.core.shard import _op_dispatch
+    mesh = hp.init_device_mesh("cpu", (2,))
+    dt = hp.ones(4, 2, device_mesh=mesh, placements=[Shard(0)])
+    n_iter = 300
+    errors = []
+    barrier = threading.Barrier(4)
+
+    def inside(nested):          # enters and leaves skip contexts over and over
+        try:
+            barrier.wait()
+            for i in range(n_iter):
+                with SkipDTensorDispatch():
+                    if nested and i % 2:
+                        with SkipDTensorDispatch(no_skip={"mul"}):
+                            assert isinstance(dt * 2, hp.DTensor)
+                            assert type(dt + dt) is torch.Tensor
+                    r = dt + dt
+                    assert type(r) is torch.Tensor and r.shape == (2, 2), type(r)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    def outside():               # never in a context: always DTensor behaviour
+        try:
+            barrier.wait()
+            for _ in range(n_iter):
+                r = dt + dt
+                assert type(r) is hp.DTensor and r.shape == (4, 2), type(r)
+                assert type(dt * 3.0) is hp.DTensor
+        except BaseException as e:  # noqa: BLE001
+            errors.append(repr(e))
+    ts = [threading.Thread(target=inside, args=(False,)), threading.Thread(target=inside, args=(True,)),
+          threading.Thread(target=outside), threading.Thread(target=outside)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[:3]
+    assert _op_dispatch._SKIP_ANY[0] == 0
+    # specials (detach, item, tolist) run on the local tensor inside the context when dispatch reaches
+    # them through _handle; printing keeps its DTensor meaning; no_skip keeps DTensor behaviour
+    h = _op_dispatch._handle
+    one = hp.ones(2, device_mesh=mesh, placements=[Shard(0)])
+    with SkipDTensorDispatch():
+        assert type(h(torch.Tensor.detach, (), (dt,), {})) is torch.Tensor
+        assert h(torch.Tensor.item, (), (one,), {}) == 1.0                 # the local 1-element shard
+        assert h(torch.Tensor.tolist, (), (dt,), {}) == [[1.0, 1.0]] * 2   # the local (2, 2) shard
+        assert "DTensor" in h(torch.Tensor.__repr__, (), (dt,), {})
+        with SkipDTensorDispatch(no_skip={"detach"}):
+            assert isinstance(h(torch.Tensor.detach, (), (dt,), {}), hp.DTensor)
+    assert isinstance(h(torch.Tensor.detach, (), (dt,), {}), hp.DTensor)
+    assert h(torch.Tensor.tolist, (), (dt,), {}) == [[1.0, 1.0]] * 4
+
+
+def test_skip_dtensor_dispatch_threads(dist_runner):
+    dist_runner.run(2, _skip_threads)
+
+
+def _fallback_two_ops():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    torch.manual_seed(3)
+    x = torch.randn(4, 4) + 4 * torch.eye(4)
+    dx = hp.distribute_tensor(x, mesh, [Shard(0)])
+    hp.allow_replicate_fallback(True)   # every enabling starts afresh: ops warned about earlier warn again
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                d = torch.linalg.det(dx)
+                i = torch.linalg.inv(dx)
+        msgs = [str(m.message) for m in w if "no sharding rule" in str(m.message)]
+        assert len(msgs) == 2 and any("'linalg_det'" in m for m in msgs) and any("'linalg_inv'" in m for m in msgs), \
+            msgs
+        torch.testing.assert_close(d.full_tensor(), torch.linalg.det(x))
+        torch.testing.assert_close(i.full_tensor(), torch.linalg.inv(x))
+        hp.allow_replicate_fallback(True)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.linalg.det(dx)
+        assert sum("no sharding rule" in str(m.message) for m in w) == 1
+    finally:
+        hp.allow_replicate_fallback(False)
+    with pytest.raises(NotImplementedError, match="linalg_inv"):
+        torch.linalg.inv(dx)
+
+
+def test_fallback_warns_once_per_op(dist_runner):
+    dist_runner.run(2, _fallback_two_ops)
+
+
+def _local_map_multi():
+    mesh = hp.init_device_mesh("cpu", (2,))
+    x = torch.arange(12.0).view(6, 2)
+    dx = hp.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+
+    def stats(t, scale):                 # several outputs: sharded, partial, and a non-tensor
+        return t * scale, t.sum(0), "done"
+    f = hp.local_map(stats, out_placements=([Shard(0)], [hp.Partial()], None), in_placements=([Shard(0)], None))
+    a, s, tag = f(dx, 3.0)
+    assert tag == "done" and a.placements == (Shard(0),) and s.placements == (hp.Partial(),)
+    torch.testing.assert_close(a.full_tensor(), x * 3)
+    torch.testing.assert_close(s.full_tensor(), x.sum(0))
+    (a.full_tensor().sum() + (s.full_tensor() * torch.tensor([1.0, 2.0])).sum()).backward()
+    torch.testing.assert_close(dx.grad.full_tensor(), torch.tensor([[4.0, 5.0]]).expand(6, 2))
+    with pytest.raises(ValueError, match="2 outputs but 1 out_placements"):
+        hp.local_map(lambda t: (t, t), out_placements=([Shard(0)],))(dx)
+    # custom_shard is the same function: redistributes when asked, on its declared placements
+    assert hp.custom_shard is hp.local_map
+    g = hp.custom_shard(lambda t, u: t @ u, out_placements=[Shard(0)],
+                        in_placements=([Shard(0)], [Replicate()]), redistribute_inputs=True)
+    w = torch.tensor([[1.0, -1.0], [2.0, 0.5]])
+    dw = hp.distribute_tensor(w, mesh, [Shard(1)]).requires_grad_()
+    out = g(dx.detach().redistribute(mesh, [Replicate()]), dw)
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), x @ w)
+    out.full_tensor().sum().backward()
+    torch.testing.assert_close(dw.grad.full_tensor(), x.sum(0)[:, None].expand(2, 2))
+    with pytest.raises(TypeError, match="argument 1 should be a DTensor"):
+        g(dx, w)
+
+
+def test_local_map_multi_output_and_custom_shard(dist_runner):
+    dist_runner.run(2, _local_map_multi)

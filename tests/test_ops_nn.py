@@ -389,3 +389,129 @@ def _scan_body():
 def test_scans(dist_runner):
     dist_runner.run(2, _scan_body)
     dist_runner.run(4, _scan_body)
+
+
+# ----------------------------------------------------------------------------- nn.init on DTensor parameters
+def _init_fns():
+    import math
+    init = torch.nn.init
+    return {
+        "uniform_": lambda t: init.uniform_(t, -0.5, 0.7),
+        "normal_": lambda t: init.normal_(t, 0.1, 2.0),
+        "constant_": lambda t: init.constant_(t, 0.25),
+        "ones_": init.ones_,
+        "zeros_": init.zeros_,
+        "xavier_uniform_": lambda t: init.xavier_uniform_(t, gain=1.3),
+        "xavier_normal_": init.xavier_normal_,
+        "kaiming_uniform_": lambda t: init.kaiming_uniform_(t, a=math.sqrt(5)),
+        "kaiming_normal_": lambda t: init.kaiming_normal_(t, mode="fan_out", nonlinearity="relu"),
+        "trunc_normal_": lambda t: init.trunc_normal_(t, std=0.5, a=-0.6, b=0.8),       # rejection on normal_
+        "trunc_normal_tail": lambda t: init.trunc_normal_(t, mean=0.0, std=1.0, a=1.5, b=3.0),  # uniform_ path
+        "eye_": init.eye_,
+        "orthogonal_": lambda t: init.orthogonal_(t, gain=1.5),
+    }
+
+
+def _init_expect(name, full, shape):
+    """Properties of the (layout-independent) result that single-process torch semantics fix."""
+    import math
+    from hyper_parallel.core.dtensor.random import random_local
+    fan_in, fan_out = shape[1], shape[0]
+    if name == "uniform_":   # exactly the DTensor RNG stream of a single process, scaled like torch
+        hp.manual_seed(11)
+        u = random_local("rand", shape, shape, (0, 0), DT)
+        torch.testing.assert_close(full, u * 1.2 - 0.5, rtol=1e-12, atol=1e-12)
+    elif name == "normal_":
+        hp.manual_seed(11)
+        z = random_local("randn", shape, shape, (0, 0), DT)
+        torch.testing.assert_close(full, z * 2.0 + 0.1, rtol=1e-12, atol=1e-12)
+    elif name in ("constant_", "ones_", "zeros_"):
+        v = {"constant_": 0.25, "ones_": 1.0, "zeros_": 0.0}[name]
+        assert torch.equal(full, torch.full(shape, v, dtype=DT)), name
+    elif name in ("xavier_uniform_", "kaiming_uniform_"):
+        bound = 1.3 * math.sqrt(6.0 / (fan_in + fan_out)) if name == "xavier_uniform_" else 1 / math.sqrt(fan_in)
+        assert full.abs().max() <= bound and full.abs().max() > 0.5 * bound and full.std() > 0.2 * bound, name
+    elif name in ("xavier_normal_", "kaiming_normal_"):
+        std = math.sqrt(2.0 / (fan_in + fan_out)) if name == "xavier_normal_" else math.sqrt(2.0 / fan_out)
+        assert 0.4 * std < full.std() < 2.0 * std, (name, full.std(), std)
+    elif name == "trunc_normal_":
+        assert full.min() >= -0.6 and full.max() <= 0.8 and full.std() > 0.1, name
+    elif name == "trunc_normal_tail":
+        assert full.min() >= 1.5 and full.max() <= 3.0, name
+    elif name == "eye_":
+        assert torch.equal(full, torch.eye(*shape, dtype=DT)), name
+    elif name == "orthogonal_":
+        q = full / 1.5
+        gram = q @ q.T if shape[0] <= shape[1] else q.T @ q
+        torch.testing.assert_close(gram, torch.eye(min(shape), dtype=DT), rtol=1e-10, atol=1e-10)
+
+
+def _init_body():
+    import math
+    import torch.nn as nn
+    n = 0
+    for mesh in _meshes():
+        rep = [Replicate()] * mesh.ndim
+        for shape in ((7, 5), (5, 7)):      # tall and wide (orthogonal_ transposes in place for wide)
+            for name, fn in _init_fns().items():
+                results = []
+                for pl in [rep] + [p for p in _placements(mesh, 2, partial=False) if p != rep]:
+                    prm = nn.Parameter(hp.distribute_tensor(torch.full(shape, 9.0, dtype=DT), mesh, pl))
+                    hp.manual_seed(11)
+                    out = fn(prm)
+                    assert out is prm or name in ("orthogonal_",), name
+                    assert isinstance(prm, nn.Parameter) and prm.requires_grad and prm.is_leaf, name
+                    assert tuple(prm.placements) == tuple(pl) and tuple(prm.shape) == shape, (name, prm.placements)
+                    results.append((pl, prm.full_tensor()))
+                    n += 1
+                ref = results[0][1]
+                _init_expect(name, ref, shape)
+                for pl, full in results[1:]:   # layout-independent: every placement gives the same tensor
+                    assert torch.equal(full, ref), (name, mesh.shape, pl, (full - ref).abs().max())
+        # modules: reset_parameters() on DTensor parameters
+        for pl in _placements(mesh, 2, partial=False):
+            lin = nn.Linear(5, 7, dtype=DT)
+            emb = nn.Embedding(9, 6, dtype=DT)
+            for mod in (lin, emb):
+                for pname, p in list(mod.named_parameters()):
+                    ppl = pl if p.dim() == 2 else [Replicate() if isinstance(q, Shard) and q.dim == 1 else q
+                                                   for q in pl]
+                    setattr(mod, pname, nn.Parameter(hp.distribute_tensor(p.detach(), mesh, ppl)))
+            ref_lin, ref_emb = nn.Linear(5, 7, dtype=DT), nn.Embedding(9, 6, dtype=DT)
+            for mod in (ref_lin, ref_emb):
+                for pname, p in list(mod.named_parameters()):
+                    setattr(mod, pname, nn.Parameter(hp.distribute_tensor(p.detach(), mesh, rep)))
+            for mod, ref in ((lin, ref_lin), (emb, ref_emb)):
+                hp.manual_seed(5)
+                mod.reset_parameters()
+                hp.manual_seed(5)
+                ref.reset_parameters()
+                for (pname, p), (_, r) in zip(mod.named_parameters(), ref.named_parameters()):
+                    assert isinstance(p, hp.DTensor) and p.requires_grad, pname
+                    assert torch.equal(p.full_tensor(), r.full_tensor()), (type(mod).__name__, pname, pl)
+            w, b = lin.weight.full_tensor(), lin.bias.full_tensor()
+            assert w.abs().max() <= 1 / math.sqrt(5) and b.abs().max() <= 1 / math.sqrt(5) and w.std() > 0.1
+            e = emb.weight.full_tensor()
+            assert 0.6 < e.std() < 1.5, e.std()
+            # the initialised module still trains: forward + backward on the DTensor parameters
+            x = hp.distribute_tensor(_randn(3, 5), mesh, rep)
+            lin(x).sum().backward()
+            torch.testing.assert_close(lin.bias.grad.full_tensor(), torch.full((7,), 3.0, dtype=DT))
+            n += 1
+    # dirac_ needs unsharded kernel dims (element writes); sharded ones raise clearly
+    mesh = _meshes()[0]
+    conv = hp.distribute_tensor(torch.zeros(4, 4, 3, dtype=DT), mesh, [Replicate()])
+    torch.nn.init.dirac_(conv)
+    ref = torch.zeros(4, 4, 3, dtype=DT)
+    torch.nn.init.dirac_(ref)
+    assert torch.equal(conv.full_tensor(), ref)
+    with pytest.raises(RuntimeError, match="__setitem__.*sharded dims"):
+        torch.nn.init.dirac_(hp.distribute_tensor(torch.zeros(4, 4, 3, dtype=DT), mesh, [Shard(0)]))
+    # torch.Tensor.dim / size / numel as unbound calls read the global shape
+    assert torch.Tensor.dim(conv) == 3 and torch.Tensor.size(conv) == (4, 4, 3) and torch.Tensor.numel(conv) == 48
+    assert torch.Tensor.size(conv, 2) == 3
+    return n
+
+
+def test_nn_init(dist_runner):
+    assert dist_runner.run(4, _init_body)[0] > 150

@@ -221,3 +221,33 @@ def test_permutations(dist):
 def test_expand_repeat(dist):
     assert dist.run(2, _expand_body)[0] > 0
     assert dist.run(4, _expand_body)[0] > 0
+
+
+def _copy_body():
+    """contiguous / clone / detach keep the layout (Partial included), values and grads exact, no communication."""
+    x = _randn(5, 6, seed=31)
+    cases = [
+        ("contiguous", x, lambda t: _no_comm(lambda: t.transpose(0, 1).contiguous()) * 2),
+        ("clone", x, lambda t: _no_comm(lambda: t.clone()) * t),
+        ("clone_fmt", x, lambda t: torch.clone(t, memory_format=torch.contiguous_format) + 1),
+        ("detach", x, lambda t: _no_comm(lambda: t.detach()) * t),      # grad flows through the second t only
+    ]
+    n = _sweep(cases)
+    for mesh in _meshes():
+        for pl in _placements(mesh, 2):
+            d = hp.distribute_tensor(x, mesh, [Replicate()] * mesh.ndim).requires_grad_()
+            d = d.redistribute(mesh, [p if not p.is_partial() else Replicate() for p in pl])
+            for op in (lambda t: t.contiguous(), lambda t: t.clone(), lambda t: t.detach()):
+                o = op(d)
+                assert isinstance(o, hp.DTensor) and o.placements == d.placements and o.shape == d.shape
+            det = d.detach()
+            assert not det.requires_grad
+            if d.to_local().numel():    # (an empty shard has no storage to compare)
+                assert det.to_local().data_ptr() == d.to_local().data_ptr()
+                assert d.clone().to_local().data_ptr() != d.to_local().data_ptr()
+            n += 1
+    return n
+
+
+def test_contiguous_clone_detach(dist):
+    assert dist.run(4, _copy_body)[0] > 0

@@ -327,6 +327,10 @@ class DTensor(platform.DTensorBase):
 
     # ------------------------------------------------------------------ conversions
     def to(self, *args, **kwargs) -> "DTensor":
+        if self._layout.has_partial() and _OP_HANDLER is not None:
+            # casting each pending partial piece is not casting their sum (int/bool targets): let the
+            # op rule decide whether the partial must be reduced first
+            return _OP_HANDLER(_Tensor.to, (DTensor,), (self,) + args, kwargs)
         return DTensor._wrap(self._local_tensor.to(*args, **kwargs), self._mesh, self._layout, self._gshape)
 
     def float(self) -> "DTensor":

@@ -24,6 +24,7 @@ import warnings
 
 from hyper_parallel.core.dtensor import dtensor as _dt
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.layout import Layout as _Layout
 from hyper_parallel.core.dtensor.redistribute import partial_grad_view
 from hyper_parallel.core.shard.ops import base as _base
 from hyper_parallel.platform import get_platform
@@ -35,8 +36,14 @@ _log = logging.getLogger("hyper_parallel.dispatch")
 
 # ----------------------------------------------------------------------------- modes
 _tls = threading.local()
-_FLAGS = {"strict": False, "implicit_replication": False, "fallback": False,
-          "debug": os.environ.get("HYPER_PARALLEL_DEBUG", "") not in ("", "0")}
+
+
+def _debug_from_env(environ=os.environ) -> bool:
+    """``HYPER_PARALLEL_DEBUG`` set to anything but empty/``0``/``false`` turns debug logging on."""
+    return environ.get("HYPER_PARALLEL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_FLAGS = {"strict": False, "implicit_replication": False, "fallback": False, "debug": _debug_from_env()}
 _WARNED_FALLBACK = set()
 
 
@@ -69,16 +76,22 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args")
+                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta")
 
     def __init__(self):
         self.fallback = False
+        self.set_meta = False
 
 
 _CACHE: dict = {}
 # (func, layout, shape, scalar, ...) -> entry, for calls that need no redistribution,
 # no local implementation and return one tensor (partial-gradient views are applied inline).
 _FAST: dict = {}
+# Both caches are bounded (oldest entry evicted): a program with unboundedly many distinct calls
+# (e.g. shapes that change every step) must not grow them forever.
+_CACHE_MAX = 8192
+# func -> whether float argument values are part of its cache key (see DistributedOp.float_args_matter)
+_FLOATS_MATTER: dict = {}
 _SCALARS = (int, float, bool, type(None))
 _INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
 _BOOL = platform.ops.bool
@@ -89,6 +102,7 @@ _STATS = {"hits": 0, "misses": 0}
 def _clear_caches():
     _CACHE.clear()
     _FAST.clear()
+    _FLOATS_MATTER.clear()
 
 
 _base._INVALIDATE_HOOKS.append(_clear_caches)
@@ -122,6 +136,46 @@ def _sig(a):
         return a
     except TypeError:
         return ("id", id(a))
+
+
+def _sig_nf(a):
+    """:func:`_sig` with float values replaced by their type (for rules whose answer ignores them)."""
+    t = type(a)
+    if t is float:
+        return float
+    if t is list or t is tuple:
+        return (t.__name__,) + tuple(_sig_nf(x) for x in a)
+    if t is dict:
+        return ("dict",) + tuple((k, _sig_nf(v)) for k, v in a.items())
+    return _sig(a)
+
+
+def _floats_matter(func, name):
+    m = _FLOATS_MATTER.get(func)
+    if m is None:
+        rule = _base.get_rule(name)
+        m = _FLOATS_MATTER[func] = rule is None or bool(rule.float_args_matter)
+    return m
+
+
+def _bounded_put(cache, key, value):
+    if len(cache) >= _CACHE_MAX:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+def _inplace_target(args, kwargs, dts):
+    """The DTensor an in-place op modifies: ``out=``, else ``self`` (first positional or keyword tensor)."""
+    out = kwargs.get("out")
+    if isinstance(out, DTensor):
+        return out
+    if args and isinstance(args[0], DTensor):
+        return args[0]
+    for k in ("self", "input", "tensor"):
+        v = kwargs.get(k)
+        if isinstance(v, DTensor):
+            return v
+    return dts[0] if dts else None
 
 
 def _collect(args, out):
@@ -199,44 +253,88 @@ def _op_name(func):
     return n
 
 
+# Special-cased Tensor methods that keep their DTensor meaning even inside SkipDTensorDispatch
+# (printing and the pickling guard); every other special (detach, item, tolist, backward...) runs on
+# the local tensor there, like any op.
+_SPECIAL_UNDER_SKIP = frozenset({"__repr__", "__format__", "__setstate__"})
+
+
 def _handle(func, types, args, kwargs):
     if _SKIP_ANY[0]:
         st = getattr(_tls, "skip", None)
         if st is not None and st[0] > 0:
             no_skip = st[1][-1]  # the innermost context decides
-            if not (func in no_skip or _op_name(func) in no_skip):
+            name = _op_name(func)
+            if not (func in no_skip or name in no_skip) and not (
+                    name in _SPECIAL_UNDER_SKIP and func in _SPECIAL):
                 return _run_local(func, args, kwargs)
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(*args, **kwargs)
     return _OP_DISPATCHER.dispatch(func, args, kwargs)
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
-    """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`."""
+    """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`.
+
+    The fast-path key is built exactly as :meth:`OpDispatcher._dispatch` stores it:
+    ``(func, layout, global shape | scalar, ...)`` per positional argument. One- and
+    two-argument calls (most ops) build it without a loop.
+    """
     if not kwargs and not _SKIP_ANY[0]:
-        parts = [func]
-        for a in args:
-            t = type(a)
-            if t is _DT:
-                parts.append(a._layout)
-                parts.append(a._gshape)
-            elif t in _SCALARS:
-                parts.append(a)
-            else:
-                break
+        n = len(args)
+        key = None
+        if n == 2:
+            a, b = args
+            ta, tb = type(a), type(b)
+            if ta is _DT:
+                if tb is _DT:
+                    key = (func, a._layout, a._gshape, b._layout, b._gshape)
+                elif tb in _SCALARS:
+                    key = (func, a._layout, a._gshape, b)
+            elif tb is _DT and ta in _SCALARS:
+                key = (func, a, b._layout, b._gshape)
+        elif n == 1:
+            a = args[0]
+            if type(a) is _DT:
+                key = (func, a._layout, a._gshape)
         else:
-            entry = _FAST.get(tuple(parts))
+            parts = [func]
+            for a in args:
+                t = type(a)
+                if t is _DT:
+                    parts.append(a._layout)
+                    parts.append(a._gshape)
+                elif t in _SCALARS:
+                    parts.append(a)
+                else:
+                    break
+            else:
+                key = tuple(parts)
+        if key is not None:
+            entry = _FAST.get(key)
             if entry is not None:
-                locs = [a._local_tensor if type(a) is _DT else a for a in args]
-                if entry.pg_args is not None:
+                if entry.pg_args is None:
+                    if n == 2:
+                        out = func(a._local_tensor if ta is _DT else a, b._local_tensor if tb is _DT else b)
+                    elif n == 1:
+                        out = func(a._local_tensor)
+                    else:
+                        out = func(*[x._local_tensor if type(x) is _DT else x for x in args])
+                else:
+                    locs = [x._local_tensor if type(x) is _DT else x for x in args]
                     for i, groups in entry.pg_args:
                         loc = locs[i]
                         if loc.requires_grad:
                             for g in groups:
                                 loc = partial_grad_view(loc, g)
                             locs[i] = loc
-                return _wrap_one(_DT, func(*locs), entry.mesh, entry.out_layouts, entry.out_shapes)
-    special = _SPECIAL.get(func)
-    if special is not None:
-        return special(*args, **(kwargs or {}))
+                    out = func(*locs)
+                return _wrap_one(_DT, out, entry.mesh, entry.out_layouts, entry.out_shapes)
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(*args, **(kwargs or {}))
+    # SkipDTensorDispatch, special-cased methods under it, kwargs calls and cache misses
     return _handle(func, types, args, kwargs or {})
 
 
@@ -265,6 +363,9 @@ class OpDispatcher:
             _collect(kwargs.values(), dts)
         if not dts:
             return func(*args, **kwargs)
+        decomp = _base.DECOMPOSITIONS.get(func)
+        if decomp is not None:
+            return decomp(*args, **kwargs)
         name = _op_name(func)
         meta_ops = _base.METADATA_OPS.get(name)
         if meta_ops is not None:
@@ -273,25 +374,26 @@ class OpDispatcher:
             # metadata properties (is_sparse, is_cuda, itemsize...) read from the local tensor
             return getattr(args[0]._local_tensor, name)
         mesh = dts[0]._mesh
-        key = (func, tuple(_sig(a) for a in args), tuple((k, _sig(v)) for k, v in kwargs.items()) if kwargs else ())
+        sig = _sig if _floats_matter(func, name) else _sig_nf
+        key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         entry = _CACHE.get(key)
         if entry is None:
-            if not _op_name(func).startswith("_foreach_"):  # foreach lists may hold plain parameters
+            if not name.startswith("_foreach_"):  # foreach lists may hold plain parameters
                 args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
             dts = []
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and key[1] == tuple(_sig(a) for a in args):
-                _CACHE[key] = entry
+            if entry is not None and key[1] == tuple(sig(a) for a in args):
+                _bounded_put(_CACHE, key, entry)
                 if _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh
                     # DTensor positional args are the DTensors in order: map pgroups to arg positions
                     pos = [i for i, a in enumerate(args) if type(a) is DTensor]
                     pg = tuple((pos[j], g) for j, g in enumerate(entry.pgroups) if g is not None)
                     entry.pg_args = pg or None
-                    _FAST[(func,) + tuple(x for a in args for x in (
-                        (a._layout, a._gshape) if type(a) is DTensor else (a,)))] = entry
+                    _bounded_put(_FAST, (func,) + tuple(x for a in args for x in (
+                        (a._layout, a._gshape) if type(a) is DTensor else (a,))), entry)
             _STATS["misses"] += 1
         else:
             _STATS["hits"] += 1
@@ -307,6 +409,10 @@ class OpDispatcher:
         rule = _base.get_rule(name)
         call = _base.OpCall(func, name, args, kwargs, dts, mesh)
         entry = _Entry()
+        if isinstance(kwargs.get("out"), DTensor) and not getattr(rule, "supports_out", False):
+            raise NotImplementedError(
+                f"{name}(..., out=DTensor) is not supported: this op's rule cannot write its result into a "
+                "DTensor in place; assign the result instead (y = op(...)) or use out.copy_(op(...))")
         if rule is None:
             if not _FLAGS["fallback"]:
                 raise NotImplementedError(
@@ -331,22 +437,30 @@ class OpDispatcher:
                   for d, tl in zip(dts, in_layouts)]
         entry.strict_msg = None
         if any(r is not None for r in redist):
-            changes = ", ".join(f"input {i}: {dts[i]._layout} -> {r}" for i, r in enumerate(redist) if r)
+            got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
+            changes = ", ".join(f"input {i} {_pl(dts[i]._layout)} -> {_pl(r)}" for i, r in enumerate(redist) if r)
             entry.strict_msg = (
-                f"strict layouts: {name} needs its inputs redistributed ({changes}). Redistribute them "
-                "explicitly with .redistribute(), or turn strict mode off (hyper_parallel.set_strict_layouts(False))")
+                f"strict layouts: {name} got DTensor inputs with placements ({got}) and would have to "
+                f"redistribute them ({changes}). Fix: call .redistribute(mesh, placements) on those inputs "
+                "yourself (or create them with matching placements), or leave strict mode "
+                "(hyper_parallel.set_strict_layouts(False))")
             if _FLAGS["debug"]:
-                _log.warning("hyper_parallel: %s redistributes inputs: %s", name,
-                             [(str(dts[i]._layout), str(r)) for i, r in enumerate(redist) if r])
+                _log.warning("hyper_parallel: %s redistributes %s (inputs: %s)", name, changes, got)
         entry.in_layouts = redist
         entry.out_layouts = strategy.out_layouts
         entry.local_fn = strategy.local_fn
-        entry.inplace = _base.is_inplace(name)
+        entry.inplace = _base.is_inplace(name) or isinstance(kwargs.get("out"), DTensor)
         entry.redistributes = any(r is not None for r in redist)
         final_in = [tl or d._layout for d, tl in zip(dts, in_layouts)]
         entry.pgroups = _partial_groups(final_in, strategy.out_layouts, mesh)
         entry.out_shapes = strategy.out_shapes if strategy.out_shapes is not None else \
             _meta_shapes(func, args, kwargs, strategy.out_layouts, entry.inplace, dts)
+        if entry.inplace:
+            target = _inplace_target(args, kwargs, dts)
+            lay = strategy.out_layouts
+            # an in-place op whose rule gives its target a new layout or shape (t_, transpose_)
+            entry.set_meta = target is not None and isinstance(lay, _Layout) and (
+                lay != target._layout or tuple(entry.out_shapes) != tuple(target._gshape))
         return entry
 
     # ------------------------------------------------------------------ execute (every call)
@@ -367,9 +481,28 @@ class OpDispatcher:
         lkw = dict(zip(kwargs, _replace(list(kwargs.values()), it))) if kwargs else kwargs
         fn = entry.local_fn or func
         out = fn(*largs, **lkw)
-        if entry.inplace and dts and isinstance(args[0], DTensor):
-            return args[0]
+        if entry.inplace:
+            target = _inplace_target(args, kwargs, dts)
+            if target is not None:
+                if entry.set_meta:
+                    _set_metadata(target, entry.out_layouts, entry.out_shapes, out)
+                return target
         return _wrap(out, entry.out_layouts, entry.out_shapes, mesh)
+
+
+def _set_metadata(target, layout, shape, local):
+    """An in-place op changed the layout/shape of ``target`` (``t_``, ``transpose_``): update its metadata."""
+    target._layout = layout
+    target._gshape = shape if type(shape) is platform.Size else platform.Size(shape)
+    if isinstance(local, _Tensor) and not isinstance(local, DTensor) and local is not target._local_tensor:
+        target._local_tensor = local
+    target.__dict__.pop("_redist_cache", None)
+    target.__dict__.pop("_grad_wrapper", None)
+
+
+def _pl(layout):
+    """Placements of a layout, short: ``[S(0), R]``."""
+    return "[" + ", ".join(str(p) for p in layout.placements) + "]"
 
 
 DERIVE_SHAPES = "derive"
@@ -440,8 +573,10 @@ def _meta_shapes(func, args, kwargs, out_layouts, inplace, dts):
     """Global output shapes, by running the op on meta tensors of the global input shapes."""
     if out_layouts is None:
         return None
-    if inplace and isinstance(args[0], DTensor):
-        return args[0]._gshape
+    if inplace:
+        target = _inplace_target(args, kwargs, dts)
+        if target is not None:
+            return target._gshape
     try:
         out = _base.meta_run(func, args, kwargs)
     except Exception:  # noqa: BLE001 - e.g. a custom function that is not meta-compatible
@@ -493,8 +628,12 @@ class implicit_replication:
 
 
 def allow_replicate_fallback(enabled: bool = True) -> None:
-    """Run ops without a rule replicated (inputs gathered), warning once per op."""
+    """Run ops without a rule replicated (inputs gathered), warning once per op.
+
+    Every call starts afresh: ops that warned before warn again once.
+    """
     _FLAGS["fallback"] = bool(enabled)
+    _WARNED_FALLBACK.clear()
     _clear_caches()
 
 

@@ -5,6 +5,12 @@ DTensors, checks (or, with ``redistribute_inputs=True``, redistributes) them to
 ``in_placements``, calls ``fn`` on their local tensors, and wraps the results as
 DTensors with ``out_placements``. Autograd flows through unchanged, because a
 DTensor and its local tensor share one autograd graph.
+
+Gradients follow the dispatcher's rule: an input that is replicated on a mesh
+dim where some output is sharded or Partial only sees, on each rank, the part
+of the gradient that comes from that rank's output piece; those parts are
+summed over the mesh dim in the backward pass (one all_reduce), so the
+gradient of a replicated input is the full gradient on every rank.
 """
 from __future__ import annotations
 
@@ -13,6 +19,36 @@ from typing import Callable, Optional, Sequence
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, get_current_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
+from hyper_parallel.core.dtensor.placement_types import Placement
+from hyper_parallel.core.dtensor.redistribute import partial_grad_view
+
+
+def _non_replicated_mesh_dims(out_placements, mesh) -> set:
+    """Mesh dims on which some declared output is sharded or Partial."""
+    specs = [out_placements] if _is_spec(out_placements) else list(out_placements)
+    dims = set()
+    for spec in specs:
+        if spec is None:
+            continue
+        items = list(spec)
+        if all(isinstance(p, Placement) for p in items):
+            dims.update(d for d, p in enumerate(items) if not p.is_replicate())
+            continue
+        names = mesh.mesh_dim_names or ()
+        for it in items:   # alias spelling: one entry per tensor dim, mesh-dim names or "None"
+            for n in ((it,) if isinstance(it, str) else tuple(it)):
+                if n in names:
+                    dims.add(names.index(n))
+    return dims
+
+
+def _is_spec(x) -> bool:
+    """A single placement spec (one output), as opposed to a sequence of per-output specs."""
+    if x is None:
+        return True
+    items = list(x)
+    return all(isinstance(p, (Placement, str)) for p in items) or (
+        bool(items) and all(isinstance(p, tuple) and all(isinstance(q, str) for q in p) for p in items))
 
 
 def local_map(func: Callable, out_placements, in_placements: Optional[Sequence] = None,
@@ -45,7 +81,13 @@ def local_map(func: Callable, out_placements, in_placements: Optional[Sequence] 
                                 f"{a.placements} but in_placements[{i}] is {tuple(want)}; pass "
                                 "redistribute_inputs=True to redistribute automatically")
                         a = a.redistribute(a.device_mesh, lay)
-                local_args.append(a.to_local())
+                local = a.to_local()
+                if local.requires_grad:
+                    lay = a.layout
+                    for d in sorted(_non_replicated_mesh_dims(out_placements, a.device_mesh)):
+                        if lay.partial[d] is None and lay.tensor_dim_of(d) is None and a.device_mesh.size(d) > 1:
+                            local = partial_grad_view(local, a.device_mesh.get_comm_group(d))
+                local_args.append(local)
             else:
                 if in_placements is not None and i < len(in_placements) and in_placements[i] is not None:
                     raise TypeError(f"local_map: argument {i} should be a DTensor with placements "

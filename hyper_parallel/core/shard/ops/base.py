@@ -80,6 +80,20 @@ class DistributedOp:
         _REGISTRY[op_name] = self
         _invalidate()
 
+    @property
+    def float_args_matter(self) -> bool:
+        """Whether the *values* of float arguments can change this rule's answer.
+
+        The dispatch cache keys float arguments by type only when this is False, so
+        that e.g. an optimizer's step size, which changes every step, does not
+        create a new cache entry per step. Rules shipped with hyper_parallel set it
+        explicitly (False unless their strategy or local function depends on a float
+        value, e.g. dropout's ``p``); user rules default to True (always correct).
+        Set ``float_args_matter = False`` on a rule class whose strategy, output
+        shapes and local function never look at float values.
+        """
+        return not type(self).__module__.startswith("hyper_parallel.core.shard.ops.")
+
     def infer_layout(self, layouts: Sequence[Optional[Layout]], extra_args=None):
         raise NotImplementedError(f"{type(self).__name__} for {self.op_name!r} implements neither infer_layout "
                                   "nor strategy")
@@ -135,10 +149,43 @@ def registered_ops() -> Tuple[str, ...]:
 # ----------------------------------------------------------------------------- helpers for rules
 def redistribution_cost(src: Layout, dst: Layout, shape, itemsize: int) -> int:
     """Bytes the most loaded rank sends to turn ``src`` into ``dst`` (0 when equal)."""
-    if src == dst:
+    if src == dst or is_local_move(src, dst):
         return 0
     p = rp.plan(src, dst, shape, itemsize)
     return max((sum(s.bytes[i] for s in p.steps) for i in range(len(src.rank_list))), default=0)
+
+
+def is_local_move(src: Layout, dst: Layout) -> bool:
+    """True when ``dst`` is reached from ``src`` without communication (0 bytes, no planning needed).
+
+    Local moves: a mesh dim that neither shards nor is pending in ``src`` may newly
+    shard one tensor dim (innermost) or become Partial (when every pending reduction
+    has the same op); size-1 mesh dims move no data. Anything else returns False
+    (the planner decides).
+    """
+    if src.mesh_shape != dst.mesh_shape or src.dim_map is None or dst.dim_map is None or \
+            len(src.dim_map) != len(dst.dim_map):
+        return False
+    big = [k > 1 for k in src.mesh_shape]
+    busy = {d for m in src.dim_map for d in m}
+    busy.update(d for d, p in enumerate(src.partial) if p is not None)
+    newly = set()
+    for a, b in zip(src.dim_map, dst.dim_map):
+        a = tuple(d for d in a if big[d])
+        b = tuple(d for d in b if big[d])
+        if b[:len(a)] != a:
+            return False
+        for d in b[len(a):]:
+            if d in busy:
+                return False
+            newly.add(d)
+    if src.partial == dst.partial:
+        return True
+    for d, (p, q) in enumerate(zip(src.partial, dst.partial)):
+        if big[d] and p != q and (p is not None or d in busy or d in newly):
+            return False
+    # new pending reductions only while every pending one (size-1 mesh dims included) has the same op
+    return len({p for p in src.partial + dst.partial if p is not None}) <= 1
 
 
 def unshard_dims(layout: Layout, dims: Sequence[int]) -> Layout:
@@ -195,6 +242,9 @@ def _on_local(name):
 
 # Ops that only read metadata: answered without layout inference.
 METADATA_OPS = {
+    "dim": lambda self: len(self._gshape),
+    "size": lambda self, dim=None: self._gshape if dim is None else self._gshape[dim],
+    "numel": lambda self: self._gshape.numel(),
     "stride": _global_stride,
     "nelement": lambda self: self.numel(),
     "ndimension": lambda self: self.ndim,
@@ -216,6 +266,18 @@ METADATA_OPS = {
     "data_ptr": _on_local("data_ptr"),
     "is_meta": lambda self: False,
 }
+
+
+# Composite functions (e.g. ``torch.nn.init.uniform_``) that hand a DTensor to ``__torch_function__``
+# as a whole: ``func -> fn(*args, **kwargs)`` runs instead, on the DTensors, so that every tensor op
+# inside is dispatched on its own. Keyed by the function object (their names clash with Tensor methods).
+DECOMPOSITIONS: Dict[Callable, Callable] = {}
+
+
+def register_decomposition(func: Callable, fn: Callable) -> None:
+    """Run ``fn`` (same signature, DTensor arguments) whenever ``func`` is called with DTensors."""
+    DECOMPOSITIONS[func] = fn
+    _invalidate()
 
 
 def meta_run(func, args, kwargs):

@@ -6,10 +6,18 @@ inputs survive only through ops that are linear in them:
 
 * ``add``-like (add, sub, neg...): all DTensor operands Partial(sum) on a mesh
   dim -> output Partial(sum); replicated operands are converted to Partial
-  (kept on one rank) so they are counted once. Not with scalar operands.
+  (kept on one rank) so they are counted once. With a scalar operand the
+  Partial input is reduced first (as in torch), except in place
+  (``p.add_(1.0)``, ``p -= 1``): there the scalar is added on the first rank of
+  the partial mesh dims only, so the target stays Partial with no communication.
 * ``mul``-like (mul, div numerator): exactly one operand Partial(sum), the
   others replicated -> output Partial(sum).
 * everything else: partial inputs are reduced first.
+
+In-place ops keep the layout of their target: a Partial operand of a
+non-Partial target is reduced first (``r.mul_(p)`` stays correct), and an op
+that would need the target itself redistributed raises, naming the op and the
+placements.
 """
 from __future__ import annotations
 
@@ -38,12 +46,43 @@ def broadcast_shape(shapes):
 class ElementwiseOp(DistributedOp):
     """Rule for one elementwise op; ``kind`` says how Partial inputs behave."""
 
+    float_args_matter = False
+
     def __init__(self, op_name: str, kind: str = NONLINEAR):
         self.kind = kind
         super().__init__(op_name)
 
     def strategy(self, call):
-        return elementwise_strategy(call, self.kind)
+        kind = self.kind
+        if call.name in _CASTS and not _float_cast(call):
+            kind = NONLINEAR   # rounding each Partial piece to an integer/bool is not linear: reduce first
+        return elementwise_strategy(call, kind)
+
+
+_CASTS = frozenset({"to", "type", "type_as"})
+
+
+def _float_cast(call) -> bool:
+    """Whether a to/type/type_as call gives a floating or complex result (linear in Partial inputs).
+
+    A dtype taken from another DTensor is not part of the dispatch cache key: treated as non-linear.
+    """
+    if any(_is_dt(a) for a in call.args[1:]) or any(_is_dt(v) for v in call.kwargs.values()):
+        return False
+    dtypes = [a for a in list(call.args[1:]) + list(call.kwargs.values()) if type(a).__name__ == "dtype"]
+    if dtypes:
+        return dtypes[-1].is_floating_point or dtypes[-1].is_complex
+    if call.name == "to":
+        return True   # to(device) / to(memory_format=...): the dtype does not change
+    from hyper_parallel.core.shard.ops.base import meta_run
+    from hyper_parallel.platform import get_platform
+    try:
+        out = meta_run(call.func, call.args, call.kwargs)
+    except Exception:  # noqa: BLE001 - unusual signatures: be safe
+        return False
+    if not isinstance(out, get_platform().Tensor):
+        return True   # e.g. x.type() -> a type string: no data is converted
+    return out.is_floating_point() or out.is_complex()
 
 
 def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
@@ -68,6 +107,9 @@ def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
     has_scalar_operand = any(
         not _is_dt(a) and a is not None and not isinstance(a, (str, bool)) and _is_number_like(a)
         for a in call.args[1:] if not isinstance(a, (list, tuple)))
+    # p.add_(scalar) on a Partial target: add the scalar on one rank only (see module docstring)
+    scalar_partial = inplace and kind == ADD and has_scalar_operand and n_in == 1 and len(call.args) == 2 and \
+        _is_number_like(call.args[1]) and set(call.kwargs) <= {"alpha"}
     cands: List[tuple] = []
     for i in ([0] if inplace else range(n_in)):
         c = to_out(i)
@@ -86,7 +128,8 @@ def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
             if not ps:
                 continue
             ops = set(ps.values())
-            if kind in (ADD, UNARY_LINEAR) and ops == {"sum"} and not (kind == ADD and has_scalar_operand):
+            if kind in (ADD, UNARY_LINEAR) and ops == {"sum"} and not (
+                    kind == ADD and has_scalar_operand and not scalar_partial):
                 out_partial[d] = "sum"
                 for i in range(n_in):
                     in_partial[i][d] = "sum"
@@ -95,6 +138,11 @@ def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
                 out_partial[d] = "sum"
                 (i,) = ps
                 in_partial[i][d] = "sum"
+            if inplace and out_partial[d] != layouts[0].partial[d]:
+                # the target keeps its layout: reduce the Partial operands on this mesh dim instead
+                out_partial[d] = None
+                for i in range(n_in):
+                    in_partial[i][d] = None
         targets = []
         for i in range(n_in):
             dmi = []
@@ -113,7 +161,31 @@ def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
         raise RuntimeError(f"{call.name}: in-place op on a DTensor with placements {layouts[0].placements} would "
                            f"change its layout to {targets[0].placements}; call reduce_partial()/redistribute() "
                            "first or use the out-of-place op")
-    return Strategy(targets, out)
+    local_fn = None
+    if scalar_partial and out.has_partial():
+        local_fn = _scalar_on_root(call, [d for d, p in enumerate(out.partial) if p is not None])
+    # the output shape is the broadcast shape (no meta run on a cache miss); casts with a DTensor dtype
+    # source (type_as) take their own shape: leave those to the meta run
+    out_shapes = None
+    if call.name not in _CASTS:
+        from hyper_parallel.platform import get_platform
+        out_shapes = get_platform().Size(out_shape)
+    return Strategy(targets, out, local_fn=local_fn, out_shapes=out_shapes)
+
+
+def _scalar_on_root(call, partial_dims):
+    """Local ``x.op_(scalar)`` adding the scalar only where the coordinate on every Partial mesh dim is 0."""
+    func = call.func
+    coord = call.mesh.get_coordinate()
+    if all(coord[d] == 0 for d in partial_dims):
+        return None  # this rank applies the op as is
+    from hyper_parallel.platform import get_platform
+    T = get_platform().Tensor
+
+    def local_fn(x, other, **kwargs):
+        zero = get_platform().ops.zeros_like(other) if isinstance(other, T) else type(other)(0)
+        return func(x, zero, **kwargs)
+    return local_fn
 
 
 def _layout_like(base, dm, partial):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import string
 
-from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, redistribution_cost
+from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, is_local_move, redistribution_cost
 
 UNSHARDABLE = "?"
 
@@ -81,42 +81,69 @@ def einsum_strategy(call, in_subs, out_sub, bias_index=None, bias_sub=None, out_
     options = [("R",)] + [("S", L) for L in out_letters] + [("C", L) for L in contracted] + \
               [("P", i) for i in mains]
     per_dim = [[("R",)] if k == 1 else options for k in mesh_shape]
-    best = None
-    for combo in itertools.product(*per_dim):
-        ins = {i: ([[] for _ in in_subs[i]], [None] * len(mesh_shape)) for i in range(len(layouts))}
-        out_dm = [[] for _ in out_sub]
-        out_partial = [None] * len(mesh_shape)
-        for d, opt in enumerate(combo):
-            kind = opt[0]
-            if kind == "S":
-                L = opt[1]
-                for i in range(len(layouts)):
-                    sub = bias_sub if i == bias_index else in_subs[i]
-                    if L in sub:
-                        ins[i][0][sub.index(L)].append(d)
-                out_dm[out_sub.index(L)].append(d)
-            elif kind == "C":
-                for i in mains:
-                    ins[i][0][in_subs[i].index(opt[1])].append(d)
-                out_partial[d] = "sum"
-                if bias_index is not None:
-                    ins[bias_index][1][d] = "sum"
-            elif kind == "P":
-                ins[opt[1]][1][d] = "sum"
-                out_partial[d] = "sum"
-                if bias_index is not None:
-                    ins[bias_index][1][d] = "sum"
-        targets = [layouts[i].with_dim_map(ins[i][0], ins[i][1]) for i in range(len(layouts))]
-        cost = 0
-        for i in range(len(layouts)):
-            cost += redistribution_cost(layouts[i], targets[i], shapes[i], call.itemsizes[i])
-            if best is not None and cost > best[0][0]:
-                break
+    # Every combination's targets first (cheap); those reached without communication cost 0 and are
+    # scored first, so that once a free combination is known the others are only priced (planned) when
+    # they could still win the tie-break. The combination index in the key keeps the choice identical to
+    # a plain scan in product order, whatever order combinations are priced in.
+    cands = []
+    for idx, combo in enumerate(itertools.product(*per_dim)):
+        targets, out = _einsum_targets(layouts, in_subs, out_sub, bias_index, bias_sub, mesh_shape, mains, combo)
+        free = all(t == l or is_local_move(l, t) for l, t in zip(layouts, targets))
         changed = sum(1 for i in range(len(layouts)) if targets[i] != layouts[i])
-        key = (cost, changed, sum(1 for p in out_partial if p))
+        cands.append((not free, idx, targets, out, changed, sum(1 for p in out.partial if p)))
+    cands.sort(key=lambda c: (c[0], c[4], c[1]))   # free first; then fewer changed inputs (a good bound early)
+    best = None
+    known = {}   # (input, target) -> bytes: an input's cost priced once, and known costs are added first so
+    n_in = len(layouts)   # that a combination already worse than the best is dropped before planning more
+
+    def price(i, t):
+        c = known.get((i, t))
+        if c is None:
+            c = known[(i, t)] = redistribution_cost(layouts[i], t, shapes[i], call.itemsizes[i])
+        return c
+    for not_free, idx, targets, out, changed, n_partial in cands:
+        if best is not None and best[0][0] == 0 and (0, changed, n_partial, idx) >= best[0]:
+            continue   # costs are >= 0: cannot beat the best free combination
+        cost = 0
+        if not_free:
+            order = sorted(range(n_in), key=lambda i: (i, targets[i]) not in known)
+            for i in order:
+                cost += price(i, targets[i])
+                if best is not None and cost > best[0][0]:
+                    break
+        key = (cost, changed, n_partial, idx)
         if best is None or key < best[0]:
-            best = (key, targets, layouts[0].with_dim_map(out_dm, out_partial))
+            best = (key, targets, out)
     return Strategy(best[1], best[2])
+
+
+def _einsum_targets(layouts, in_subs, out_sub, bias_index, bias_sub, mesh_shape, mains, combo):
+    """Target input layouts and the output layout for one choice per mesh dim (see module docstring)."""
+    ins = {i: ([[] for _ in in_subs[i]], [None] * len(mesh_shape)) for i in range(len(layouts))}
+    out_dm = [[] for _ in out_sub]
+    out_partial = [None] * len(mesh_shape)
+    for d, opt in enumerate(combo):
+        kind = opt[0]
+        if kind == "S":
+            L = opt[1]
+            for i in range(len(layouts)):
+                sub = bias_sub if i == bias_index else in_subs[i]
+                if L in sub:
+                    ins[i][0][sub.index(L)].append(d)
+            out_dm[out_sub.index(L)].append(d)
+        elif kind == "C":
+            for i in mains:
+                ins[i][0][in_subs[i].index(opt[1])].append(d)
+            out_partial[d] = "sum"
+            if bias_index is not None:
+                ins[bias_index][1][d] = "sum"
+        elif kind == "P":
+            ins[opt[1]][1][d] = "sum"
+            out_partial[d] = "sum"
+            if bias_index is not None:
+                ins[bias_index][1][d] = "sum"
+    targets = [layouts[i].with_dim_map(ins[i][0], ins[i][1]) for i in range(len(layouts))]
+    return targets, layouts[0].with_dim_map(out_dm, out_partial)
 
 
 class MatmulRule(DistributedOp):

@@ -262,6 +262,8 @@ _T_DROPOUT_NAMES = ("input", "p", "train")
 class DropoutRule(DistributedOp):
     """F.dropout(input, p, training, inplace) / torch.dropout(input, p, train) with a layout-independent mask."""
 
+    float_args_matter = True  # p is baked into the local function
+
     def strategy(self, call):
         plat = get_platform()
         functional = call.func is not plat.ops.dropout
@@ -424,6 +426,8 @@ class SDPARule(DistributedOp):
     Batch and head dims (everything but the last two) keep their shards - q, k,
     v and the mask agree; sequence and feature dims are unsharded.
     """
+
+    float_args_matter = True  # a non-zero dropout_p must raise
 
     def strategy(self, call):
         a = _Args(call, _SDPA_NAMES)

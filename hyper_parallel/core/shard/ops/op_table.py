@@ -16,6 +16,7 @@ FAMILIES = (
     "tensor_ops",
     "nn_ops",
     "foreach",
+    "init_ops",
 )
 
 _LOADED = False

@@ -65,6 +65,8 @@ def _is_dtype(x):
 
 
 class ReductionRule(DistributedOp):
+    float_args_matter = True  # norm's p picks the local implementation
+
     def strategy(self, call):
         name = call.name
         if name in ("max", "min") and len(call.layouts) == 2:

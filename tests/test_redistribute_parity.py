@@ -40,7 +40,7 @@ from hyper_parallel.core.dtensor import redistribute_plan as rp
 from tests.harness import requires_world_size
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
-P, PAVG, PMAX, PMIN = Partial("sum"), Partial("avg"), Partial("max"), Partial("min")
+P, PAVG, PMAX, PMIN, PPROD = Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("prod")
 
 MESHES = {
     "1d": dict(shape=(4,), names=("x",), tensors=[(8, 12), (3, 5)]),
@@ -66,12 +66,12 @@ def _cases(mesh_key: str):
     cfg = MESHES[mesh_key]
     n = len(cfg["shape"])
     if n == 1:
-        srcs = [(p,) for p in (R, S0, S1, P, PAVG, PMAX, PMIN)] + [("x", "None"), ("None", "x")]
+        srcs = [(p,) for p in (R, S0, S1, P, PAVG, PMAX, PMIN, PPROD)] + [("x", "None"), ("None", "x")]
         dsts = [(p,) for p in (R, S0, S1, P)] + [("None", "x")]
         pairs = [(s, d) for s in srcs for d in dsts]
     elif n == 2:
         srcs = list(itertools.product((R, S0, S1, P), repeat=2))
-        srcs += [(PAVG, S0), (PMAX, R), (S1, PMIN), (PAVG, PAVG), (PMAX, PMAX)]
+        srcs += [(PAVG, S0), (PMAX, R), (S1, PMIN), (PAVG, PAVG), (PMAX, PMAX), (PPROD, S0), (PPROD, PPROD)]
         srcs += [(("tp", "dp"), "None"), ("None", ("tp", "dp")), ("tp", "dp"), (("dp", "tp"), "None")]
         dsts = list(itertools.product((R, S0, S1), repeat=2))
         dsts += [(P, R), (S0, P), (P, P)]
@@ -79,7 +79,7 @@ def _cases(mesh_key: str):
         pairs = [(s, d) for s in srcs for d in dsts]
     else:
         srcs = list(itertools.product((R, S0, S1, P), repeat=3))
-        srcs += [(PAVG, R, S1), (S0, PMAX, R), (PMAX, PMAX, PMAX)]
+        srcs += [(PAVG, R, S1), (S0, PMAX, R), (PMAX, PMAX, PMAX), (S0, R, PPROD)]
         srcs += [(("tp", "pp"), "dp"), ("None", ("dp", "pp", "tp")), (("tp", "dp", "pp"), "None")]
         dsts = list(itertools.product((R, S0, S1), repeat=3))
         dsts += [(P, R, S0), (R, S1, P)]
@@ -152,6 +152,13 @@ def _partial_parts(full, n):
             else:
                 lst.append(full + (owner != i).to(full.dtype) * (1 + i))
         parts[op] = lst
+    # prod: exact powers of two around ``full``; where ``full`` is 0 the zero sits on part 1, so the
+    # backward (product of the other parts, no division) is checked with zeros on other ranks too
+    zero = full == 0
+    lst = [torch.where(zero, torch.ones_like(full), full) * 2.0 ** -(n - 1)]
+    lst += [torch.where(zero, torch.zeros_like(full), torch.full_like(full, 2.0)) if i == 1
+            else torch.full_like(full, 2.0) for i in range(1, n)]
+    parts["prod"] = lst
     return parts, owner
 
 
@@ -207,6 +214,12 @@ def _run_case(mesh, mesh_shape, names, src, dst, shape, failures):
             scale = 1.0 / n
         elif op in ("max", "min"):
             mask = _gt_slice((owner == idx).to(torch.float32), mesh_shape, names, coord, src)
+        elif op == "prod":  # d(prod)/d(part idx) = product of the other parts
+            others = torch.ones_like(full)
+            for j in range(n):
+                if j != idx:
+                    others = others * parts[op][j]
+            mask = _gt_slice(others, mesh_shape, names, coord, src)
     else:
         x = hp.distribute_tensor(full.clone().requires_grad_(True), mesh, src, src_data_rank=None)
         leaf_grad = lambda: (x.grad.to_local() if x.grad is not None else None)  # noqa: E731
@@ -283,7 +296,7 @@ def test_case_lists_cover_every_pair():
     c3 = _cases("3d")
     srcs = {_spec_str(s) for s, _, _ in c3}
     dsts = {_spec_str(d) for _, d, _ in c3}
-    assert len(srcs) == 4 ** 3 + 6 and len(dsts) == 3 ** 3 + 5
+    assert len(srcs) == 4 ** 3 + 7 and len(dsts) == 3 ** 3 + 5
 
 
 def test_parity_1d_mesh_4(dist_runner):

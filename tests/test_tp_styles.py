@@ -325,19 +325,25 @@ def _prepare_output():
         mod = parallelize_module(copy.deepcopy(ref), mesh, PrepareModuleOutput(
             output_layouts=Shard(0), desired_output_layouts=Shard(1), use_local_output=use_local))
         xl = _chunk(x).clone().requires_grad_()
-        y = mod(xl)
-        if use_local:
-            assert y.shape == (2 * ws, 8 // ws)
-        else:
-            assert y.placements == (Shard(1),)
-        yf = _full(y, mesh, Shard(1))
-        xr = x.clone().requires_grad_()
-        yr = ref(xr)
-        torch.testing.assert_close(yf, yr, **TOL)
-        (yf * w).sum().backward()
-        (yr * w).sum().backward()
-        torch.testing.assert_close(xl.grad, _chunk(xr.grad), **TOL)
+        _check_col_sharded_output(mod(xl), use_local, mesh, ref, x, xl, w)
         _check_grads(ref, mod, reduce_plain=True)
+
+
+def _check_col_sharded_output(y, use_local, mesh, ref, x, xl, w):
+    """``y`` = the module's (2*ws, 8) output laid out Shard(1): values and input grads vs ``ref``."""
+    ws = dist.get_world_size()
+    assert isinstance(y, hp.DTensor) != use_local
+    if use_local:
+        assert y.shape == (2 * ws, 8 // ws)
+    else:
+        assert y.placements == (Shard(1),)
+    yf = _full(y, mesh, Shard(1))
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    torch.testing.assert_close(yf, yr, **TOL)
+    (yf * w).sum().backward()
+    (yr * w).sum().backward()
+    torch.testing.assert_close(xl.grad, _chunk(xr.grad), **TOL)
 
 
 def _prepare_input_output():
@@ -358,19 +364,7 @@ def _prepare_input_output():
             with hp.implicit_replication():   # plain weights meet a DTensor input when use_local_input=False
                 y = mod(xl)
             assert seen == [torch.Tensor if use_local_input else hp.DTensor], seen
-            assert isinstance(y, hp.DTensor) != use_local
-            if use_local:
-                assert y.shape == (2 * ws, 8 // ws)
-            else:
-                assert y.placements == (Shard(1),)
-            yf = _full(y, mesh, Shard(1))
-            xr = x.clone().requires_grad_()
-            yr = ref(xr)
-            torch.testing.assert_close(yf, yr, **TOL)
-            w = torch.randn(2 * ws, 8)
-            (yf * w).sum().backward()
-            (yr * w).sum().backward()
-            torch.testing.assert_close(xl.grad, _chunk(xr.grad), **TOL)
+            _check_col_sharded_output(y, use_local, mesh, ref, x, xl, torch.randn(2 * ws, 8))
             _check_grads(ref, mod)   # the module saw the whole batch on every rank
 
 

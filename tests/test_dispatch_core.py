@@ -162,10 +162,15 @@ def test_cache_does_not_grow_during_training(dist_runner):
 
 
 # ----------------------------------------------------------------------------- strict mode, debug log, cheapest plan
-def _strict_body():
+def _row_and_col_sharded_ones():
+    """Two (4, 4) ones on a (2,) mesh, Shard(0) and Shard(1): adding them needs a redistribution."""
     mesh = hp.init_device_mesh("cpu", (2,))
-    a = hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-    c = hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)])
+    return (hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]),
+            hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)]))
+
+
+def _strict_body():
+    a, c = _row_and_col_sharded_ones()
 
     def check(msg):
         assert "add" in msg, msg                                   # the op
@@ -199,9 +204,7 @@ def test_strict_layouts_message(dist_runner):
 
 def _debug_log_body():
     import logging
-    mesh = hp.init_device_mesh("cpu", (2,))
-    a = hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-    c = hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)])
+    a, c = _row_and_col_sharded_ones()
     records = []
 
     class H(logging.Handler):

@@ -194,30 +194,39 @@ def test_train_script_loss_parallel_flag(dist_runner):
 
 
 def _layer_counts():
+    """Collectives of one layer's forward and backward, and of two layers' backward (per-step reductions)."""
     tp = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
     res = {}
     for sp in (False, True):
         model = build_model(ARGS, 0)
         parallelize_llama(model, mesh, sequence_parallel=sp)
-        block = model.layers["0"]
-        x = torch.randn(2, SEQ // (tp if sp else 1), ARGS.dim, requires_grad=True)
         cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
-        with hp.CommDebugMode() as fwd:
-            out = block(x, cos, sin)
-        with hp.CommDebugMode() as bwd:
-            out.sum().backward()
-        res[sp] = (fwd.get_comm_counts(), bwd.get_comm_counts())
+        counts = []
+        for blocks in ([model.layers["0"]], [model.layers["0"], model.layers["1"]]):
+            x = torch.randn(2, SEQ // (tp if sp else 1), ARGS.dim, requires_grad=True)
+            with hp.CommDebugMode() as fwd:
+                out = x
+                for block in blocks:
+                    out = block(out, cos, sin)
+            with hp.CommDebugMode() as bwd:
+                out.sum().backward()
+            counts += [fwd.get_comm_counts(), bwd.get_comm_counts()]
+        res[sp] = counts
     return res
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layer_collective_counts(dist_runner, tp):
     res = dist_runner.run(tp, _layer_counts)[0]
-    fwd, bwd = res[False]
+    fwd, bwd, fwd2, bwd2 = res[False]
     assert fwd == {"all_reduce": 2}, fwd
     assert bwd == {"all_reduce": 2}, bwd
-    fwd, bwd = res[True]
+    assert fwd2 == {"all_reduce": 4} and bwd2 == {"all_reduce": 4}, (fwd2, bwd2)
+    fwd, bwd, fwd2, bwd2 = res[True]
     assert fwd == {"all_gather": 2, "reduce_scatter": 2}, fwd
-    # the two replicated RMSNorm weights' gradients are summed over the sequence shards
-    assert bwd == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}, bwd
+    # per layer 2 all_gather + 2 reduce_scatter; the replicated RMSNorm weights' gradients (partial over
+    # the sequence shards) are summed once per backward for all layers, in one flat all_reduce
+    assert bwd == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}, bwd
+    assert fwd2 == {"all_gather": 4, "reduce_scatter": 4}, fwd2
+    assert bwd2 == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}, bwd2

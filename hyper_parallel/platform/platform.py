@@ -45,3 +45,13 @@ class Platform:
     Parameter = None
     Function = None
     DTensorBase = None
+    autograd_grad = None      # torch.autograd.grad's contract
+    autograd_backward = None  # torch.autograd.backward's contract
+
+    # Namespaces (set by subclasses): ``collectives`` (plain collectives on local
+    # tensors), ``functions`` (differentiable collectives, one autograd function
+    # each) and ``deferred_grads`` (gradient reductions batched at the end of
+    # backward: ``DeferredPartialGrad``, ``defer_average``).
+    collectives = None
+    functions = None
+    deferred_grads = None

@@ -404,6 +404,56 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
     self._local_tensor.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
 
+def _as_list(x):
+    return [x] if isinstance(x, _Tensor) else list(x)
+
+
+def _grad_outputs(outputs, grads, what):
+    """Local outputs and their local upstream gradients for a backward over (possibly DTensor) outputs."""
+    outs = _as_list(outputs)
+    grads = [None] * len(outs) if grads is None else _as_list(grads)
+    if len(grads) != len(outs):
+        raise ValueError(f"{what}: got {len(grads)} gradients for {len(outs)} outputs")
+    louts, lgrads = [], []
+    for i, (o, g) in enumerate(zip(outs, grads)):
+        if isinstance(o, DTensor):
+            if g is None and o.numel() != 1:
+                raise RuntimeError(f"{what}: grad can be implicitly created only for scalar outputs; output {i} "
+                                   f"is a DTensor of global shape {tuple(o._gshape)}: pass its gradient")
+            if g is not None:
+                if not isinstance(g, DTensor):
+                    raise TypeError(f"{what}: the gradient of DTensor output {i} must be a DTensor, "
+                                    f"got {type(g).__name__}")
+                want = _grad_layout(o._layout)
+                g = (g if g._layout == want else g.redistribute(o._mesh, want))._local_tensor
+            o = o._local_tensor
+        elif isinstance(g, DTensor):
+            raise TypeError(f"{what}: output {i} is a plain tensor but its gradient is a DTensor")
+        louts.append(o)
+        lgrads.append(g)
+    return louts, lgrads
+
+
+def _autograd_grad(outputs, inputs, grad_outputs=None, **kwargs):
+    """``torch.autograd.grad`` over DTensors: runs on local tensors; DTensor inputs get DTensor gradients."""
+    louts, lgrads = _grad_outputs(outputs, grad_outputs, "torch.autograd.grad")
+    ins = _as_list(inputs)
+    lins = [i._local_tensor if isinstance(i, DTensor) else i for i in ins]
+    res = platform.autograd_grad(louts, lins, lgrads, **kwargs)
+    return tuple(DTensor._wrap(g, i._mesh, _grad_layout(i._layout), i._gshape)
+                 if g is not None and isinstance(i, DTensor) else g for g, i in zip(res, ins))
+
+
+def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
+                       inputs=None):
+    """``torch.autograd.backward`` over DTensors (see :func:`_autograd_grad`)."""
+    louts, lgrads = _grad_outputs(tensors, grad_tensors if grad_tensors is not None else grad_variables,
+                                  "torch.autograd.backward")
+    if inputs is not None:
+        inputs = [i._local_tensor if isinstance(i, DTensor) else i for i in _as_list(inputs)]
+    platform.autograd_backward(louts, lgrads, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+
+
 def _retain_grad(self):
     self._local_tensor.retain_grad()
 
@@ -453,6 +503,8 @@ def _build_special():
         T.__repr__: lambda self, *a, **k: repr(self),
         T.__format__: lambda self, spec: repr(self),
         T.__setstate__: _setstate,
+        platform.autograd_grad: _autograd_grad,
+        platform.autograd_backward: _autograd_backward,
     }
     return table
 

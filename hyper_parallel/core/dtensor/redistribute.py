@@ -13,6 +13,7 @@ from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.platform import get_platform
 
 _F = get_platform().functions
+_D = get_platform().deferred_grads
 _GRAD_ENABLED = get_platform().grad_enabled
 
 
@@ -59,7 +60,10 @@ def partial_grad_view(local, group):
     ``group`` once, however many consumers use it: the view is cached on
     ``local``. If ``local`` came from an all_gather over the same group, the
     backward is a reduce_scatter into the gathered source (Megatron's sequence
-    parallel pairing) instead of an all_reduce.
+    parallel pairing) instead of an all_reduce. If ``local`` is a leaf (a
+    parameter), the sum is deferred to the end of ``backward()`` and done for all
+    such parameters in one flat all_reduce per group (Megatron's
+    ``allreduce_layernorm_grads``; see the platform's ``deferred_grads``).
     """
     if group.size == 1 or not local.requires_grad or not _GRAD_ENABLED():
         return local
@@ -75,6 +79,8 @@ def partial_grad_view(local, group):
         if g is not None and g[0] == group.ranks and g[1].requires_grad:
             _, src, dim, grp, sizes = g
             view = _F.GatheredPartialGrad.apply(src, local.detach(), dim, grp, sizes)
+        elif local.is_leaf:  # a parameter: one flat all_reduce at the end of backward for all of them
+            view = _D.DeferredPartialGrad.apply(local, group)
         else:
             view = _F.PartialGrad.apply(local, group)
         cache[key] = view

@@ -1,8 +1,10 @@
 """Data parallelism on one mesh dim: replicated parameters, gradients averaged across it.
 
-``replicate(module, dp_mesh)`` registers a hook on every parameter that
-averages its gradient over the ``dp`` group as soon as autograd has
-accumulated it, so after ``loss.backward()`` every dp rank holds the gradient
+``replicate(module, dp_mesh)`` registers a hook on every parameter that marks
+its gradient for averaging over the ``dp`` group once autograd has accumulated
+it; at the end of ``backward()`` all marked gradients are averaged in one flat
+all_reduce per dtype (like DDP's buckets, without overlap: the collectives are
+synchronous). So after ``loss.backward()`` every dp rank holds the gradient
 of the global mean loss (when each rank's loss is the mean over an equal share
 of the batch). Combined with tensor parallelism on another mesh dim (a
 ("dp", "tp") mesh), TP runs inside each dp group. Fully sharded data
@@ -30,7 +32,7 @@ def replicate(module, device_mesh: DeviceMesh):
     if group.size == 1:
         module._hp_replicated = True
         return module
-    coll = get_platform().collectives
+    deferred = get_platform().deferred_grads
     seen = set()
     for p in module.parameters():
         if id(p) in seen or not p.requires_grad:
@@ -39,7 +41,7 @@ def replicate(module, device_mesh: DeviceMesh):
         local = p._local_tensor if isinstance(p, DTensor) else p
 
         def hook(t, group=group):
-            t.grad.copy_(coll.all_reduce(t.grad, group, "avg"))
+            deferred.defer_average(t, group)
         local.register_post_accumulate_grad_hook(hook)
     module._hp_replicated = True
     return module

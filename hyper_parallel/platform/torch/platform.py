@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
-from hyper_parallel.platform.torch import collectives, functions
+from hyper_parallel.platform.torch import collectives, deferred_grads, functions
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
@@ -21,6 +21,8 @@ class TorchPlatform(Platform):
     Module = nn.Module
     Parameter = nn.Parameter
     Function = torch.autograd.Function
+    autograd_grad = staticmethod(torch.autograd.grad)
+    autograd_backward = staticmethod(torch.autograd.backward)
     DTensorBase = torch.Tensor
     Size = torch.Size
 
@@ -29,6 +31,7 @@ class TorchPlatform(Platform):
     # namespaces
     collectives = collectives
     functions = functions
+    deferred_grads = deferred_grads
 
     def __init__(self):
         self._groups = {}

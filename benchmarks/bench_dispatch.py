@@ -5,7 +5,8 @@
 Ops on 64x64 local shards (no communication in any case): add, matmul (S0 @ R),
 relu, sum(dim=-1), softmax(dim=-1), and a Linear(64, 64) forward+backward. On 1
 rank (mesh (1,), Shard(0)) and 2 ranks (mesh (2,), Shard(0): global 128x64).
-overhead ratio = (ours - plain) / (torch - plain); the target is <= 0.3.
+overhead ratio = (ours - plain) / (torch - plain); the target is <= 0.3. Times are
+medians of 15 blocks, the three variants timed in alternating blocks.
 Also counts DTensor dispatches during backward (ours: __torch_function__ calls;
 torch: __torch_dispatch__ calls on DTensors).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import bench, launch, table
+from common import bench_interleaved, launch, table
 
 
 def worker(iters):
@@ -43,9 +44,8 @@ def worker(iters):
     rows = []
     for name, f in ops.items():
         torch.testing.assert_close(f(da, db).to_local(), f(la, lb))
-        p = bench(lambda: f(la, lb), iters, sync=dist.barrier)
-        t = bench(lambda: f(ta, tb), iters, sync=dist.barrier)
-        o = bench(lambda: f(da, db), iters, sync=dist.barrier)
+        p, t, o = bench_interleaved([lambda: f(la, lb), lambda: f(ta, tb), lambda: f(da, db)], iters,
+                                    sync=dist.barrier)
         rows.append((name, ws, f"{p:.1f}", f"{t:.1f}", f"{o:.1f}", f"{(o - p) / (t - p):.2f}"))
     # Linear forward + backward: weight column-sharded, input replicated
     w = torch.randn(64 * ws, 64)
@@ -57,9 +57,8 @@ def worker(iters):
 
     def step(xx, ww):
         F.linear(xx, ww).sum().backward()
-    p = bench(lambda: step(x, lw), iters // 4, sync=dist.barrier)
-    t = bench(lambda: step(tx, tw), iters // 4, sync=dist.barrier)
-    o = bench(lambda: step(dx, dw), iters // 4, sync=dist.barrier)
+    p, t, o = bench_interleaved([lambda: step(x, lw), lambda: step(tx, tw), lambda: step(dx, dw)], iters // 4,
+                                sync=dist.barrier)
     rows.append(("Linear fwd+bwd", ws, f"{p:.1f}", f"{t:.1f}", f"{o:.1f}", f"{(o - p) / (t - p):.2f}"))
 
     # DTensor dispatches during backward (the backward() call itself is not counted)
@@ -99,7 +98,7 @@ def main():
         rows += r
         notes.append(f"ws={ws}: DTensor dispatches during backward of gelu(linear(x, w)).sum(): "
                      f"ours {counts['ours']}, torch {counts['torch']}")
-    print("per-op time in microseconds (median of 5 blocks)")
+    print("per-op time in microseconds (median of 15 interleaved blocks)")
     print(table(["op", "ws", "plain us", "torch DTensor us", "ours us", "overhead ratio"], rows))
     print("\n".join(notes))
 

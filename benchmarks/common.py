@@ -69,6 +69,30 @@ def bench(fn, iters: int, repeats: int = 5, warmup: int = None, sync=None) -> fl
     return statistics.median(res)
 
 
+def bench_interleaved(fns, iters: int, repeats: int = 15, sync=None) -> list:
+    """Median microseconds per call of each of ``fns``, measured in alternating blocks.
+
+    Each repeat times one block of ``iters`` calls of every function in turn, so
+    slow drifts of the machine (other tenants, frequency changes) hit all of them
+    alike and their ratios stay meaningful.
+    """
+    for fn in fns:
+        for _ in range(max(5, iters // 10)):
+            fn()
+    res = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            if sync:
+                sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            if sync:
+                sync()
+            res[i].append((time.perf_counter() - t0) / iters * 1e6)
+    return [statistics.median(r) for r in res]
+
+
 def table(headers, rows) -> str:
     cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(headers)]
     widths = [max(len(c) for c in col) for col in cols]

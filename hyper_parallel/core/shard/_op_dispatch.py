@@ -26,6 +26,7 @@ from hyper_parallel.core.dtensor import dtensor as _dt
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import Layout as _Layout
 from hyper_parallel.core.dtensor.redistribute import partial_grad_view
+from hyper_parallel.core.shard import _fast_methods
 from hyper_parallel.core.shard.ops import base as _base
 from hyper_parallel.platform import get_platform
 
@@ -76,7 +77,7 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta")
+                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec")
 
     def __init__(self):
         self.fallback = False
@@ -84,7 +85,7 @@ class _Entry:
 
 
 _CACHE: dict = {}
-# (func, layout, shape, scalar, ...) -> entry, for calls that need no redistribution,
+# (func, spec | scalar, ...) -> entry (spec: dtensor.Spec), for calls that need no redistribution,
 # no local implementation and return one tensor (partial-gradient views are applied inline).
 _FAST: dict = {}
 # Both caches are bounded (oldest entry evicted): a program with unboundedly many distinct calls
@@ -278,8 +279,9 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`.
 
     The fast-path key is built exactly as :meth:`OpDispatcher._dispatch` stores it:
-    ``(func, layout, global shape | scalar, ...)`` per positional argument. One- and
-    two-argument calls (most ops) build it without a loop.
+    ``(func, spec | scalar, ...)`` per positional argument, where a DTensor's spec is
+    its interned (layout, global shape) token (hashed in C). One- and two-argument
+    calls (most ops) build it without a loop.
     """
     if not kwargs and not _SKIP_ANY[0]:
         n = len(args)
@@ -289,22 +291,21 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             ta, tb = type(a), type(b)
             if ta is _DT:
                 if tb is _DT:
-                    key = (func, a._layout, a._gshape, b._layout, b._gshape)
+                    key = (func, a._spec, b._spec)
                 elif tb in _SCALARS:
-                    key = (func, a._layout, a._gshape, b)
+                    key = (func, a._spec, b)
             elif tb is _DT and ta in _SCALARS:
-                key = (func, a, b._layout, b._gshape)
+                key = (func, a, b._spec)
         elif n == 1:
             a = args[0]
             if type(a) is _DT:
-                key = (func, a._layout, a._gshape)
+                key = (func, a._spec)
         else:
             parts = [func]
             for a in args:
                 t = type(a)
                 if t is _DT:
-                    parts.append(a._layout)
-                    parts.append(a._gshape)
+                    parts.append(a._spec)
                 elif t in _SCALARS:
                     parts.append(a)
                 else:
@@ -314,28 +315,47 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         if key is not None:
             entry = _FAST.get(key)
             if entry is not None:
-                if entry.pg_args is None:
-                    if n == 2:
-                        out = func(a._local_tensor if ta is _DT else a, b._local_tensor if tb is _DT else b)
-                    elif n == 1:
+                if n == 2:
+                    la = a._local_tensor if ta is _DT else a
+                    lb = b._local_tensor if tb is _DT else b
+                    # partial-gradient views matter only for inputs that require grad
+                    if entry.pg_args is None or not ((ta is _DT and la.requires_grad) or
+                                                     (tb is _DT and lb.requires_grad)):
+                        out = func(la, lb)
+                    else:
+                        out = _run_pg(entry, func, [la, lb])
+                elif entry.pg_args is None:
+                    if n == 1:
                         out = func(a._local_tensor)
                     else:
                         out = func(*[x._local_tensor if type(x) is _DT else x for x in args])
                 else:
-                    locs = [x._local_tensor if type(x) is _DT else x for x in args]
-                    for i, groups in entry.pg_args:
-                        loc = locs[i]
-                        if loc.requires_grad:
-                            for g in groups:
-                                loc = partial_grad_view(loc, g)
-                            locs[i] = loc
-                    out = func(*locs)
-                return _wrap_one(_DT, out, entry.mesh, entry.out_layouts, entry.out_shapes)
+                    out = _run_pg(entry, func, [x._local_tensor if type(x) is _DT else x for x in args])
+                # DTensor._wrap inlined (this is the per-op hot path)
+                shape = entry.out_shapes
+                r = _make_wrapper(_DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
+                r._local_tensor = out
+                r._mesh = entry.mesh
+                r._layout = entry.out_layouts
+                r._gshape = shape
+                r._spec = entry.out_spec
+                return r
         special = _SPECIAL.get(func)
         if special is not None:
             return special(*args, **(kwargs or {}))
     # SkipDTensorDispatch, special-cased methods under it, kwargs calls and cache misses
     return _handle(func, types, args, kwargs or {})
+
+
+def _run_pg(entry, func, locs):
+    """Run ``func`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
+    for i, groups in entry.pg_args:
+        loc = locs[i]
+        if loc.requires_grad:
+            for g in groups:
+                loc = partial_grad_view(loc, g)
+            locs[i] = loc
+    return func(*locs)
 
 
 def _run_local(func, args, kwargs):
@@ -392,8 +412,9 @@ class OpDispatcher:
                     pos = [i for i, a in enumerate(args) if type(a) is DTensor]
                     pg = tuple((pos[j], g) for j, g in enumerate(entry.pgroups) if g is not None)
                     entry.pg_args = pg or None
-                    _bounded_put(_FAST, (func,) + tuple(x for a in args for x in (
-                        (a._layout, a._gshape) if type(a) is DTensor else (a,))), entry)
+                    entry.out_shapes = platform.Size(entry.out_shapes)
+                    entry.out_spec = _dt.spec_of(entry.out_layouts, entry.out_shapes)
+                    _bounded_put(_FAST, (func,) + tuple(a._spec if type(a) is DTensor else a for a in args), entry)
             _STATS["misses"] += 1
         else:
             _STATS["hits"] += 1
@@ -494,6 +515,7 @@ def _set_metadata(target, layout, shape, local):
     """An in-place op changed the layout/shape of ``target`` (``t_``, ``transpose_``): update its metadata."""
     target._layout = layout
     target._gshape = shape if type(shape) is platform.Size else platform.Size(shape)
+    target._spec = _dt.spec_of(layout, target._gshape)
     if isinstance(local, _Tensor) and not isinstance(local, DTensor) and local is not target._local_tensor:
         target._local_tensor = local
     target.__dict__.pop("_redist_cache", None)
@@ -592,8 +614,25 @@ _OP_DISPATCHER = OpDispatcher()
 _dt._OP_HANDLER = _handle
 _DT = DTensor
 _SPECIAL = _dt._SPECIAL
-_wrap_one = DTensor._wrap.__func__
+_make_wrapper = _dt._make_wrapper
+_STRIDED = _dt._STRIDED
 DTensor.__torch_function__ = classmethod(_torch_function)
+
+
+def _wrap_entry(entry, out):
+    """Wrap the local result of a fast-cache ``entry`` (see :mod:`._fast_methods`)."""
+    shape = entry.out_shapes
+    r = _make_wrapper(_DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
+    r._local_tensor = out
+    r._mesh = entry.mesh
+    r._layout = entry.out_layouts
+    r._gshape = shape
+    r._spec = entry.out_spec
+    return r
+
+
+_fast_methods.install(DTensor, _FAST, _SKIP_ANY, _SCALARS, _wrap_entry, _run_pg, platform.torch_function_enabled,
+                      platform.torch_function_mode_enabled, _Tensor, platform.torch_function_func)
 
 
 # ----------------------------------------------------------------------------- public switches

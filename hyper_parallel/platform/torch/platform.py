@@ -27,6 +27,35 @@ class TorchPlatform(Platform):
     Size = torch.Size
 
     float32 = torch.float32
+    @staticmethod
+    def torch_function_func(method_name: str):
+        """The function ``__torch_function__`` receives when Tensor method ``method_name`` is called.
+
+        (``a + b`` arrives as ``Tensor.add``.) Found by calling the method on a probe
+        subclass with a few argument patterns; None if none of them reaches it.
+        """
+        class _Seen(Exception):
+            pass
+
+        class _Probe(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                raise _Seen(func)
+
+        probe = torch.zeros(2, 2).as_subclass(_Probe)
+        for args in ((), (torch.ones(2, 2),), (0,), (0, 1), (-1,)):
+            try:
+                getattr(probe, method_name)(*args)
+            except _Seen as seen:
+                return seen.args[0]
+            except Exception:  # noqa: BLE001 - wrong argument pattern: try the next one
+                continue
+        return None
+
+    # torch-function state (C functions: cheap enough for per-op checks)
+    torch_function_enabled = staticmethod(torch._C._is_torch_function_enabled)
+    torch_function_mode_enabled = staticmethod(torch._C._is_torch_function_mode_enabled)
+    strided = torch.strided
 
     # namespaces
     collectives = collectives

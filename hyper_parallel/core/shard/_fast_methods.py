@@ -1,0 +1,94 @@
+"""Python-level fast paths for the most common Tensor methods on DTensors.
+
+``a + b``, ``x @ w`` or ``x.view(...)`` on a DTensor normally enter through the
+framework's C++ ``__torch_function__`` machinery, which costs about 1.1-1.3 us
+before any of our code runs. Defining these methods on the DTensor class lets
+Python call our code directly. On a hit in the dispatcher's fast cache (the
+same entries, keyed by the same Tensor method, that ``__torch_function__``
+uses) the op runs on the local tensors and its result is wrapped exactly as the
+``__torch_function__`` fast path does. Everything else - a cache miss, keyword
+arguments, non-scalar arguments, SkipDTensorDispatch, disabled torch functions
+or an active torch function mode - calls the original method, which goes
+through ``__torch_function__`` as before. So the methods change the cost of a
+call, never its result.
+"""
+from __future__ import annotations
+
+# Methods common in model and optimizer code whose cache entries can be fast (the op itself runs
+# on the local tensors). View ops (view, reshape, flatten, (un)squeeze) are not here: their rules
+# compute local shapes, so they never hit the fast cache. Reflected operators (__radd__...) are
+# left to __torch_function__: their argument order differs.
+METHODS = (
+    "__add__", "__sub__", "__mul__", "__truediv__", "__matmul__", "__neg__", "__pow__",
+    "add", "sub", "mul", "div", "matmul", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "abs", "square",
+    "relu", "sigmoid", "tanh", "sum", "mean", "softmax", "log_softmax", "float",
+    "transpose", "permute", "t", "contiguous",
+)
+
+
+def install(cls, fast, skip_any, scalars, wrap, run_pg, tf_enabled, tf_mode_enabled, base, probe_func):
+    """Define each of :data:`METHODS` on ``cls`` (the DTensor class).
+
+    ``fast``: the dispatcher's fast cache; ``skip_any``: the SkipDTensorDispatch
+    counter; ``scalars``: argument types that may appear in fast keys;
+    ``wrap(entry, local)``: wraps a local result for a fast entry;
+    ``run_pg(entry, func, locals)``: runs ``func`` on locals given partial-gradient views;
+    ``tf_enabled`` / ``tf_mode_enabled``: the framework's torch-function state
+    checks; ``base``: the framework tensor class holding the original methods;
+    ``probe_func(name)``: the function object ``__torch_function__`` receives
+    for method ``name`` (``a + b`` arrives as ``Tensor.add``), which keys the cache.
+    """
+    for name in METHODS:
+        orig = getattr(base, name, None)
+        key_func = probe_func(name) if orig is not None else None
+        if key_func is not None:
+            setattr(cls, name, _make(orig, key_func, name, cls, fast, skip_any, scalars, wrap, run_pg,
+                                     tf_enabled, tf_mode_enabled))
+
+
+def _make(orig, kf, name, DT, fast, skip_any, scalars, wrap, run_pg, tf_enabled, tf_mode_enabled):
+    def method(self, *args, **kwargs):
+        if not kwargs and not skip_any[0] and type(self) is DT and tf_enabled() and not tf_mode_enabled():
+            n = len(args)
+            key = None
+            if n == 0:
+                key = (kf, self._spec)
+            elif n == 1:
+                b = args[0]
+                tb = type(b)
+                if tb is DT:
+                    key = (kf, self._spec, b._spec)
+                elif tb in scalars:
+                    key = (kf, self._spec, b)
+            else:
+                parts = [kf, self._spec]
+                for b in args:
+                    tb = type(b)
+                    if tb is DT:
+                        parts.append(b._spec)
+                    elif tb in scalars:
+                        parts.append(b)
+                    else:
+                        break
+                else:
+                    key = tuple(parts)
+            if key is not None:
+                entry = fast.get(key)
+                if entry is not None:
+                    sl = self._local_tensor
+                    if n == 1:
+                        lb = b._local_tensor if tb is DT else b
+                        # partial-gradient views matter only for inputs that require grad
+                        if entry.pg_args is None or not (sl.requires_grad or (tb is DT and lb.requires_grad)):
+                            return wrap(entry, orig(sl, lb))
+                        return wrap(entry, run_pg(entry, orig, [sl, lb]))
+                    locs = [sl] + [b._local_tensor if type(b) is DT else b for b in args]
+                    if entry.pg_args is None:
+                        return wrap(entry, orig(*locs))
+                    return wrap(entry, run_pg(entry, orig, locs))
+        return orig(self, *args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"DTensor.{name}"
+    method.__doc__ = getattr(orig, "__doc__", None)
+    return method

@@ -53,31 +53,19 @@ def launch(ws: int, fn, *args):
 
 def bench(fn, iters: int, repeats: int = 5, warmup: int = None, sync=None) -> float:
     """Median microseconds per call of ``fn`` over ``repeats`` blocks of ``iters`` calls."""
-    warmup = warmup if warmup is not None else max(5, iters // 10)
-    for _ in range(warmup):
-        fn()
-    res = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        if sync:
-            sync()
-        res.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(res)
+    return bench_interleaved([fn], iters, repeats, sync, warmup)[0]
 
 
-def bench_interleaved(fns, iters: int, repeats: int = 15, sync=None) -> list:
+def bench_interleaved(fns, iters: int, repeats: int = 15, sync=None, warmup: int = None) -> list:
     """Median microseconds per call of each of ``fns``, measured in alternating blocks.
 
     Each repeat times one block of ``iters`` calls of every function in turn, so
     slow drifts of the machine (other tenants, frequency changes) hit all of them
     alike and their ratios stay meaningful.
     """
+    warmup = warmup if warmup is not None else max(5, iters // 10)
     for fn in fns:
-        for _ in range(max(5, iters // 10)):
+        for _ in range(warmup):
             fn()
     res = [[] for _ in fns]
     for _ in range(repeats):

@@ -26,11 +26,12 @@ METHODS = (
 )
 
 
-def install(cls, fast, skip_any, scalars, wrap, run_pg, tf_enabled, tf_mode_enabled, base, probe_func):
+def install(cls, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_mode_enabled, base, probe_func):
     """Define each of :data:`METHODS` on ``cls`` (the DTensor class).
 
     ``fast``: the dispatcher's fast cache; ``skip_any``: the SkipDTensorDispatch
     counter; ``scalars``: argument types that may appear in fast keys;
+    ``key_of(func, args)``: the fast key of a call with any number of arguments;
     ``wrap(entry, local)``: wraps a local result for a fast entry;
     ``run_pg(entry, func, locals)``: runs ``func`` on locals given partial-gradient views;
     ``tf_enabled`` / ``tf_mode_enabled``: the framework's torch-function state
@@ -42,11 +43,11 @@ def install(cls, fast, skip_any, scalars, wrap, run_pg, tf_enabled, tf_mode_enab
         orig = getattr(base, name, None)
         key_func = probe_func(name) if orig is not None else None
         if key_func is not None:
-            setattr(cls, name, _make(orig, key_func, name, cls, fast, skip_any, scalars, wrap, run_pg,
+            setattr(cls, name, _make(orig, key_func, name, cls, fast, skip_any, scalars, key_of, wrap, run_pg,
                                      tf_enabled, tf_mode_enabled))
 
 
-def _make(orig, kf, name, DT, fast, skip_any, scalars, wrap, run_pg, tf_enabled, tf_mode_enabled):
+def _make(orig, kf, name, DT, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_mode_enabled):
     def method(self, *args, **kwargs):
         if not kwargs and not skip_any[0] and type(self) is DT and tf_enabled() and not tf_mode_enabled():
             n = len(args)
@@ -61,17 +62,7 @@ def _make(orig, kf, name, DT, fast, skip_any, scalars, wrap, run_pg, tf_enabled,
                 elif tb in scalars:
                     key = (kf, self._spec, b)
             else:
-                parts = [kf, self._spec]
-                for b in args:
-                    tb = type(b)
-                    if tb is DT:
-                        parts.append(b._spec)
-                    elif tb in scalars:
-                        parts.append(b)
-                    else:
-                        break
-                else:
-                    key = tuple(parts)
+                key = key_of(kf, (self,) + args)
             if key is not None:
                 entry = fast.get(key)
                 if entry is not None:

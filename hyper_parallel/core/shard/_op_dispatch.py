@@ -275,6 +275,20 @@ def _handle(func, types, args, kwargs):
     return _OP_DISPATCHER.dispatch(func, args, kwargs)
 
 
+def _fast_key(func, args):
+    """The fast-cache key of ``func(*args)``, or None when an argument is neither a DTensor nor a scalar."""
+    parts = [func]
+    for a in args:
+        t = type(a)
+        if t is _DT:
+            parts.append(a._spec)
+        elif t in _SCALARS:
+            parts.append(a)
+        else:
+            return None
+    return tuple(parts)
+
+
 def _torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`.
 
@@ -301,17 +315,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             if type(a) is _DT:
                 key = (func, a._spec)
         else:
-            parts = [func]
-            for a in args:
-                t = type(a)
-                if t is _DT:
-                    parts.append(a._spec)
-                elif t in _SCALARS:
-                    parts.append(a)
-                else:
-                    break
-            else:
-                key = tuple(parts)
+            key = _fast_key(func, args)
         if key is not None:
             entry = _FAST.get(key)
             if entry is not None:
@@ -331,7 +335,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                         out = func(*[x._local_tensor if type(x) is _DT else x for x in args])
                 else:
                     out = _run_pg(entry, func, [x._local_tensor if type(x) is _DT else x for x in args])
-                # DTensor._wrap inlined (this is the per-op hot path)
+                # _wrap_entry inlined: this is the per-op hot path (a call costs ~0.07 us)
                 shape = entry.out_shapes
                 r = _make_wrapper(_DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
                 r._local_tensor = out
@@ -631,7 +635,8 @@ def _wrap_entry(entry, out):
     return r
 
 
-_fast_methods.install(DTensor, _FAST, _SKIP_ANY, _SCALARS, _wrap_entry, _run_pg, platform.torch_function_enabled,
+_fast_methods.install(DTensor, _FAST, _SKIP_ANY, _SCALARS, _fast_key, _wrap_entry, _run_pg,
+                      platform.torch_function_enabled,
                       platform.torch_function_mode_enabled, _Tensor, platform.torch_function_func)
 
 

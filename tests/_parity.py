@@ -57,11 +57,13 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _check(label, mesh, f, inputs, check_out=None, tol=TOL, grad=True):
+def _check(label, mesh, f, inputs, check_out=None, tol=TOL, grad=True, warm=True):
     """``inputs``: (full tensor, placements or None for a plain tensor[, requires_grad]).
 
     Values of ``f`` on DTensors (a tensor or a sequence of tensors) and the gradients of every
-    floating input must equal the single-process computation on the full tensors.
+    floating input must equal the single-process computation on the full tensors. ``warm``: call
+    ``f`` once on copies first, so that the checked call is a dispatch-cache hit (the fast path
+    where the op allows it); off for functions that draw random numbers.
     """
     inputs = [(spec[0], spec[1], (spec[2] if len(spec) > 2 else spec[0].is_floating_point()) and grad)
               for spec in inputs]
@@ -71,6 +73,8 @@ def _check(label, mesh, f, inputs, check_out=None, tol=TOL, grad=True):
           for i, r in enumerate(ref)]
     if any(r.requires_grad for r in refs):
         sum((r * w).sum() for r, w in zip(ref, ws) if r.requires_grad).backward()
+    if warm:  # a first call on copies fills the dispatch caches: the checked call below takes the fast path
+        f(*[_make(t, mesh, pl, rg) if pl is not None else t.clone() for t, pl, rg in inputs])
     dts = [_make(t, mesh, pl, rg) if pl is not None else t for t, pl, rg in inputs]
     out = f(*dts)
     outs = _as_list(out)

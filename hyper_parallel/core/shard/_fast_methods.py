@@ -14,15 +14,15 @@ call, never its result.
 """
 from __future__ import annotations
 
-# Methods common in model and optimizer code whose cache entries can be fast (the op itself runs
-# on the local tensors). View ops (view, reshape, flatten, (un)squeeze) are not here: their rules
-# compute local shapes, so they never hit the fast cache. Reflected operators (__radd__...) are
-# left to __torch_function__: their argument order differs.
+# Methods common in model and optimizer code. Reflected operators (__radd__...) are left to
+# __torch_function__: their argument order differs. A view with a tuple argument (x.view((a, b)))
+# misses (tuples are not fast-key scalars) and takes the ordinary path.
 METHODS = (
     "__add__", "__sub__", "__mul__", "__truediv__", "__matmul__", "__neg__", "__pow__",
     "add", "sub", "mul", "div", "matmul", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "abs", "square",
     "relu", "sigmoid", "tanh", "sum", "mean", "softmax", "log_softmax", "float",
-    "transpose", "permute", "t", "contiguous",
+    "view", "reshape", "flatten", "unflatten", "transpose", "permute", "t", "contiguous", "unsqueeze", "squeeze",
+    "expand",
 )
 
 
@@ -33,7 +33,7 @@ def install(cls, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_m
     counter; ``scalars``: argument types that may appear in fast keys;
     ``key_of(func, args)``: the fast key of a call with any number of arguments;
     ``wrap(entry, local)``: wraps a local result for a fast entry;
-    ``run_pg(entry, func, locals)``: runs ``func`` on locals given partial-gradient views;
+    ``run_pg(entry, locals)``: runs ``entry.fn`` on locals given partial-gradient views;
     ``tf_enabled`` / ``tf_mode_enabled``: the framework's torch-function state
     checks; ``base``: the framework tensor class holding the original methods;
     ``probe_func(name)``: the function object ``__torch_function__`` receives
@@ -71,12 +71,12 @@ def _make(orig, kf, name, DT, fast, skip_any, scalars, key_of, wrap, run_pg, tf_
                         lb = b._local_tensor if tb is DT else b
                         # partial-gradient views matter only for inputs that require grad
                         if entry.pg_args is None or not (sl.requires_grad or (tb is DT and lb.requires_grad)):
-                            return wrap(entry, orig(sl, lb))
-                        return wrap(entry, run_pg(entry, orig, [sl, lb]))
+                            return wrap(entry, entry.fn(sl, lb))
+                        return wrap(entry, run_pg(entry, [sl, lb]))
                     locs = [sl] + [b._local_tensor if type(b) is DT else b for b in args]
                     if entry.pg_args is None:
-                        return wrap(entry, orig(*locs))
-                    return wrap(entry, run_pg(entry, orig, locs))
+                        return wrap(entry, entry.fn(*locs))
+                    return wrap(entry, run_pg(entry, locs))
         return orig(self, *args, **kwargs)
 
     method.__name__ = name

@@ -77,7 +77,7 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec")
+                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn")
 
     def __init__(self):
         self.fallback = False
@@ -85,8 +85,9 @@ class _Entry:
 
 
 _CACHE: dict = {}
-# (func, spec | scalar, ...) -> entry (spec: dtensor.Spec), for calls that need no redistribution,
-# no local implementation and return one tensor (partial-gradient views are applied inline).
+# (func, spec | scalar, ...) -> entry (spec: dtensor.Spec), for calls with positional DTensor/scalar
+# arguments that need no redistribution, are not in place and return one tensor (the rule's local
+# implementation, if any, and partial-gradient views are applied inline).
 _FAST: dict = {}
 # Both caches are bounded (oldest entry evicted): a program with unboundedly many distinct calls
 # (e.g. shapes that change every step) must not grow them forever.
@@ -111,7 +112,7 @@ _base._INVALIDATE_HOOKS.append(_clear_caches)
 
 def _fast_eligible(entry, args, kwargs):
     from hyper_parallel.core.dtensor.layout import Layout
-    return (not kwargs and not entry.redistributes and entry.local_fn is None and not entry.inplace
+    return (not kwargs and not entry.redistributes and not entry.inplace
             and not entry.fallback
             and isinstance(entry.out_layouts, Layout) and entry.out_shapes is not DERIVE_SHAPES
             and all(type(a) is DTensor or type(a) in _SCALARS for a in args))
@@ -325,16 +326,16 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                     # partial-gradient views matter only for inputs that require grad
                     if entry.pg_args is None or not ((ta is _DT and la.requires_grad) or
                                                      (tb is _DT and lb.requires_grad)):
-                        out = func(la, lb)
+                        out = entry.fn(la, lb)
                     else:
-                        out = _run_pg(entry, func, [la, lb])
+                        out = _run_pg(entry, [la, lb])
                 elif entry.pg_args is None:
                     if n == 1:
-                        out = func(a._local_tensor)
+                        out = entry.fn(a._local_tensor)
                     else:
-                        out = func(*[x._local_tensor if type(x) is _DT else x for x in args])
+                        out = entry.fn(*[x._local_tensor if type(x) is _DT else x for x in args])
                 else:
-                    out = _run_pg(entry, func, [x._local_tensor if type(x) is _DT else x for x in args])
+                    out = _run_pg(entry, [x._local_tensor if type(x) is _DT else x for x in args])
                 # _wrap_entry inlined: this is the per-op hot path (a call costs ~0.07 us)
                 shape = entry.out_shapes
                 r = _make_wrapper(_DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
@@ -351,15 +352,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     return _handle(func, types, args, kwargs or {})
 
 
-def _run_pg(entry, func, locs):
-    """Run ``func`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
+def _run_pg(entry, locs):
+    """Run ``entry.fn`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
     for i, groups in entry.pg_args:
         loc = locs[i]
         if loc.requires_grad:
             for g in groups:
                 loc = partial_grad_view(loc, g)
             locs[i] = loc
-    return func(*locs)
+    return entry.fn(*locs)
 
 
 def _run_local(func, args, kwargs):
@@ -416,6 +417,7 @@ class OpDispatcher:
                     pos = [i for i, a in enumerate(args) if type(a) is DTensor]
                     pg = tuple((pos[j], g) for j, g in enumerate(entry.pgroups) if g is not None)
                     entry.pg_args = pg or None
+                    entry.fn = entry.local_fn or func  # what runs on the local tensors
                     entry.out_shapes = platform.Size(entry.out_shapes)
                     entry.out_spec = _dt.spec_of(entry.out_layouts, entry.out_shapes)
                     _bounded_put(_FAST, (func,) + tuple(a._spec if type(a) is DTensor else a for a in args), entry)

@@ -61,18 +61,27 @@ def _make(orig, kf, name, DT, fast, skip_any, scalars, key_of, wrap, run_pg, tf_
                     key = (kf, self._spec, b._spec)
                 elif tb in scalars:
                     key = (kf, self._spec, b)
+            elif n == 2 and type(args[0]) in scalars and type(args[1]) in scalars:  # transpose(1, 2)...
+                key = (kf, self._spec) + args
+                n = -2  # two scalar arguments
             else:
                 key = key_of(kf, (self,) + args)
             if key is not None:
                 entry = fast.get(key)
                 if entry is not None:
                     sl = self._local_tensor
-                    if n == 1:
+                    if n == 0:
+                        if entry.pg_args is None:
+                            return wrap(entry, entry.fn(sl))
+                    elif n == 1:
                         lb = b._local_tensor if tb is DT else b
                         # partial-gradient views matter only for inputs that require grad
                         if entry.pg_args is None or not (sl.requires_grad or (tb is DT and lb.requires_grad)):
                             return wrap(entry, entry.fn(sl, lb))
                         return wrap(entry, run_pg(entry, [sl, lb]))
+                    elif n == -2:
+                        if entry.pg_args is None:
+                            return wrap(entry, entry.fn(sl, *args))
                     locs = [sl] + [b._local_tensor if type(b) is DT else b for b in args]
                     if entry.pg_args is None:
                         return wrap(entry, entry.fn(*locs))

@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import hyper_parallel as hp
 from hyper_parallel import Replicate, Shard
-from hyper_parallel.core.shard import _fast_methods
+from hyper_parallel.core.shard import _fast_methods, _op_dispatch
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -103,11 +103,36 @@ def _cases():
     assert torch.Tensor.add in mode.funcs, mode.funcs
     torch.testing.assert_close(r.full_tensor(), x + y, **TOL)
 
-    # keyword arguments, SkipDTensorDispatch and misses take the ordinary path
-    with _Count() as c:
-        r = dx.sum(dim=-1)
-    assert c.n == 1
-    torch.testing.assert_close(r.full_tensor(), x.sum(-1), **TOL)
+    # keyword arguments go through __torch_function__; with scalar values they have a fast path too
+    # (no cached-path lookup on the second call), otherwise the ordinary path
+    kw_calls = {
+        "mean(-1, keepdim=True)": (lambda a: a.mean(-1, keepdim=True), lambda a: a.mean(-1, keepdim=True)),
+        "F.softmax(dim=-1)": (lambda a: torch.nn.functional.softmax(a, dim=-1),
+                              lambda a: torch.nn.functional.softmax(a, dim=-1)),
+        "sum(dim=-1)": (lambda a: a.sum(dim=-1), lambda a: a.sum(dim=-1)),
+    }
+    for name, (f, ref) in kw_calls.items():
+        f(dx)
+        stats = dict(_op_dispatch._STATS)
+        with _Count() as c:
+            r = f(dx)
+        assert c.n == 1 and _op_dispatch._STATS == stats, (name, c.n, stats, _op_dispatch._STATS)
+        torch.testing.assert_close(r.full_tensor(), ref(x), **TOL, msg=name)
+    stats = dict(_op_dispatch._STATS)
+    r = dx.sum(dim=[0, 1])  # a list value: the ordinary (cached) path
+    assert _op_dispatch._STATS["hits"] + _op_dispatch._STATS["misses"] == stats["hits"] + stats["misses"] + 1
+    torch.testing.assert_close(r.full_tensor(), x.sum(dim=[0, 1]), **TOL)
+    # a DTensor keyword argument (F.linear(x, weight=w), w replicated: partial gradient) takes the ordinary path
+    pw = torch.nn.Parameter(hp.distribute_tensor(w.t().contiguous(), mesh, [Replicate()]))
+    px = dx.detach().clone().requires_grad_(True)
+    for _ in range(2):
+        torch.nn.functional.linear(px, weight=pw).sum().backward()
+    rw, rx = w.t().contiguous().requires_grad_(True), x.clone().requires_grad_(True)
+    (torch.nn.functional.linear(rx, weight=rw).sum() * 2).backward()
+    torch.testing.assert_close(pw.grad.full_tensor(), rw.grad, **TOL)
+    torch.testing.assert_close(px.grad.full_tensor(), rx.grad, **TOL)
+
+    # SkipDTensorDispatch and misses take the ordinary path
     with hp.SkipDTensorDispatch():
         local = dx + dy
     assert type(local) is torch.Tensor

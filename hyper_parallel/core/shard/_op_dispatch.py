@@ -95,6 +95,7 @@ _CACHE_MAX = 8192
 # func -> whether float argument values are part of its cache key (see DistributedOp.float_args_matter)
 _FLOATS_MATTER: dict = {}
 _SCALARS = (int, float, bool, type(None))
+_EMPTY: dict = {}
 _INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
 _BOOL = platform.ops.bool
 _TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -112,7 +113,7 @@ _base._INVALIDATE_HOOKS.append(_clear_caches)
 
 def _fast_eligible(entry, args, kwargs):
     from hyper_parallel.core.dtensor.layout import Layout
-    return (not kwargs and not entry.redistributes and not entry.inplace
+    return (all(type(v) in _SCALARS for v in kwargs.values()) and not entry.redistributes and not entry.inplace
             and not entry.fallback
             and isinstance(entry.out_layouts, Layout) and entry.out_shapes is not DERIVE_SHAPES
             and all(type(a) is DTensor or type(a) in _SCALARS for a in args))
@@ -290,6 +291,31 @@ def _fast_key(func, args):
     return tuple(parts)
 
 
+def _fast_key_kw(func, args, kwargs):
+    """The fast-cache key of a call with keyword arguments (all scalars), or None.
+
+    The keywords form one trailing tuple; positional parts are never tuples, so the
+    key cannot equal that of a call without keywords.
+    """
+    for v in kwargs.values():
+        if type(v) not in _SCALARS:
+            return None
+    key = _fast_key(func, args)
+    return None if key is None else key + (tuple(kwargs.items()),)
+
+
+def _fast_call_kw(func, args, kwargs):
+    """The fast path for calls with scalar keyword arguments (``x.mean(-1, keepdim=True)``,
+    ``F.softmax(x, dim=-1)``); returns None on a miss."""
+    key = _fast_key_kw(func, args, kwargs)
+    entry = None if key is None else _FAST.get(key)
+    if entry is None:
+        return None
+    locs = [x._local_tensor if type(x) is _DT else x for x in args]
+    out = entry.fn(*locs, **kwargs) if entry.pg_args is None else _run_pg(entry, locs, kwargs)
+    return _wrap_entry(entry, out)
+
+
 def _torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`.
 
@@ -348,11 +374,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         special = _SPECIAL.get(func)
         if special is not None:
             return special(*args, **(kwargs or {}))
-    # SkipDTensorDispatch, special-cased methods under it, kwargs calls and cache misses
+    elif kwargs and not _SKIP_ANY[0]:
+        out = _fast_call_kw(func, args, kwargs)
+        if out is not None:
+            return out
+    # SkipDTensorDispatch, special-cased methods under it, cache misses
     return _handle(func, types, args, kwargs or {})
 
 
-def _run_pg(entry, locs):
+def _run_pg(entry, locs, kwargs=_EMPTY):
     """Run ``entry.fn`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
     for i, groups in entry.pg_args:
         loc = locs[i]
@@ -360,7 +390,7 @@ def _run_pg(entry, locs):
             for g in groups:
                 loc = partial_grad_view(loc, g)
             locs[i] = loc
-    return entry.fn(*locs)
+    return entry.fn(*locs, **kwargs)
 
 
 def _run_local(func, args, kwargs):
@@ -420,7 +450,7 @@ class OpDispatcher:
                     entry.fn = entry.local_fn or func  # what runs on the local tensors
                     entry.out_shapes = platform.Size(entry.out_shapes)
                     entry.out_spec = _dt.spec_of(entry.out_layouts, entry.out_shapes)
-                    _bounded_put(_FAST, (func,) + tuple(a._spec if type(a) is DTensor else a for a in args), entry)
+                    _bounded_put(_FAST, _fast_key_kw(func, args, kwargs) if kwargs else _fast_key(func, args), entry)
             _STATS["misses"] += 1
         else:
             _STATS["hits"] += 1

@@ -4,7 +4,8 @@
 
 Ops on 64x64 local shards (no communication in any case): add, matmul (S0 @ R),
 relu, sum(dim=-1), softmax(dim=-1), view and transpose (attention-style reshapes),
-and a Linear(64, 64) forward+backward. On 1
+two keyword calls (mean(-1, keepdim=True), F.softmax(x, dim=-1)), and a Linear(64, 64)
+forward+backward. On 1
 rank (mesh (1,), Shard(0)) and 2 ranks (mesh (2,), Shard(0): global 128x64).
 overhead ratio = (ours - plain) / (torch - plain); the target is <= 0.3. Times are
 medians of 15 blocks, the three variants timed in alternating blocks.
@@ -43,6 +44,8 @@ def worker(iters):
         "softmax(-1)": (lambda x, y: torch.softmax(x, -1)),
         "view(-1, 8, 8)": (lambda x, y: x.view(-1, 8, 8)),
         "transpose(0, 1)": (lambda x, y: x.transpose(0, 1)),
+        "mean(-1, keepdim=True)": (lambda x, y: x.mean(-1, keepdim=True)),
+        "F.softmax(dim=-1)": (lambda x, y: F.softmax(x, dim=-1)),
     }
     rows = []
     for name, f in ops.items():

@@ -26,7 +26,8 @@ METHODS = (
 )
 
 
-def install(cls, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_mode_enabled, base, probe_func):
+def install(cls, fast, skip_any, scalars, key_of, wrap, run_pg, call_kw, tf_enabled, tf_mode_enabled, base,
+            probe_func):
     """Define each of :data:`METHODS` on ``cls`` (the DTensor class).
 
     ``fast``: the dispatcher's fast cache; ``skip_any``: the SkipDTensorDispatch
@@ -34,6 +35,7 @@ def install(cls, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_m
     ``key_of(func, args)``: the fast key of a call with any number of arguments;
     ``wrap(entry, local)``: wraps a local result for a fast entry;
     ``run_pg(entry, locals)``: runs ``entry.fn`` on locals given partial-gradient views;
+    ``call_kw(func, args, kwargs)``: the fast path of a keyword call (None on a miss);
     ``tf_enabled`` / ``tf_mode_enabled``: the framework's torch-function state
     checks; ``base``: the framework tensor class holding the original methods;
     ``probe_func(name)``: the function object ``__torch_function__`` receives
@@ -44,12 +46,18 @@ def install(cls, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_m
         key_func = probe_func(name) if orig is not None else None
         if key_func is not None:
             setattr(cls, name, _make(orig, key_func, name, cls, fast, skip_any, scalars, key_of, wrap, run_pg,
-                                     tf_enabled, tf_mode_enabled))
+                                     call_kw, tf_enabled, tf_mode_enabled))
 
 
-def _make(orig, kf, name, DT, fast, skip_any, scalars, key_of, wrap, run_pg, tf_enabled, tf_mode_enabled):
+def _make(orig, kf, name, DT, fast, skip_any, scalars, key_of, wrap, run_pg, call_kw, tf_enabled,
+          tf_mode_enabled):
     def method(self, *args, **kwargs):
-        if not kwargs and not skip_any[0] and type(self) is DT and tf_enabled() and not tf_mode_enabled():
+        if kwargs:
+            if not skip_any[0] and type(self) is DT and tf_enabled() and not tf_mode_enabled():
+                out = call_kw(kf, (self,) + args, kwargs)
+                if out is not None:
+                    return out
+        elif not skip_any[0] and type(self) is DT and tf_enabled() and not tf_mode_enabled():
             n = len(args)
             key = None
             if n == 0:

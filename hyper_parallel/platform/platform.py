@@ -47,6 +47,15 @@ class Platform:
     DTensorBase = None
     autograd_grad = None      # torch.autograd.grad's contract
     autograd_backward = None  # torch.autograd.backward's contract
+    strided = None            # the dense tensor layout (for wrapper construction)
+
+    # The per-op fast path (hyper_parallel.core.shard._fast_methods) needs: whether
+    # torch-function dispatch is enabled / a torch-function mode is active (cheap
+    # checks), and torch_function_func(method_name), the function object that
+    # __torch_function__ receives for a Tensor method (it keys the dispatch cache).
+    torch_function_enabled = None
+    torch_function_mode_enabled = None
+    torch_function_func = None
 
     # Namespaces (set by subclasses): ``collectives`` (plain collectives on local
     # tensors), ``functions`` (differentiable collectives, one autograd function

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import warnings
 
@@ -667,9 +668,7 @@ def _wrap_entry(entry, out):
     return r
 
 
-_fast_methods.install(DTensor, _FAST, _SKIP_ANY, _SCALARS, _fast_key, _wrap_entry, _run_pg, _fast_call_kw,
-                      platform.torch_function_enabled,
-                      platform.torch_function_mode_enabled, _Tensor, platform.torch_function_func)
+_fast_methods.install(DTensor, sys.modules[__name__], platform)
 
 
 # ----------------------------------------------------------------------------- public switches

@@ -27,6 +27,8 @@ class TorchPlatform(Platform):
     Size = torch.Size
 
     float32 = torch.float32
+    strided = torch.strided
+
     @staticmethod
     def torch_function_func(method_name: str):
         """The function ``__torch_function__`` receives when Tensor method ``method_name`` is called.
@@ -55,7 +57,6 @@ class TorchPlatform(Platform):
     # torch-function state (C functions: cheap enough for per-op checks)
     torch_function_enabled = staticmethod(torch._C._is_torch_function_enabled)
     torch_function_mode_enabled = staticmethod(torch._C._is_torch_function_mode_enabled)
-    strided = torch.strided
 
     # namespaces
     collectives = collectives

@@ -47,7 +47,9 @@ class Platform:
     DTensorBase = None
     autograd_grad = None      # torch.autograd.grad's contract
     autograd_backward = None  # torch.autograd.backward's contract
+    has_compatible_shallow_copy_type = None  # may ``a.data = b``? (asked by Module.to)
     strided = None            # the dense tensor layout (for wrapper construction)
+    set_wrapper_data = None   # (wrapper, other): give a wrapper subclass other's dtype/device/sizes
 
     # The per-op fast path (hyper_parallel.core.shard._fast_methods) needs: whether
     # torch-function dispatch is enabled / a torch-function mode is active (cheap

@@ -249,11 +249,22 @@ class DTensor(platform.DTensorBase):
 
     @data.setter
     def data(self, value):
+        """``x.data = y``: ``x`` takes ``y``'s values and metadata (layout, global shape,
+        dtype, device), as a plain tensor does, and keeps its identity and that of its
+        local tensor (an autograd leaf), so optimizers and hooks still hold it.
+        ``nn.Module.to(dtype/device)`` converts DTensor parameters this way.
+        """
         if not isinstance(value, DTensor):
-            raise TypeError(f"DTensor.data must be a DTensor, got {type(value).__name__}")
-        if value._layout != self._layout:
-            value = value.redistribute(self._mesh, self._layout)
+            raise TypeError(f"DTensor.data must be a DTensor, got {type(value).__name__}; "
+                            "wrap the value with distribute_tensor()/DTensor.from_local() first")
+        if value._mesh != self._mesh:
+            raise ValueError(f"DTensor.data: the new value lives on {value._mesh}, this DTensor on "
+                             f"{self._mesh}; a DTensor cannot move between meshes")
         self._local_tensor.data = value._local_tensor
+        platform.set_wrapper_data(self, value)  # the wrapper's own dtype/device/shape
+        self._layout, self._gshape, self._spec = value._layout, value._gshape, value._spec
+        self.__dict__.pop("_redist_cache", None)
+        self.__dict__.pop("_grad_wrapper", None)
 
     def __hash__(self):
         return id(self)
@@ -529,6 +540,14 @@ def _setstate(self, state):
     raise TypeError("DTensor cannot be unpickled")
 
 
+def _compatible_shallow_copy(a, b):
+    if isinstance(a, DTensor) and isinstance(b, DTensor):
+        return True
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        return False  # a DTensor and a plain tensor: ``.data =`` would mix the two kinds
+    return platform.has_compatible_shallow_copy_type(a, b)
+
+
 def _build_special():
     T = platform.Tensor
     table = {
@@ -545,6 +564,9 @@ def _build_special():
         T.__setstate__: _setstate,
         platform.autograd_grad: _autograd_grad,
         platform.autograd_backward: _autograd_backward,
+        # nn.Module._apply (module.to(dtype/device), .double()...) asks whether ``param.data =``
+        # may take the converted value; two DTensors always can (see the ``data`` setter)
+        platform.has_compatible_shallow_copy_type: _compatible_shallow_copy,
     }
     return table
 

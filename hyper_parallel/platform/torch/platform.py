@@ -23,6 +23,7 @@ class TorchPlatform(Platform):
     Function = torch.autograd.Function
     autograd_grad = staticmethod(torch.autograd.grad)
     autograd_backward = staticmethod(torch.autograd.backward)
+    has_compatible_shallow_copy_type = staticmethod(torch._has_compatible_shallow_copy_type)
     DTensorBase = torch.Tensor
     Size = torch.Size
 
@@ -53,6 +54,16 @@ class TorchPlatform(Platform):
             except Exception:  # noqa: BLE001 - wrong argument pattern: try the next one
                 continue
         return None
+
+    @staticmethod
+    def set_wrapper_data(wrapper, other):
+        """Give tensor subclass ``wrapper`` the C-level metadata (dtype, device, sizes) of ``other``.
+
+        The subclass's Python attributes are the caller's to update; this is the
+        part Python cannot reach (``Tensor.data``'s C setter, below torch functions).
+        """
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._C.TensorBase.data.__set__(wrapper, other)
 
     # torch-function state (C functions: cheap enough for per-op checks)
     torch_function_enabled = staticmethod(torch._C._is_torch_function_enabled)

@@ -50,6 +50,7 @@ class Platform:
     has_compatible_shallow_copy_type = None  # may ``a.data = b``? (asked by Module.to)
     strided = None            # the dense tensor layout (for wrapper construction)
     set_wrapper_data = None   # (wrapper, other): give a wrapper subclass other's dtype/device/sizes
+    register_safe_globals = None  # (objs): rebuild functions/classes allowed by a safe (weights-only) load
 
     # The per-op fast path (hyper_parallel.core.shard._fast_methods) needs: whether
     # torch-function dispatch is enabled / a torch-function mode is active (cheap

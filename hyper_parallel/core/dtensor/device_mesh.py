@@ -284,6 +284,10 @@ class DeviceMesh:
     def to_hash(self):
         return self._hash
 
+    def __reduce__(self):
+        # what identifies the mesh, not its process groups (see _rebuild_mesh)
+        return (_rebuild_mesh, (self.device_type, self.rank_list, self._shape, self._names))
+
     def __repr__(self):
         names = f", mesh_dim_names={self._names}" if self._names else ""
         return f"DeviceMesh('{self.device_type}', {_reshape(self.rank_list, self._shape)}{names})"
@@ -314,6 +318,27 @@ def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
     return cur
 
 
+def _rebuild_mesh(device_type, rank_list, shape, names):
+    """Unpickle a DeviceMesh (a DTensor loaded with ``torch.load``).
+
+    The mesh's process groups must already exist in this process: they are made by
+    creating the mesh (or the mesh it was sliced from) with ``init_device_mesh`` on
+    every rank before loading. Creating them here would be a collective that only
+    some ranks might reach, so a missing group is an error instead of a hang.
+    """
+    mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False)
+    plat = get_platform()
+    missing = [ranks for d in range(len(shape)) for ranks in mesh._lines((d,)) if not plat.has_group(ranks)]
+    if missing:
+        raise RuntimeError(
+            f"loading a DTensor saved on {mesh}: this process has no process group over ranks "
+            f"{list(missing[0])}; create the mesh first on every rank, e.g. "
+            f"init_device_mesh({device_type!r}, {tuple(shape)}"
+            + (f", mesh_dim_names={names}" if names else "") + "), then load")
+    mesh._init_groups()  # every group is cached: no collective
+    return mesh
+
+
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
     """Create a mesh over all ranks of the world, row-major, initialising the default group if needed."""
@@ -337,3 +362,5 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
 
 
 __all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh"]
+
+get_platform().register_safe_globals([_rebuild_mesh])

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
-from hyper_parallel.core.dtensor.layout import Layout, is_alias_spelling
-from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate
+from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
 from hyper_parallel.platform import get_platform
@@ -416,8 +416,14 @@ class DTensor(platform.DTensorBase):
             "Call it on dtensor.to_local() or dtensor.full_tensor() instead")
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("DTensor cannot be pickled directly; save dtensor.to_local() with its placements, "
-                        "or dtensor.full_tensor()")
+        """Pickle (``torch.save``, ``copy.copy``) this rank's shard with its mesh, layout and global shape.
+
+        As ``torch.distributed.tensor``: each rank saves its own part; loading needs
+        the mesh's process groups in the loading process (see ``_rebuild_mesh``).
+        The rebuild functions are registered as safe for ``torch.load(weights_only=True)``.
+        """
+        return (_rebuild_dtensor, (self._local_tensor, self._mesh, self._layout, tuple(self._gshape),
+                                   bool(self.__dict__.get("_is_param", False))))
 
     def __deepcopy__(self, memo):
         import copy
@@ -427,6 +433,23 @@ class DTensor(platform.DTensorBase):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):
+    """Unpickle a DTensor saved by :meth:`DTensor.__reduce_ex__`."""
+    if not isinstance(mesh, DeviceMesh) or not isinstance(layout, Layout):
+        raise TypeError(f"loading a DTensor: expected a DeviceMesh and a Layout, got {type(mesh).__name__} "
+                        f"and {type(layout).__name__}")
+    if layout.rank_list != mesh.rank_list or tuple(layout.mesh_shape) != tuple(mesh.shape):
+        raise ValueError(f"loading a DTensor: its layout {layout} does not match its mesh {mesh}")
+    out = DTensor._wrap(local, mesh, layout, platform.Size(shape))
+    if is_param:
+        out._is_param = True
+    return out
+
+
+# what a pickled DTensor refers to (the mesh registers its own rebuild function)
+platform.register_safe_globals([_rebuild_dtensor, _rebuild_layout, Shard, Replicate, Partial])
 
 
 # -------------------------------------------------------------------- special-cased tensor methods

@@ -118,6 +118,16 @@ class TorchPlatform(Platform):
             self._groups[ranks] = grp
         return grp
 
+    def has_group(self, ranks) -> bool:
+        """Whether the group over ``ranks`` was already created (creating one is collective)."""
+        ranks = tuple(int(r) for r in ranks)
+        return ranks in self._groups or (self.is_initialized() and ranks == tuple(range(self.get_world_size())))
+
+    @staticmethod
+    def register_safe_globals(objs) -> None:
+        """Allow ``objs`` (rebuild functions, classes) in ``torch.load(weights_only=True)``."""
+        torch.serialization.add_safe_globals(list(objs))
+
     def reset_groups(self) -> None:
         self._groups.clear()
 

@@ -348,6 +348,10 @@ class DTensor(platform.DTensorBase):
         (wq/wk/wv, w1/w3) share one collective forward and one in backward.
         """
         local = self._local_tensor
+        if local.is_inference():
+            # inference tensors have no version counter: an in-place change would go unseen, so no memo
+            plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
+            return run_plan(local, plan, self._mesh, self._mesh._rank_index())
         key = (dst, platform.grad_enabled(), local._version)
         cache = self.__dict__.get("_redist_cache")
         if cache is not None:

@@ -176,6 +176,66 @@ def test_optimizer_matrix_dp_tp(dist_runner):
     dist_runner.run(4, _train_matrix, (2, 2))
 
 
+# fused kernels (torch._fused_adam_/_fused_adamw_/_fused_sgd_/_fused_adagrad_) and the variants whose
+# for-loop step writes with out= (amsgrad: torch.maximum(..., out=max_exp_avg_sq); Adamax)
+MORE_OPTS = {
+    "adamw fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam fused amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, fused=True),
+    "sgd fused nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, fused=True),
+    "adagrad fused": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
+    "adamw amsgrad for-loop": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, foreach=False),
+    "adamw amsgrad foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, foreach=True),
+    "adamax for-loop": lambda p: torch.optim.Adamax(p, lr=1e-2, foreach=False),
+}
+
+
+def _more_optimizers(mesh_shape):
+    mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
+    x_pl = _batch_pl(mesh)
+    clip = (1e9, True, 2.0)  # no clipping: the fused/out= paths are what is tested here
+    for label, make in MORE_OPTS.items():
+        torch.manual_seed(0)
+        ref = MLP()
+        model = _shard_mlp(copy.deepcopy(ref), mesh)
+        opt_ref, opt = make(ref.parameters()), make(model.parameters())
+        for step in range(4):
+            x, y = torch.randn(12, 8), torch.randn(12, 8)
+            loss_ref, _ = _ref_step(ref, opt_ref, x, y, clip, True, _mse)
+            loss, _ = _dt_step(model, opt, x, y, clip, True, _mse, mesh, x_pl)
+            torch.testing.assert_close(loss, loss_ref, **TOL, msg=f"{label}: loss at step {step}")
+        _check_params(model, ref, label)
+        _check_opt_state(opt, model, opt_ref, ref, label)
+
+
+def test_fused_and_out_optimizers_dp_tp(dist_runner):
+    dist_runner.run(4, _more_optimizers, (2, 2))
+
+
+def _out_kwarg():
+    """op(..., out=DTensor) for ops without a dedicated rule: computed, then copied into ``out``."""
+    import pytest
+    mesh = hp.init_device_mesh("cpu", (4,))
+    a, b = torch.randn(6, 5), torch.randn(6, 5)
+    da, db = hp.distribute_tensor(a, mesh, [Shard(0)]), hp.distribute_tensor(b, mesh, [Shard(1)])
+    out = hp.distribute_tensor(torch.zeros(6, 5), mesh, [Shard(0)])
+    local = out.to_local()
+    r = torch.maximum(da, db, out=out)
+    assert r is out and out.to_local() is local and tuple(out.placements) == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), torch.maximum(a, b), rtol=0, atol=0)
+    torch.add(da, 1.5, out=da)  # out aliasing an input
+    torch.testing.assert_close(da.full_tensor(), a + 1.5, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"out= DTensor has global shape \(6, 4\) but the result has \(6, 5\)"):
+        torch.mul(da, db, out=hp.distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]))
+    w = hp.distribute_tensor(torch.randn(6, 5), mesh, [Shard(0)]).requires_grad_()
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        torch.mul(w, 2.0, out=out)
+    return True
+
+
+def test_out_kwarg_4(dist_runner):
+    assert dist_runner.run(4, _out_kwarg) == [True] * 4
+
+
 def _norm_specs(mesh):
     """(shape, placements): uneven shards, empty local shards, Partial, sharded on either mesh dim."""
     if mesh.ndim == 1:

@@ -394,6 +394,34 @@ def _run_pg(entry, locs, kwargs=_EMPTY):
     return entry.fn(*locs, **kwargs)
 
 
+def _out_via_copy(func, name, args, kwargs):
+    """``op(..., out=dt)`` for a rule without its own ``out=`` support: the result, copied into ``dt``.
+
+    ``out`` keeps its identity, local tensor and layout (the result is redistributed
+    to it by ``copy_``); it may alias an input (``torch.maximum(a, b, out=a)``, as the
+    amsgrad step does). A DTensor cannot be resized in place, so the global shapes
+    must match; like PyTorch, ``out=`` refuses inputs that require grad.
+    """
+    out = kwargs["out"]
+    rest = {k: v for k, v in kwargs.items() if k != "out"}
+    if platform.grad_enabled():
+        dts = []
+        _collect(args, dts)
+        _collect(rest.values(), dts)
+        if any(d._local_tensor.requires_grad for d in dts) or out._local_tensor.requires_grad:
+            raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic "
+                               "differentiation, but one of the arguments requires grad")
+    res = func(*args, **rest)
+    if not isinstance(res, DTensor):
+        raise NotImplementedError(f"{name}(..., out=DTensor): the op returned {type(res).__name__}, not one "
+                                  "DTensor; assign the result instead (y = op(...))")
+    if tuple(res._gshape) != tuple(out._gshape):
+        raise ValueError(f"{name}(..., out=...): the out= DTensor has global shape {tuple(out._gshape)} but the "
+                         f"result has {tuple(res._gshape)}; a DTensor cannot be resized in place")
+    out.copy_(res)
+    return out
+
+
 def _run_local(func, args, kwargs):
     """SkipDTensorDispatch path: run on local tensors, return local results."""
     dts = []
@@ -429,6 +457,8 @@ class OpDispatcher:
         if getattr(func, "__name__", None) == "__get__" and name not in _TENSOR_PROPERTIES:
             # metadata properties (is_sparse, is_cuda, itemsize...) read from the local tensor
             return getattr(args[0]._local_tensor, name)
+        if kwargs and type(kwargs.get("out")) is DTensor and not getattr(_base.get_rule(name), "supports_out", False):
+            return _out_via_copy(func, name, args, kwargs)
         mesh = dts[0]._mesh
         sig = _sig if _floats_matter(func, name) else _sig_nf
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
@@ -467,10 +497,6 @@ class OpDispatcher:
         rule = _base.get_rule(name)
         call = _base.OpCall(func, name, args, kwargs, dts, mesh)
         entry = _Entry()
-        if isinstance(kwargs.get("out"), DTensor) and not getattr(rule, "supports_out", False):
-            raise NotImplementedError(
-                f"{name}(..., out=DTensor) is not supported: this op's rule cannot write its result into a "
-                "DTensor in place; assign the result instead (y = op(...)) or use out.copy_(op(...))")
         if rule is None:
             if not _FLAGS["fallback"]:
                 raise NotImplementedError(

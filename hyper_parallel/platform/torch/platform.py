@@ -65,6 +65,12 @@ class TorchPlatform(Platform):
         with torch._C.DisableTorchFunctionSubclass():
             torch._C.TensorBase.data.__set__(wrapper, other)
 
+    @staticmethod
+    def bump_version(t) -> None:
+        """Mark tensor ``t`` as modified in place (for kernels that do not, e.g. the fused optimizers)."""
+        if isinstance(t, torch.Tensor) and not t.is_inference():
+            torch.autograd.graph.increment_version(t)
+
     # torch-function state (C functions: cheap enough for per-op checks)
     torch_function_enabled = staticmethod(torch._C._is_torch_function_enabled)
     torch_function_mode_enabled = staticmethod(torch._C._is_torch_function_mode_enabled)

@@ -1,6 +1,6 @@
-"""Optimizer support: ``torch._foreach_*`` ops, exact ``_foreach_norm``, in-place random init.
+"""Optimizer support: ``torch._foreach_*`` and fused optimizer ops, exact ``_foreach_norm``, in-place random init.
 
-Optimizers (SGD, Adam, AdamW; foreach or for-loop) and ``clip_grad_norm_`` run
+Optimizers (SGD, Adam, AdamW...; foreach, for-loop or fused) and ``clip_grad_norm_`` run
 unchanged on DTensor parameters: every foreach op is elementwise per list
 position, so entry ``i`` of every list is brought to the layout of entry ``i``
 of the first list. Norms of sharded tensors are exact: local powered sums are
@@ -149,9 +149,40 @@ FOREACH_OPS = [
 ]
 
 
+class FusedOptimizerRule(ForeachRule):
+    """The fused optimizer kernels (Adam/AdamW/SGD/Adagrad with ``fused=True``).
+
+    Elementwise per list position like the foreach ops (the per-parameter step
+    counters are plain 0-d tensors). These kernels update parameters and state in
+    place *without* bumping the tensors' version counters (torch 2.13), and
+    DTensor memoises redistributions per version (``full_tensor()`` after a step
+    would return the old values); the local function bumps them. Argument 1, the
+    gradients, is only read.
+    """
+
+    def strategy(self, call):
+        st = super().strategy(call)
+        func, bump = call.func, get_platform().bump_version
+
+        def local_fn(*args, **kwargs):
+            out = func(*args, **kwargs)
+            for i, a in enumerate(args):
+                if i != 1 and isinstance(a, (list, tuple)):
+                    for t in a:
+                        bump(t)
+            return out
+        st.local_fn = local_fn
+        return st
+
+
+FUSED_OPTIMIZER_OPS = ["_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"]
+
+
 def register_all():
     for n in FOREACH_OPS:
         ForeachRule(n)
+    for n in FUSED_OPTIMIZER_OPS:
+        FusedOptimizerRule(n)
     ForeachNormRule("_foreach_norm")
     RandomInplaceRule("normal_")
     RandomInplaceRule("uniform_")

@@ -108,7 +108,8 @@ def _check_opt_state(opt, model, opt_ref, ref, label):
         st, st_ref = opt.state[p], opt_ref.state[r]
         assert st and set(st) == set(st_ref), f"{label}: {n} state keys {sorted(st)} != {sorted(st_ref)}"
         for key, v in st.items():
-            if key == "step":
+            if key == "step" or (not isinstance(v, hp.DTensor) and torch.as_tensor(v).dim() == 0):
+                # scalar state: the step count, NAdam's mu_product
                 torch.testing.assert_close(torch.as_tensor(v), torch.as_tensor(st_ref[key]), msg=f"{label}: {n}.{key}")
                 continue
             assert isinstance(v, hp.DTensor), f"{label}: {n}.{key} is {type(v).__name__}"
@@ -186,6 +187,8 @@ MORE_OPTS = {
     "adamw amsgrad for-loop": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, foreach=False),
     "adamw amsgrad foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, foreach=True),
     "adamax for-loop": lambda p: torch.optim.Adamax(p, lr=1e-2, foreach=False),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
 }
 
 

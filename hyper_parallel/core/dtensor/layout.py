@@ -15,6 +15,7 @@ smaller or empty pieces.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
@@ -32,6 +33,7 @@ def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> Tuple[int, 
     return min(size, start + full) - start, start
 
 
+@lru_cache(maxsize=65536)
 def chunk_sizes(size: int, num_chunks: int) -> Tuple[int, ...]:
     """Extents of all ``num_chunks`` pieces of ``size`` (torch.chunk rules, zeros padded in)."""
     return tuple(chunk_size_and_offset(size, num_chunks, i)[0] for i in range(num_chunks))

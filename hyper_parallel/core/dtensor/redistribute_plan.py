@@ -99,7 +99,11 @@ def _numel(shape):
 
 
 class _Ctx:
-    """Per-plan constants: mesh shape, global shape, all rank coordinates."""
+    """Constants of plans over one (mesh shape, global shape, itemsize): rank coordinates, and the
+    local shapes of the states the search visits, memoised (the search asks for the same ones
+    many times: about 2,000 per plan on a 2x2x2 mesh)."""
+
+    _MEMO_MAX = 200_000
 
     def __init__(self, mesh_shape, global_shape, itemsize):
         self.mesh_shape = mesh_shape
@@ -107,29 +111,52 @@ class _Ctx:
         self.itemsize = itemsize
         n = _numel(mesh_shape)
         self.coords = [coordinate_of(i, mesh_shape) for i in range(n)]
+        self._local = {}
+        self._moves = {}
 
     def local(self, dim_map, coord):
-        return local_shape_and_offset(self.global_shape, self.mesh_shape, dim_map, coord)[0]
+        key = (dim_map, coord)
+        r = self._local.get(key)
+        if r is None:
+            if len(self._local) >= self._MEMO_MAX:
+                self._local.clear()
+            r = self._local[key] = local_shape_and_offset(self.global_shape, self.mesh_shape, dim_map, coord)[0]
+        return r
+
+    def state_moves(self, state):
+        """Per mesh dim: (moves that depend on ``state`` alone, whether the dim is free); memoised."""
+        r = self._moves.get(state)
+        if r is None:
+            if len(self._moves) >= self._MEMO_MAX // 10:
+                self._moves.clear()
+            r = self._moves[state] = [None if k == 1 else _dim_moves(self, state, d)
+                                      for d, k in enumerate(self.mesh_shape)]
+        return r
 
     def extent_before(self, dim_map, t, d, coord):
         """Extent of tensor dim t on this rank before mesh dim d (innermost) splits it."""
         dm = list(dim_map)
         dm[t] = tuple(x for x in dm[t] if x != d)
-        return self.local(dm, coord)[t]
+        return self.local(tuple(dm), coord)[t]
+
+
+@lru_cache(maxsize=256)
+def _ctx_for(mesh_shape, global_shape, itemsize) -> _Ctx:
+    return _Ctx(mesh_shape, global_shape, itemsize)
 
 
 def _moves(ctx: _Ctx, state, target):
-    """Yield (step, new_state) for every legal move from ``state``."""
+    """Yield (step, new_state) for every legal move from ``state``.
+
+    The moves that depend on the state alone (collectives, local splits) are
+    memoised per context; the ones that depend on the target (relabelling a size-1
+    mesh dim, starting a Partial) are added in their place, so the order, which
+    breaks ties between equally cheap plans, is the same as computing all afresh.
+    """
     dim_map, partial = state
-    ndim = len(dim_map)
-    k_of = ctx.mesh_shape
     tgt_map, tgt_partial = target
-    owner = {}
-    for t, dims in enumerate(dim_map):
-        for d in dims:
-            owner[d] = t
-    isz = ctx.itemsize
-    for d, k in enumerate(k_of):
+    per_dim = ctx.state_moves(state)
+    for d, k in enumerate(ctx.mesh_shape):
         if k == 1:
             # A size-1 mesh dim moves no data: relabel directly toward the target.
             new_map = [tuple(x for x in dims if x != d) for dims in dim_map]
@@ -149,80 +176,93 @@ def _moves(ctx: _Ctx, state, target):
             if new != state:
                 yield Step("relabel", d, nbytes=(0,) * len(ctx.coords)), new
             continue
-        op = partial[d]
-        if op is not None:
-            # all_reduce
-            b = tuple(2 * _numel(ctx.local(dim_map, c)) * isz * (k - 1) // k for c in ctx.coords)
+        moves, free = per_dim[d]
+        yield from moves
+        # Reductions of different kinds do not commute: only start a new partial when every pending
+        # one has the same op (so Partial(max) is resolved before a Partial(sum) is introduced).
+        if free and tgt_partial[d] is not None and all(p in (None, tgt_partial[d]) for p in partial):
             np_ = list(partial)
-            np_[d] = None
-            yield Step(ALL_REDUCE, d, reduce_op=op, nbytes=b), (dim_map, tuple(np_))
-            if True:  # reduce_scatter serves every reduce op (gloo and NCCL both support them)
-                for t in range(ndim):
-                    sizes, b = [], []
-                    for c in ctx.coords:
-                        ext = ctx.local(dim_map, c)
-                        cs = chunk_sizes(ext[t], k)
-                        sizes.append(cs)
-                        padded = max(cs) * k * (_numel(ext) // ext[t] if ext[t] else _numel(ext[:t] + ext[t + 1:]))
-                        b.append(padded * isz * (k - 1) // k)
-                    nm = list(dim_map)
-                    nm[t] = nm[t] + (d,)
-                    yield (Step(REDUCE_SCATTER, d, tensor_dim=t, reduce_op=op, sizes=tuple(sizes), nbytes=tuple(b)),
-                           (tuple(nm), tuple(np_)))
-            continue
-        t = owner.get(d)
-        if t is not None:
-            if dim_map[t][-1] != d:
-                continue
-            # all_gather
+            np_[d] = tgt_partial[d]
+            yield Step(TO_PARTIAL, d, reduce_op=tgt_partial[d], nbytes=(0,) * len(ctx.coords)), (dim_map, tuple(np_))
+
+
+def _dim_moves(ctx: _Ctx, state, d):
+    """The moves along mesh dim ``d`` (size > 1) that depend on ``state`` alone, and whether ``d``
+    is free (neither partial nor sharding a tensor dim)."""
+    dim_map, partial = state
+    ndim = len(dim_map)
+    k = ctx.mesh_shape[d]
+    isz = ctx.itemsize
+    out = []
+    op = partial[d]
+    if op is not None:
+        # all_reduce
+        b = tuple(2 * _numel(ctx.local(dim_map, c)) * isz * (k - 1) // k for c in ctx.coords)
+        np_ = list(partial)
+        np_[d] = None
+        out.append((Step(ALL_REDUCE, d, reduce_op=op, nbytes=b), (dim_map, tuple(np_))))
+        # reduce_scatter serves every reduce op (gloo and NCCL both support them)
+        for t in range(ndim):
             sizes, b = [], []
             for c in ctx.coords:
                 ext = ctx.local(dim_map, c)
-                cs = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+                cs = chunk_sizes(ext[t], k)
                 sizes.append(cs)
-                rest = _numel(ext[:t] + ext[t + 1:])
-                b.append(max(cs) * rest * isz * (k - 1))
+                padded = max(cs) * k * (_numel(ext) // ext[t] if ext[t] else _numel(ext[:t] + ext[t + 1:]))
+                b.append(padded * isz * (k - 1) // k)
+            nm = list(dim_map)
+            nm[t] = nm[t] + (d,)
+            out.append((Step(REDUCE_SCATTER, d, tensor_dim=t, reduce_op=op, sizes=tuple(sizes), nbytes=tuple(b)),
+                        (tuple(nm), tuple(np_))))
+        return out, False
+    t = next((t for t, dims in enumerate(dim_map) if d in dims), None)
+    if t is not None:
+        if dim_map[t][-1] != d:
+            return out, False
+        # all_gather
+        sizes, b = [], []
+        for c in ctx.coords:
+            ext = ctx.local(dim_map, c)
+            cs = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+            sizes.append(cs)
+            rest = _numel(ext[:t] + ext[t + 1:])
+            b.append(max(cs) * rest * isz * (k - 1))
+        nm = list(dim_map)
+        nm[t] = nm[t][:-1]
+        out.append((Step(ALL_GATHER, d, tensor_dim=t, sizes=tuple(sizes), nbytes=tuple(b)), (tuple(nm), partial)))
+        # all_to_all to every other tensor dim
+        for u in range(ndim):
+            if u == t:
+                continue
+            sizes, b = [], []
+            for c in ctx.coords:
+                ext = ctx.local(dim_map, c)
+                split_sizes = chunk_sizes(ext[u], k)
+                cat_sizes = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+                sizes.append((split_sizes, cat_sizes))
+                per_unit = _numel(ext) // ext[u] if ext[u] else 0
+                b.append((_numel(ext) - split_sizes[c[d]] * per_unit) * isz)
             nm = list(dim_map)
             nm[t] = nm[t][:-1]
-            yield Step(ALL_GATHER, d, tensor_dim=t, sizes=tuple(sizes), nbytes=tuple(b)), (tuple(nm), partial)
-            # all_to_all to every other tensor dim
-            for u in range(ndim):
-                if u == t:
-                    continue
-                sizes, b = [], []
-                for i, c in enumerate(ctx.coords):
-                    ext = ctx.local(dim_map, c)
-                    split_sizes = chunk_sizes(ext[u], k)
-                    cat_sizes = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
-                    sizes.append((split_sizes, cat_sizes))
-                    per_unit = _numel(ext) // ext[u] if ext[u] else 0
-                    b.append((_numel(ext) - split_sizes[c[d]] * per_unit) * isz)
-                nm = list(dim_map)
-                nm[t] = nm[t][:-1]
-                nm[u] = nm[u] + (d,)
-                yield (Step(ALL_TO_ALL, d, tensor_dim=t, dst_dim=u, sizes=tuple(sizes), nbytes=tuple(b)),
-                       (tuple(nm), partial))
-            continue
-        # free mesh dim: local split or to-partial
-        zero = (0,) * len(ctx.coords)
-        for u in range(ndim):
-            sizes = tuple(chunk_sizes(ctx.local(dim_map, c)[u], k) for c in ctx.coords)
-            nm = list(dim_map)
             nm[u] = nm[u] + (d,)
-            yield Step(SPLIT, d, tensor_dim=u, sizes=sizes, nbytes=zero), (tuple(nm), partial)
-        # Reductions of different kinds do not commute: only start a new partial when every pending
-        # one has the same op (so Partial(max) is resolved before a Partial(sum) is introduced).
-        if tgt_partial[d] is not None and all(p in (None, tgt_partial[d]) for p in partial):
-            np_ = list(partial)
-            np_[d] = tgt_partial[d]
-            yield Step(TO_PARTIAL, d, reduce_op=tgt_partial[d], nbytes=zero), (dim_map, tuple(np_))
+            out.append((Step(ALL_TO_ALL, d, tensor_dim=t, dst_dim=u, sizes=tuple(sizes), nbytes=tuple(b)),
+                        (tuple(nm), partial)))
+        return out, False
+    # free mesh dim: local splits (a to-partial move, which depends on the target, follows in _moves)
+    zero = (0,) * len(ctx.coords)
+    for u in range(ndim):
+        sizes = tuple(chunk_sizes(ctx.local(dim_map, c)[u], k) for c in ctx.coords)
+        nm = list(dim_map)
+        nm[u] = nm[u] + (d,)
+        out.append((Step(SPLIT, d, tensor_dim=u, sizes=sizes, nbytes=zero), (tuple(nm), partial)))
+    return out, True
 
 
 @lru_cache(maxsize=4096)
 def _plan_cached(src_key, dst_key, mesh_shape, global_shape, itemsize):
     src_map, src_partial = src_key
     dst = dst_key
-    ctx = _Ctx(mesh_shape, global_shape, itemsize)
+    ctx = _ctx_for(mesh_shape, global_shape, itemsize)
     start = (src_map, src_partial)
     if start == dst:
         return ()

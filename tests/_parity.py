@@ -124,3 +124,10 @@ def _sweep(cases, partial=True):
                 _check(label, mesh, f, [(x, pl)])
                 n += 1
     return n
+
+
+def seeded_mlp():
+    """Linear(8, 16) - GELU - Linear(16, 8), the same weights on every call (seed 0): a reference
+    model and the one to parallelize (``"0"`` column-wise, ``"2"`` row-wise)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))

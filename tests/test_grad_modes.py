@@ -7,18 +7,13 @@ model on full tensors in one process.
 """
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import hyper_parallel as hp
 from hyper_parallel import ColwiseParallel, Replicate, RowwiseParallel, Shard, parallelize_module
+from tests._parity import seeded_mlp
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
 
 
 def _grads(model):
@@ -34,7 +29,7 @@ def _zero(*models):
 def _modes_body():
     ws = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
-    ref, model = _model(), _model()
+    ref, model = seeded_mlp(), seeded_mlp()
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
     want = ref(x).detach()

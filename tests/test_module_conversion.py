@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import hyper_parallel as hp
 from hyper_parallel import ColwiseParallel, Replicate, RowwiseParallel, Shard, parallelize_module
+from tests._parity import seeded_mlp
 
 
 def _wrapper_dtype(t):
@@ -23,15 +24,10 @@ def _wrapper_dtype(t):
         return torch._C.TensorBase.dtype.__get__(t)
 
 
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-
-
 def _module_to_double_body():
     ws = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
-    ref, model = _mlp(), _mlp()
+    ref, model = seeded_mlp(), seeded_mlp()
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(4, 8)
     # a first fp32 step, so that the parameters carry gradients into the conversion

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import hyper_parallel as hp
 from hyper_parallel import ColwiseParallel, Partial, Replicate, RowwiseParallel, Shard, parallelize_module
+from tests._parity import seeded_mlp
 
 
 def _roundtrip(obj, weights_only=True):
@@ -77,11 +78,6 @@ def test_save_load_dtensors_4(dist_runner):
     assert dist_runner.run(4, _tensors_body) == [True] * 4
 
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-
-
 def _checkpoint_body():
     ws = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
@@ -95,7 +91,7 @@ def _checkpoint_body():
         opt.step()
         return loss.item()
 
-    a = parallelize_module(_model(), mesh, plan)
+    a = parallelize_module(seeded_mlp(), mesh, plan)
     opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
     step(a, opt_a)
     # per-rank checkpoint of model and optimizer

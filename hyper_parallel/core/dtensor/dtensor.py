@@ -348,23 +348,22 @@ class DTensor(platform.DTensorBase):
         (wq/wk/wv, w1/w3) share one collective forward and one in backward.
         """
         local = self._local_tensor
-        if local.is_inference():
-            # inference tensors have no version counter: an in-place change would go unseen, so no memo
-            plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
-            return run_plan(local, plan, self._mesh, self._mesh._rank_index())
-        key = (dst, platform.grad_enabled(), local._version)
-        cache = self.__dict__.get("_redist_cache")
-        if cache is not None:
+        # inference tensors have no version counter: an in-place change would go unseen, so no memo
+        memo = not local.is_inference()
+        if memo:
+            key = (dst, platform.grad_enabled(), local._version)
+            cache = self.__dict__.get("_redist_cache")
+            if cache is None:
+                cache = self.__dict__["_redist_cache"] = {}
             hit = cache.get(key)
             if hit is not None:
                 return hit
-        else:
-            cache = self.__dict__["_redist_cache"] = {}
         plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
         out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
-        if len(cache) > 4:
-            cache.clear()
-        cache[key] = out
+        if memo:
+            if len(cache) > 4:
+                cache.clear()
+            cache[key] = out
         return out
 
     def reduce_partial(self) -> "DTensor":

@@ -68,3 +68,4 @@ class Platform:
     collectives = None
     functions = None
     deferred_grads = None
+    compile_support = None  # torch.compile support (traced ops, functional collectives), if any

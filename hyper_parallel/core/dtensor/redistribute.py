@@ -15,6 +15,7 @@ from hyper_parallel.platform import get_platform
 _F = get_platform().functions
 _D = get_platform().deferred_grads
 _GRAD_ENABLED = get_platform().grad_enabled
+_COMPILING = get_platform().compile_support.is_compiling
 
 
 def run_plan(local, plan: rp.Plan, mesh, rank_index: int):
@@ -79,7 +80,7 @@ def partial_grad_view(local, group):
         if g is not None and g[0] == group.ranks and g[1].requires_grad:
             _, src, dim, grp, sizes = g
             view = _F.GatheredPartialGrad.apply(src, local.detach(), dim, grp, sizes)
-        elif local.is_leaf:  # a parameter: one flat all_reduce at the end of backward for all of them
+        elif local.is_leaf and not _COMPILING():  # a parameter (compiled graphs reduce at once): one flat all_reduce at the end of backward for all of them
             view = _D.DeferredPartialGrad.apply(local, group)
         else:
             view = _F.PartialGrad.apply(local, group)

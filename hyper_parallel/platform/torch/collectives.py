@@ -13,6 +13,11 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform import comm_record as rec
+from hyper_parallel.platform.torch import compile_collectives as _traced
+
+# True while torch.compile traces (dynamo, fake propagation, AOTAutograd): collectives must then be
+# the traceable functional ones (see compile_collectives); never true in eager code
+_tracing = torch.compiler.is_compiling
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -48,6 +53,8 @@ def _pad_dim0(x: torch.Tensor, size: int) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """Return the reduction of ``x`` over ``group`` (``x`` itself is not modified)."""
+    if _tracing() and group.size > 1:
+        return _traced.all_reduce(x, group, op)
     if group.size == 1:
         return x
     out = x.contiguous().clone()
@@ -64,6 +71,8 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     ``sizes[i]`` is rank i's extent along ``dim`` (torch.chunk rules may make them
     uneven, or zero); shorter pieces are padded for the wire and trimmed after.
     """
+    if _tracing() and group.size > 1:
+        return _traced.all_gather(x, dim, group, sizes)
     k = group.size
     if k == 1:
         return x
@@ -96,6 +105,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None
 
     ``sizes`` are the per-rank piece sizes along ``dim`` (sum = ``x.shape[dim]``).
     """
+    if _tracing() and group.size > 1:
+        return _traced.reduce_scatter(x, dim, group, sizes, op)
     k = group.size
     if k == 1:
         return x
@@ -132,6 +143,8 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
     ``split_sizes`` (rank i receives piece i) and the received pieces are joined
     along ``cat_dim``. Uneven sizes are sent with uneven splits (no padding).
     """
+    if _tracing() and group.size > 1:
+        return _traced.all_to_all(x, split_dim, cat_dim, group, split_sizes, cat_sizes)
     k = group.size
     if k == 1:
         return x

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
-from hyper_parallel.platform.torch import collectives, deferred_grads, functions
+from hyper_parallel.platform.torch import collectives, compile_support, deferred_grads, functions
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
@@ -79,6 +79,7 @@ class TorchPlatform(Platform):
     collectives = collectives
     functions = functions
     deferred_grads = deferred_grads
+    compile_support = compile_support  # torch.compile: DTensor ops as opaque nodes
 
     def __init__(self):
         self._groups = {}

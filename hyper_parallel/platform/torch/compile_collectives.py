@@ -1,0 +1,95 @@
+"""Traceable versions of the raw collectives, used while ``torch.compile`` traces.
+
+Inside a compiled region the tensors are fake or functional and the graph must
+*contain* the communication: ``torch.distributed`` calls on them would either
+fail or run once at trace time. Each function here computes the same result as
+its namesake in :mod:`collectives` with ``torch.distributed._functional_collectives``
+(out-of-place ops plus ``wait_tensor``), which AOTAutograd records and inductor
+schedules. The eager path never comes here: :mod:`collectives` checks
+``torch.compiler.is_compiling()`` first, so eager keeps its in-place gloo/NCCL calls.
+
+Uneven pieces are padded for the wire and trimmed after, exactly as in eager.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "product"}
+
+
+def _op(name: str) -> str:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise ValueError(f"reduce_op={name!r} is not supported; expected one of {sorted(_OPS)}") from None
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if x.shape[dim] == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    if op == "avg" and not x.is_floating_point():
+        raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}")
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), _op(op), group.handle))
+
+
+def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
+    k = group.size
+    if sizes is None:
+        sizes = [x.shape[dim]] * k
+    m = max(sizes)
+    xt = _pad(x, dim, m)
+    if dim != 0:
+        xt = xt.movedim(dim, 0)
+    buf = funcol.wait_tensor(funcol.all_gather_tensor(xt.contiguous(), 0, group.handle))
+    if dim == 0 and all(s == m for s in sizes):
+        return buf
+    pieces = [p if s == m else p.narrow(0, 0, s) for p, s in zip(buf.chunk(k, 0), sizes)]
+    return torch.cat([p if dim == 0 else p.movedim(0, dim) for p in pieces], dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:
+    k = group.size
+    if sizes is None:
+        n = x.shape[dim]
+        if n % k:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {n} is not divisible by the group size {k}; pass sizes")
+        sizes = [n // k] * k
+    m = max(sizes)
+    xt = x.movedim(dim, 0) if dim != 0 else x
+    if any(s != m for s in sizes):
+        xt = torch.cat([_pad(p, 0, m) for p in torch.split(xt, list(sizes), dim=0)], dim=0)
+    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(xt.contiguous(), _op(op), 0, group.handle))
+    out = out[: sizes[group.rank]]
+    if dim != 0:
+        out = out.movedim(0, dim).contiguous()
+    return out
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
+               split_sizes: Sequence[int], cat_sizes: Sequence[int]) -> torch.Tensor:
+    k, me = group.size, group.rank
+    pieces = torch.split(x, list(split_sizes), dim=split_dim)
+    send = torch.cat([p.contiguous().view(-1) for p in pieces])
+    inner = 1
+    for d, s in enumerate(x.shape):
+        if d not in (split_dim, cat_dim):
+            inner *= s
+    in_splits = [p.numel() for p in pieces]
+    out_splits = [cat_sizes[r] * split_sizes[me] * inner for r in range(k)]
+    recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, group.handle))
+    shape = list(x.shape)
+    shape[split_dim] = split_sizes[me]
+    outs = []
+    for r, chunk in enumerate(torch.split(recv, out_splits)):
+        shape[cat_dim] = cat_sizes[r]
+        outs.append(chunk.view(shape))
+    return torch.cat(outs, dim=cat_dim)

@@ -1,0 +1,381 @@
+"""``torch.compile`` support for DTensor: dynamo sees one opaque graph node per DTensor op.
+
+Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher.
+
+* **DTensor is a traceable wrapper subclass** (``__tensor_flatten__`` /
+  ``__tensor_unflatten__``: the local tensor is the only inner tensor; mesh,
+  layout and global shape are the constant context), so dynamo can fakeify
+  DTensor inputs and parameters and carry DTensor values through its graph.
+* **Every DTensor op is a ``nonstrict_trace`` call.** When dynamo inlines
+  ``DTensor.__torch_function__`` (or ``from_local`` / ``to_local`` /
+  ``redistribute`` / ``full_tensor``), the call is routed to a per-op function
+  marked ``torch._dynamo.nonstrict_trace``: dynamo records it as one node and
+  runs it natively on fake DTensors to get the output's metadata; AOTAutograd
+  then runs the same Python natively while tracing, so the sharding rules,
+  caches and layout arithmetic are constant-folded and only the *local*
+  program (aten ops on local tensors plus functional collectives, forward and
+  backward) lands in the graph.
+* **Layouts, placements and meshes are opaque value constants**
+  (``register_opaque_type(typ="value")``): dynamo specialises on them (guards
+  by ``__eq__``) and never traces their construction.
+* **Python-level fast methods are eager only.** Dynamo refuses to inline
+  Tensor methods a subclass overrides, so the first time dynamo meets a DTensor
+  the fast methods (``_fast_methods.METHODS``) and the overridden
+  ``size``/``dim``/``numel``/``to``/``float`` are removed from the class for the
+  rest of the process: outside compiled regions those calls then take the
+  ordinary ``__torch_function__`` path (same results, ~1 us slower per call).
+
+Everything torch-specific about compilation lives here; the core only calls
+:func:`traced_op` / :func:`native_query` through the platform.
+"""
+from __future__ import annotations
+
+import torch
+from torch._library.opaque_object import MemberType, register_opaque_type
+
+is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+is_compiling = torch.compiler.is_compiling
+
+_STATE = {"dtensor": None, "handler": None, "compile_mode": False, "removed": {}, "fast_names": ()}
+
+# overridden methods dynamo cannot inline on a subclass (besides the fast methods): removed in compile mode
+_OVERRIDDEN = ("size", "dim", "numel", "to", "float")
+
+
+# ----------------------------------------------------------------------------- opaque constants
+_CONSTS: list = []
+_CONST_IDS: dict = {}
+
+
+def _const(i):
+    """FX-codegen accessor of a constant baked into a graph (see ``__fx_repr__``)."""
+    return _CONSTS[i]
+
+
+def _fx_repr(self):
+    """How a layout/placement/mesh constant is written in generated FX code: an index into a table."""
+    i = _CONST_IDS.get(id(self))
+    if i is None or _CONSTS[i] is not self:
+        _CONSTS.append(self)
+        i = _CONST_IDS[id(self)] = len(_CONSTS) - 1
+    return f"_hp_compile_const({i})", {"_hp_compile_const": _const}
+
+
+def _members(cls):
+    names = {k for k in dir(cls) if not k.startswith("__")}
+    for c in cls.__mro__:
+        names.update(getattr(c, "__slots__", ()))
+    return {n: MemberType.USE_REAL for n in names}
+
+
+class _NoneArg:
+    """Stands in for ``None`` in a traced op's arguments (nonstrict_trace inputs cannot be None)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return isinstance(other, _NoneArg)
+
+    def __hash__(self):
+        return 0
+
+    def __repr__(self):
+        return "None"
+
+
+_NONE = _NoneArg()
+
+
+def _register_constants(classes):
+    for cls in classes + (_NoneArg,):
+        cls.__fx_repr__ = _fx_repr
+        register_opaque_type(cls, typ="value", members=_members(cls))
+
+
+# ----------------------------------------------------------------------------- flatten / unflatten
+def _is_traced(t) -> bool:
+    """True for the fake/functional tensors of a trace (a real local tensor is a plain torch.Tensor)."""
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def _tensor_flatten(self):
+    local = self._local_tensor
+    if is_compiling() and not _is_traced(local):
+        _bridge_input(self, local)
+    return ["_local_tensor"], (self._mesh, self._layout, tuple(self._gshape))
+
+
+def _make_unflatten(DTensor):
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        mesh, layout, shape = meta
+        return DTensor._wrap(inner_tensors["_local_tensor"], mesh, layout, shape)
+    return staticmethod(__tensor_unflatten__)
+
+
+# ----------------------------------------------------------------------------- gradient bridge
+# AOTAutograd differentiates a compiled graph with respect to its *wrapper* inputs (the
+# autograd.Function it builds takes the DTensor objects), while this library keeps autograd
+# history on the local tensors (the wrapper has none). A real leaf DTensor (a parameter) that
+# enters a compiled graph is therefore bridged once: its wrapper is marked as requiring grad,
+# and a post-accumulate-grad hook moves each gradient the compiled backward accumulates on
+# the wrapper into the local tensor's ``.grad`` (where the optimizer and ``DTensor.grad`` read
+# it), then runs the local tensor's own post-accumulate-grad hooks (``replicate``'s dp
+# averaging), as the engine would have.
+def _wrapper_grad(w):
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.grad.__get__(w)
+
+
+def _set_wrapper_grad(w, value):
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.grad.__set__(w, value)
+
+
+def _move_grad(w):
+    g = _wrapper_grad(w)
+    if g is None:
+        return
+    _set_wrapper_grad(w, None)
+    local = w._local_tensor
+    gl = g._local_tensor if isinstance(g, _STATE["dtensor"]) else g
+    with torch.no_grad():
+        if local.grad is None:
+            local.grad = gl.detach()
+        else:
+            local.grad = local.grad + gl
+    hooks = getattr(local, "_post_accumulate_grad_hooks", None)
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(local)
+
+
+def _make_torch_dispatch(DTensor, orig):
+    """``__torch_dispatch__`` plus the one aten op the autograd engine applies to a bridged wrapper's
+    gradient (``detach``, when it accumulates it); everything else still raises as before."""
+    detach = torch.ops.aten.detach.default
+
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is detach and type(args[0]) is DTensor:
+            x = args[0]
+            return DTensor._wrap(x._local_tensor.detach(), x._mesh, x._layout, x._gshape)
+        return orig(cls, func, types, args, kwargs)
+    return classmethod(__torch_dispatch__)
+
+
+def _bridge_input(dt, local):
+    if not local.requires_grad:
+        return
+    if not local.is_leaf:
+        with torch._C.DisableTorchFunctionSubclass():
+            wrapper_tracks = torch.Tensor.requires_grad.__get__(dt)
+        if not wrapper_tracks:
+            raise NotImplementedError(
+                "torch.compile: a DTensor that requires grad and was computed outside the compiled region is "
+                "passed into it; its gradient cannot cross the region boundary. Compile the code that computes "
+                "it as well, or pass a plain tensor (dtensor.to_local()) and rebuild the DTensor inside with "
+                "DTensor.from_local")
+        return
+    if dt.__dict__.get("_hp_compile_bridge"):
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.requires_grad_(dt, True)
+        torch.Tensor.register_post_accumulate_grad_hook(dt, _move_grad)
+    dt.__dict__["_hp_compile_bridge"] = True
+
+
+# ----------------------------------------------------------------------------- argument encoding
+def _enc(x):
+    if x is None:
+        return _NONE
+    t = type(x)
+    if t is tuple or t is list:
+        return t(_enc(v) for v in x)
+    if t is dict:
+        return {k: _enc(v) for k, v in x.items()}
+    return x
+
+
+def _dec(x):
+    if isinstance(x, _NoneArg):
+        return None
+    t = type(x)
+    if t is tuple or t is list:
+        return t(_dec(v) for v in x)
+    if t is dict:
+        return {k: _dec(v) for k, v in x.items()}
+    return x
+
+
+# ----------------------------------------------------------------------------- ops
+# The nonstrict_trace functions must be registered with dynamo before it traces a call to them,
+# and importing torch._dynamo costs ~2 s, which an eager-only program should not pay: they are
+# made by _on_dynamo_loaded(), run when torch._dynamo is imported (by torch.compile) or at once
+# if it already is.
+_NODES: dict = {}
+_FUNCS: list = []
+_FUNC_INDEX: dict = {}
+
+
+def _func_index(func) -> int:
+    """A stable small int for ``func`` (evaluated natively: dynamo bakes the result in as a constant)."""
+    i = _FUNC_INDEX.get(func)
+    if i is None:
+        _FUNCS.append(func)
+        i = _FUNC_INDEX[func] = len(_FUNCS) - 1
+    return i
+
+
+def _op_node(index, args, kwargs):
+    """Body of the opaque node of one DTensor op: the ordinary dispatcher, run natively."""
+    _enter_compile_mode()
+    DTensor = _STATE["dtensor"]
+    return _STATE["handler"](DTensor, _FUNCS[index], (DTensor,), _dec(args), _dec(kwargs))
+
+
+def traced_op(func, args, kwargs):
+    """``DTensor.__torch_function__`` while dynamo traces: one opaque node for the whole op."""
+    return _NODES["op"](_NODES["index"](func), _enc(tuple(args)), _enc(dict(kwargs)) if kwargs else {})
+
+
+_META_NAMES = frozenset({"_is_view", "is_contiguous", "stride", "storage_offset", "dim", "size", "numel",
+                         "untyped_storage", "data_ptr", "_base", "layout", "is_nested", "__get__", "ndimension",
+                         "nelement", "element_size", "get_device", "_typed_storage", "_version"})
+
+
+def native_query(func, args, kwargs):
+    """Metadata queries the compiler makes on a DTensor while tracing (``is_conj``, ``stride``...).
+
+    They describe the wrapper itself (global shape, dtype, device, strides), so they
+    run on it with subclass torch functions disabled. Returns ``NotImplemented`` for
+    anything else (a real op: the dispatcher handles it).
+    """
+    _enter_compile_mode()
+    name = getattr(func, "__name__", "")
+    if name in _META_NAMES or name.startswith("is_") or name.startswith("_is_"):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    return NotImplemented
+
+
+# ----------------------------------------------------------------------------- API methods
+_API = ("from_local", "to_local", "redistribute", "full_tensor", "reduce_partial")
+_API_ORIG: dict = {}
+
+
+def _api_node(name):
+    orig = _API_ORIG[name]
+
+    def node(args, kwargs):
+        _enter_compile_mode()
+        return orig(*_dec(args), **_dec(kwargs))
+    node.__name__ = f"hp_dtensor_{name}"
+    return node
+
+
+def _traceable_method(orig, name, static=False):
+    """``orig`` with a dynamo branch: while dynamo traces, the call is one nonstrict_trace node."""
+    from functools import wraps
+
+    _API_ORIG[name] = orig
+
+    @wraps(orig)
+    def method(*args, **kwargs):
+        if is_dynamo_compiling():
+            return _NODES[name](_enc(args), _enc({k: v for k, v in kwargs.items() if v is not None}))
+        return orig(*args, **kwargs)
+    return staticmethod(method) if static else method
+
+
+def _on_dynamo_loaded():
+    from torch._dynamo import assume_constant_result, nonstrict_trace
+
+    _NODES["index"] = assume_constant_result(_func_index)
+    _NODES["op"] = nonstrict_trace(_op_node)
+    for name in _API_ORIG:
+        _NODES[name] = nonstrict_trace(_api_node(name))
+
+
+class _DynamoImportHook:
+    """A meta-path finder that runs :func:`_on_dynamo_loaded` right after ``torch._dynamo`` is imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch._dynamo":
+            return None
+        import importlib.util
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            loader_exec(module)
+            _on_dynamo_loaded()
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _when_dynamo_loads():
+    import sys
+
+    if "torch._dynamo" in sys.modules and hasattr(sys.modules["torch._dynamo"], "nonstrict_trace"):
+        _on_dynamo_loaded()
+    else:
+        sys.meta_path.insert(0, _DynamoImportHook())
+
+
+# ----------------------------------------------------------------------------- compile mode
+def _enter_compile_mode():
+    """Remove the class-level methods dynamo cannot inline (once per process; see module docstring)."""
+    if _STATE["compile_mode"]:
+        return
+    DTensor = _STATE["dtensor"]
+    removed = _STATE["removed"]
+    for name in tuple(_STATE["fast_names"]) + _OVERRIDDEN:
+        if name in DTensor.__dict__:
+            removed[name] = DTensor.__dict__[name]
+            delattr(DTensor, name)
+    _STATE["compile_mode"] = True
+
+
+def restore_eager_fast_paths():
+    """Undo compile mode: reset dynamo's caches, then reinstall the eager fast methods.
+
+    For tests and benchmarks that mix compiled and eager measurements in one
+    process; compiled functions must be recompiled afterwards (dynamo is reset).
+    """
+    torch._dynamo.reset()
+    DTensor = _STATE["dtensor"]
+    for name, attr in _STATE["removed"].items():
+        setattr(DTensor, name, attr)
+    _STATE["removed"] = {}
+    _STATE["compile_mode"] = False
+
+
+def in_compile_mode() -> bool:
+    return _STATE["compile_mode"]
+
+
+def install(DTensor, handler, constant_classes, fast_names):
+    """Make ``DTensor`` traceable by dynamo (called once by the op dispatcher on import).
+
+    ``handler``: ``__torch_function__``'s implementation ``(cls, func, types, args,
+    kwargs)``; ``constant_classes``: the layout/placement/mesh classes to treat as
+    compile-time constants; ``fast_names``: the eager-only fast methods.
+    """
+    _STATE.update(dtensor=DTensor, handler=handler, fast_names=tuple(fast_names))
+    DTensor.__tensor_flatten__ = _tensor_flatten
+    DTensor.__tensor_unflatten__ = _make_unflatten(DTensor)
+    DTensor.__torch_dispatch__ = _make_torch_dispatch(DTensor, DTensor.__dict__["__torch_dispatch__"].__func__)
+    _register_constants(tuple(constant_classes))
+    for name in _API:
+        attr = DTensor.__dict__.get(name)
+        if attr is None:
+            continue
+        if isinstance(attr, staticmethod):
+            setattr(DTensor, name, _traceable_method(attr.__func__, name, static=True))
+        else:
+            setattr(DTensor, name, _traceable_method(attr, name))
+    _when_dynamo_loads()

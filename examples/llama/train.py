@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile each transformer block (torchtitan style; default backend: inductor)")
     return p.parse_args(argv)
 
 
@@ -58,6 +60,8 @@ def train(args, steps, cfg, mesh, log=print):
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
                       src_data_rank=None)
+    if getattr(args, "compile", None):
+        compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)
     data = TokenBatches(seed=cfg.seed)
     dp_rank, dp_group = mesh.get_local_rank(0), mesh.get_group(0)
@@ -78,6 +82,14 @@ def train(args, steps, cfg, mesh, log=print):
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
     return losses
+
+
+def compile_blocks(model, backend="inductor"):
+    """``torch.compile`` each transformer block separately, as torchtitan does (one graph per block,
+    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager."""
+    for name, block in list(model.layers.items()):
+        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+    return model
 
 
 def progress(step, steps, loss, tok_s, width=30):
@@ -106,6 +118,7 @@ def main(argv=None):
     if rank == 0:
         n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
         lp = ", loss_parallel" if args.loss_parallel else ""
+        lp += f", compiled blocks ({args.compile})" if args.compile else ""
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ import argparse
 import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -99,6 +100,9 @@ def _program_case(mesh):
         torch.testing.assert_close(a.grad.full_tensor(), a_ref.grad, **TOL)
         torch.testing.assert_close(b.grad.full_tensor(), b_ref.grad, **TOL)
         assert a.grad.placements == (Shard(0),) and b.grad.placements == (Replicate(),)
+    # a DTensor computed eagerly (with autograd history on its local tensor) cannot enter a region
+    with pytest.raises(Exception, match="computed outside the compiled region"):
+        torch.compile(lambda t: t.full_tensor(), backend=BACKEND, fullgraph=True)(a * 2)
     # Partial input made inside the region, reduced by full_tensor
     f = torch.compile(lambda x: hp.DTensor.from_local(x, mesh, [Partial()]).full_tensor() * 3,
                       backend=BACKEND, fullgraph=True)

@@ -264,7 +264,7 @@ _SPECIAL_UNDER_SKIP = frozenset({"__repr__", "__format__", "__setstate__"})
 
 
 def _handle(func, types, args, kwargs):
-    if _COMPILING():  # the compiler asking about the wrapper itself (is_conj, stride...) while tracing
+    if _COMPILE_STATE["dynamo_loaded"] and _COMPILING():  # the compiler asking about the wrapper (is_conj...)
         out = _COMPILE.native_query(func, args, kwargs)
         if out is not NotImplemented:
             return out
@@ -329,8 +329,6 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     its interned (layout, global shape) token (hashed in C). One- and two-argument
     calls (most ops) build it without a loop.
     """
-    if _DYNAMO_COMPILING():  # dynamo is tracing this call: one opaque node for the whole op
-        return _COMPILE.traced_op(func, args, kwargs or {})
     if not kwargs and not _SKIP_ANY[0]:
         n = len(args)
         key = None
@@ -702,9 +700,10 @@ def _wrap_entry(entry, out):
 
 _fast_methods.install(DTensor, sys.modules[__name__], platform)
 
-# torch.compile: DTensor is a traceable subclass whose ops dynamo records as opaque nodes (platform layer)
+# torch.compile: DTensor is a traceable subclass whose ops dynamo records as opaque nodes (platform layer;
+# in compile mode it wraps __torch_function__ with the dynamo branch, so eager code pays nothing before)
 _COMPILE = platform.compile_support
-_DYNAMO_COMPILING = _COMPILE.is_dynamo_compiling
+_COMPILE_STATE = _COMPILE._STATE
 _COMPILING = _COMPILE.is_compiling
 _COMPILE.install(DTensor, _torch_function, (_Layout, _dt.DeviceMesh, _dt.Shard, _dt.Replicate, _dt.Partial),
                  _fast_methods.METHODS)

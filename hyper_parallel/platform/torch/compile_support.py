@@ -36,7 +36,8 @@ from torch._library.opaque_object import MemberType, register_opaque_type
 is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 is_compiling = torch.compiler.is_compiling
 
-_STATE = {"dtensor": None, "handler": None, "compile_mode": False, "removed": {}, "fast_names": ()}
+_STATE = {"dtensor": None, "handler": None, "compile_mode": False, "removed": {}, "fast_names": (),
+          "dynamo_loaded": False}
 
 # overridden methods dynamo cannot inline on a subclass (besides the fast methods): removed in compile mode
 _OVERRIDDEN = ("size", "dim", "numel", "to", "float")
@@ -162,13 +163,21 @@ def _make_torch_dispatch(DTensor, orig):
     return classmethod(__torch_dispatch__)
 
 
+def _wrapper_requires_grad(dt) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.requires_grad.__get__(dt)
+
+
 def _bridge_input(dt, local):
     if not local.requires_grad:
+        if _wrapper_requires_grad(dt) and not dt.__dict__.get("_hp_compile_bridge"):
+            raise NotImplementedError(
+                "torch.compile: a DTensor returned by another compiled region is passed into this one; its "
+                "gradient history lives on the wrapper and would be lost. Return a plain tensor from the first "
+                "region (to_local(), full_tensor(), use_local_output=True) and rebuild it with DTensor.from_local")
         return
     if not local.is_leaf:
-        with torch._C.DisableTorchFunctionSubclass():
-            wrapper_tracks = torch.Tensor.requires_grad.__get__(dt)
-        if not wrapper_tracks:
+        if not _wrapper_requires_grad(dt):
             raise NotImplementedError(
                 "torch.compile: a DTensor that requires grad and was computed outside the compiled region is "
                 "passed into it; its gradient cannot cross the region boundary. Compile the code that computes "
@@ -289,6 +298,7 @@ def _traceable_method(orig, name, static=False):
 def _on_dynamo_loaded():
     from torch._dynamo import assume_constant_result, nonstrict_trace
 
+    _STATE["dynamo_loaded"] = True
     _NODES["index"] = assume_constant_result(_func_index)
     _NODES["op"] = nonstrict_trace(_op_node)
     for name in _API_ORIG:
@@ -337,7 +347,17 @@ def _enter_compile_mode():
         if name in DTensor.__dict__:
             removed[name] = DTensor.__dict__[name]
             delattr(DTensor, name)
+    removed["__torch_function__"] = DTensor.__dict__["__torch_function__"]
+    DTensor.__torch_function__ = classmethod(_compile_torch_function)
     _STATE["compile_mode"] = True
+
+
+def _compile_torch_function(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` in compile mode: while dynamo traces, one opaque node per op (see
+    :func:`traced_op`); otherwise (eager, fake propagation, AOTAutograd) the ordinary dispatcher."""
+    if is_dynamo_compiling():
+        return traced_op(func, args, kwargs or {})
+    return _STATE["handler"](cls, func, types, args, kwargs)
 
 
 def restore_eager_fast_paths():

@@ -100,7 +100,7 @@ def worker(iters, backend):
                                   sync=dist.barrier)
         compiled, ctime = {}, {}
         for k in ("plain", "torch", "ours"):
-            compiled[k] = torch.compile(mods[k], backend=backend, fullgraph=True)
+            compiled[k] = torch.compile(mods[k], backend=backend, fullgraph=True, dynamic=False)
             dist.barrier()
             t0 = time.perf_counter()
             step(compiled[k], k)

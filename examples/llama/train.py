@@ -86,9 +86,10 @@ def train(args, steps, cfg, mesh, log=print):
 
 def compile_blocks(model, backend="inductor"):
     """``torch.compile`` each transformer block separately, as torchtitan does (one graph per block,
-    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager."""
+    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager.
+    ``dynamic=False``: DTensor layouts are compile-time constants, shapes must be too."""
     for name, block in list(model.layers.items()):
-        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True, dynamic=False))
     return model
 
 

@@ -163,7 +163,10 @@ def test_compile_mode_restores_fast_methods():
     from hyper_parallel.core.shard import _fast_methods
     cs = hp.get_platform().compile_support
     assert all(n in hp.DTensor.__dict__ for n in _fast_methods.METHODS if hasattr(torch.Tensor, n))
+    eager = {n: hp.DTensor.__dict__[n] for n in ("to_local", "redistribute", "__torch_function__")}
     cs._enter_compile_mode()
     assert cs.in_compile_mode() and "__add__" not in hp.DTensor.__dict__ and "size" not in hp.DTensor.__dict__
+    assert all(hp.DTensor.__dict__[n] is not f for n, f in eager.items())  # dynamo branches installed
     cs.restore_eager_fast_paths()
     assert not cs.in_compile_mode() and "__add__" in hp.DTensor.__dict__ and "size" in hp.DTensor.__dict__
+    assert all(hp.DTensor.__dict__[n] is f for n, f in eager.items())

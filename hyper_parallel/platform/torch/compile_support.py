@@ -37,7 +37,7 @@ is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 is_compiling = torch.compiler.is_compiling
 
 _STATE = {"dtensor": None, "handler": None, "compile_mode": False, "removed": {}, "fast_names": (),
-          "dynamo_loaded": False}
+          "dynamo_loaded": False, "api_traced": {}}
 
 # overridden methods dynamo cannot inline on a subclass (besides the fast methods): removed in compile mode
 _OVERRIDDEN = ("size", "dim", "numel", "to", "float")
@@ -347,6 +347,9 @@ def _enter_compile_mode():
         if name in DTensor.__dict__:
             removed[name] = DTensor.__dict__[name]
             delattr(DTensor, name)
+    for name, traced in _STATE["api_traced"].items():
+        removed[name] = DTensor.__dict__[name]
+        setattr(DTensor, name, traced)
     removed["__torch_function__"] = DTensor.__dict__["__torch_function__"]
     DTensor.__torch_function__ = classmethod(_compile_torch_function)
     _STATE["compile_mode"] = True
@@ -390,12 +393,19 @@ def install(DTensor, handler, constant_classes, fast_names):
     DTensor.__tensor_unflatten__ = _make_unflatten(DTensor)
     DTensor.__torch_dispatch__ = _make_torch_dispatch(DTensor, DTensor.__dict__["__torch_dispatch__"].__func__)
     _register_constants(tuple(constant_classes))
+    # from_local can be the first DTensor call a compiled region makes (plain inputs), so it carries
+    # its dynamo branch always; the methods of an existing DTensor get theirs in compile mode
+    # (a DTensor seen by dynamo has put the process in compile mode), so eager pays nothing for them
     for name in _API:
         attr = DTensor.__dict__.get(name)
         if attr is None:
             continue
         if isinstance(attr, staticmethod):
-            setattr(DTensor, name, _traceable_method(attr.__func__, name, static=True))
+            traced = _traceable_method(attr.__func__, name, static=True)
         else:
-            setattr(DTensor, name, _traceable_method(attr, name))
+            traced = _traceable_method(attr, name)
+        if name == "from_local":
+            setattr(DTensor, name, traced)
+        else:
+            _STATE["api_traced"][name] = traced
     _when_dynamo_loads()

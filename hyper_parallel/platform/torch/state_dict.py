@@ -36,7 +36,7 @@ class StateDictOptions:
     """How the state-dict helpers build and load state dicts (torch's fields of the same names).
 
     full_state_dict: plain full tensors instead of DTensors (gathered; collective).
-    cpu_offload: move tensors to CPU; with ``full_state_dict`` only rank 0 keeps them.
+    cpu_offload: independent CPU copies of the tensors; with ``full_state_dict`` only rank 0 keeps them.
     strict: loading raises on missing or unexpected model keys.
     broadcast_from_rank0: loading takes a full state dict held by rank 0 only and
         broadcasts it (implies ``full_state_dict`` for loading).
@@ -112,11 +112,12 @@ def _finish(value, opts: StateDictOptions, keep: bool):
     if not isinstance(value, torch.Tensor):
         return value
     if opts.full_state_dict and _is_dtensor(value):
-        value = value.full_tensor()
+        value = value.full_tensor().detach()  # a fresh tensor object: no collective memo attributes
     if opts.cpu_offload:
         if not keep:
             return None
-        value = value.to("cpu")
+        # an independent CPU copy (also on CPU devices): later training does not change it
+        value = value.to("cpu", copy=True)
     return value
 
 

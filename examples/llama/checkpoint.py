@@ -22,7 +22,7 @@ from typing import Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hyper_parallel.checkpoint import get_state_dict, set_state_dict
+from hyper_parallel.checkpoint import get_state_dict, load as checked_load, set_state_dict
 
 LATEST = "latest"
 
@@ -74,7 +74,7 @@ def load(path: str, model, optimizer) -> int:
     """Load a step directory into ``model``/``optimizer`` in their current layout; returns its step."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": -1}
-    dcp.load(state, checkpoint_id=path)
+    checked_load(state, checkpoint_id=path)  # keys and shapes checked on every rank first
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 

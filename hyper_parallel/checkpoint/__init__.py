@@ -11,6 +11,7 @@ get FQN-keyed state dicts that reshard on load::
     # ... later, in any parallel layout / world size:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # or hyper_parallel.checkpoint.load(...): the same after checking keys and shapes on every rank
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 hyper_parallel DTensors work with ``dcp.save``/``load``/``async_save`` directly (see
@@ -29,6 +30,7 @@ get_model_state_dict = _impl.get_model_state_dict
 set_model_state_dict = _impl.set_model_state_dict
 get_optimizer_state_dict = _impl.get_optimizer_state_dict
 set_optimizer_state_dict = _impl.set_optimizer_state_dict
+load = _impl.load
 
-__all__ = ["StateDictOptions", "IncompatibleKeys", "get_state_dict", "set_state_dict", "get_model_state_dict",
+__all__ = ["StateDictOptions", "IncompatibleKeys", "load", "get_state_dict", "set_state_dict", "get_model_state_dict",
            "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict"]

@@ -21,7 +21,7 @@ this platform module needs nothing from the layers above it.
 """
 from __future__ import annotations
 
-import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple
 
@@ -383,5 +383,58 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
     return keys
 
 
-__all__ = ["StateDictOptions", "IncompatibleKeys", "get_state_dict", "set_state_dict", "get_model_state_dict",
+# ------------------------------------------------------------------------------------------ checked load
+def _describe(md) -> str:
+    size = getattr(md, "size", None)
+    return "a non-tensor value" if size is None else f"shape {tuple(size)}"
+
+
+def load(state_dict, *, checkpoint_id, strict: bool = True, **kwargs) -> None:
+    """``torch.distributed.checkpoint.load`` after checking the checkpoint against ``state_dict``.
+
+    Every rank reads the checkpoint's metadata (no collective) and compares it with
+    the (flattened) ``state_dict``: with ``strict``, a key missing from the checkpoint,
+    a checkpoint key the state dict lacks, or a different global shape raises a
+    ValueError naming each key and both shapes, on every rank alike, before any
+    rank enters a collective (so none hangs). A directory without DCP metadata
+    raises FileNotFoundError. Extra keyword arguments go to ``dcp.load``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    path = os.fspath(checkpoint_id)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"hyper_parallel.checkpoint.load: {path} is not a complete checkpoint (no DCP "
+                                f"metadata file; the save that wrote it may have died part way): {e}") from None
+    saved = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(state_dict)
+    problems = []
+    missing = [k for k in flat if k not in saved]
+    unexpected = [k for k in saved if k not in flat]
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in the state dict: {unexpected}")
+    for k, v in flat.items():
+        md = saved.get(k)
+        if md is None:
+            continue
+        size = getattr(md, "size", None)
+        if isinstance(v, torch.Tensor) and (size is None or tuple(size) != tuple(v.shape)):
+            problems.append(f"key {k!r}: the checkpoint has {_describe(md)}, the state dict expects shape "
+                            f"{tuple(v.shape)}")
+        elif not isinstance(v, torch.Tensor) and size is not None:
+            problems.append(f"key {k!r}: the checkpoint has a tensor of shape {tuple(size)}, the state dict a "
+                            f"{type(v).__name__}")
+    if problems and (strict or any(p.startswith("key ") for p in problems)):
+        shown = [p for p in problems if strict or p.startswith("key ")]
+        raise ValueError(f"hyper_parallel.checkpoint.load({path}): the checkpoint does not match the state dict: "
+                         + "; ".join(shown))
+    dcp.load(state_dict, checkpoint_id=path, planner=kwargs.pop("planner", None) or
+             dcp.DefaultLoadPlanner(allow_partial_load=not strict), **kwargs)
+
+
+__all__ = ["StateDictOptions", "IncompatibleKeys", "load", "get_state_dict", "set_state_dict", "get_model_state_dict",
            "get_optimizer_state_dict", "set_model_state_dict", "set_optimizer_state_dict"]

@@ -192,3 +192,33 @@ def test_llama_resharding_matrix(dist_runner, tmp_path):
     r = subprocess.run([sys.executable, "-c", _OFFLINE, ROOT, str(out), os.path.join(root, "tp4_ref.pt")],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and "offline ok 2" in r.stdout, r.stdout + r.stderr
+
+
+def _train_cli(tmp_path, nproc, *args):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    cmd = launcher + [os.path.join(ROOT, "examples", "llama", "train.py"), "--config", "tiny", "--no-compare",
+                      *map(str, args)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, " ".join(cmd) + "\n" + (r.stdout + r.stderr)[-5000:]
+    return r.stdout
+
+
+def test_train_cli_resume_other_layout(tmp_path):
+    """train.py --checkpoint-dir/--save-every under TP 2, then --resume in one process from step 2."""
+    from examples.llama.plot import read_loss_csv
+    d = tmp_path / "ck"
+    _train_cli(tmp_path, 2, "--tp", "2", "--steps", "4", "--save-every", "2", "--checkpoint-dir", d,
+               "--out", tmp_path / "a")
+    assert sorted(os.listdir(d)) == ["latest", "step-000002", "step-000004"]
+    assert (d / "latest").read_text().strip() == "step-000004"
+    (d / "latest").write_text("step-000002\n")        # resume from the middle
+    out = _train_cli(tmp_path, 1, "--steps", "4", "--resume", "--checkpoint-dir", d, "--out", tmp_path / "b")
+    assert "resumed from" in out and "after step 2" in out, out
+    full = list(read_loss_csv(tmp_path / "a.csv").values())[0]
+    resumed = list(read_loss_csv(tmp_path / "b.csv").values())[0]
+    assert len(full) == 4 and len(resumed) == 2
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[2:]), rtol=1e-5, atol=0)

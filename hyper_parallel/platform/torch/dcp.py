@@ -33,13 +33,26 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 
+_BOXES: dict = {}
+
+
 def _box(dt):
-    """(sizes, offsets) of this rank's piece of ``dt`` as torch.Size, or None if the rank is off the mesh."""
+    """(sizes, offsets) of this rank's piece of ``dt`` as torch.Size, or None if the rank is off the mesh.
+
+    Memoised per (layout, global shape, coordinate): DCP asks twice per tensor and save,
+    and a model repeats few distinct shapes.
+    """
     coord = dt._mesh.get_coordinate()
     if coord is None:
         return None
-    sizes, offsets = dt._layout.local_shape_and_offset(tuple(dt._gshape), coord=coord)
-    return torch.Size(sizes), torch.Size(offsets)
+    key = (dt._layout, dt._gshape, coord)
+    box = _BOXES.get(key)
+    if box is None:
+        sizes, offsets = dt._layout.local_shape_and_offset(tuple(dt._gshape), coord=coord)
+        if len(_BOXES) > 4096:
+            _BOXES.clear()
+        box = _BOXES[key] = (torch.Size(sizes), torch.Size(offsets))
+    return box
 
 
 def _check_savable(fqn, dt):

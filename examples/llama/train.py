@@ -9,6 +9,9 @@ loss curve (CSV + PNG) and finally trains the same model for the same steps in
 one process and prints the largest loss difference. ``--loss-parallel``
 computes the cross-entropy on the vocabulary-sharded logits (no gather of the
 vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
+``--checkpoint-dir DIR --save-every K`` saves DCP checkpoints (``DIR/step-NNNNNN`` and a
+``DIR/latest`` marker written after each completed save); ``--resume`` continues from
+``DIR/latest`` under any ``--dp/--tp`` (see docs/checkpoint.md).
 
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
@@ -110,6 +113,10 @@ def progress(step, steps, loss, tok_s, width=30):
 
 def main(argv=None):
     args = parse_args(argv)
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        raise SystemExit("--resume and --save-every need --checkpoint-dir DIR")
+    if args.save_every < 0:
+        raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dp * args.tp != world:

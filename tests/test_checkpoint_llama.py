@@ -11,6 +11,8 @@ layout resumes from another layout's checkpoint, at a different world size:
 Parameters and optimizer states must come back bit-exact (full tensors compared
 with ``torch.equal``) and 3 further steps must equal the uninterrupted run (bit-exact
 in the same layout; to fp32 rounding across layouts, whose reductions differ).
+Each source also ``async_save``s the same step and keeps training while it is written;
+the targets load that checkpoint too and must get the values at the call.
 Also: full and rank-0-broadcast state dicts loaded into a TP model, and the offline
 ``dcp_to_torch_save`` file loaded in a process without torch.distributed.
 """
@@ -25,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 import hyper_parallel as hp
 from hyper_parallel.checkpoint import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                       get_state_dict, set_state_dict)
+                                       get_state_dict, load as checked_load, set_state_dict)
 from examples.llama import checkpoint as ckpt
 from examples.llama.configs import get_config
 from examples.llama.data import TokenBatches, dp_shard
@@ -103,7 +105,13 @@ def _save_body(root, layouts):
         _train(model, opt, mesh, 0, SAVE_AT)
         ckpt.save(os.path.join(root, layout), SAVE_AT, model, opt)
         at_save = _full(model, opt)
+        # async_save of the same state, then the optimizer keeps stepping while it is written
+        msd, osd = get_state_dict(model, opt)
+        # (its collectives run in a background thread: a group of their own keeps them apart from training's)
+        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"{layout}-async"),
+                             process_group=dist.new_group(backend="gloo"))
         losses = _train(model, opt, mesh, SAVE_AT, MORE)
+        fut.result()
         after = _full(model, opt)
         if dist.get_rank() == 0:
             torch.save({"at_save": at_save, "losses": losses, "after": after},
@@ -118,6 +126,15 @@ def _load_body(root, pairs):
         model, opt, mesh = _build(dst)
         assert ckpt.resume(os.path.join(root, src), model, opt) == SAVE_AT
         got = _full(model, opt)
+        if dist.get_rank() == 0:
+            _assert_state_equal(got, ref["at_save"], exact=True)
+        # the async_save made at the same step holds the values at its call, not later ones
+        amodel, aopt, _ = _build(dst)
+        msd, osd = get_state_dict(amodel, aopt)
+        state = {"model": msd, "optim": osd}
+        checked_load(state, checkpoint_id=os.path.join(root, f"{src}-async"))
+        set_state_dict(amodel, aopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        got = _full(amodel, aopt)
         if dist.get_rank() == 0:
             _assert_state_equal(got, ref["at_save"], exact=True)
         losses = _train(model, opt, mesh, SAVE_AT, MORE)

@@ -163,3 +163,53 @@ def test_killed_save_keeps_latest(tmp_path):
     ref = torch.load(os.path.join(root, "ref1.pt"))
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k
+
+
+# ---------------------------------------------------------------- bad input to the helpers (one process, no groups)
+def _plain_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def test_helpers_plain_module_and_bad_input():
+    from hyper_parallel.checkpoint import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                           set_optimizer_state_dict, set_state_dict)
+    model = _plain_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    assert sorted(msd) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert sorted(osd["state"]) == sorted(msd) and osd["param_groups"][0]["params"] == list(msd)
+    # round trip into a fresh model/optimizer (whose lazy state is created on demand)
+    fresh = _plain_model()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    full = {k: v.clone() for k, v in msd.items()}
+    set_state_dict(fresh, fopt, model_state_dict=full, optim_state_dict=osd)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    assert fopt.param_groups[0]["lr"] == 0.1
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(fopt.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
+    # torch.compile's wrapper prefix is not part of the canonical keys
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = _plain_model()
+    assert sorted(get_state_dict(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))[0]) == sorted(msd)
+    # errors name what is wrong
+    with pytest.raises(RuntimeError, match=r"missing keys \['2.bias'\], unexpected keys \['x'\]"):
+        set_model_state_dict(fresh, {**{k: v for k, v in full.items() if k != "2.bias"}, "x": torch.ones(1)})
+    keys = set_model_state_dict(fresh, {k: v for k, v in full.items() if k != "2.bias"},
+                                options=StateDictOptions(strict=False))
+    assert keys.missing_keys == ["2.bias"] and keys.unexpected_keys == []
+    with pytest.raises(ValueError, match=r"'0.weight'.*shape \(4, 4\).*global shape \(3, 4\)"):
+        set_model_state_dict(fresh, {**full, "0.weight": torch.ones(4, 4)})
+    with pytest.raises(TypeError, match="StateDictOptions.strict must be a bool"):
+        StateDictOptions(strict="yes")
+    with pytest.raises(TypeError, match="options must be a hyper_parallel.checkpoint.StateDictOptions"):
+        get_state_dict(model, opt, options={"full_state_dict": True})
+    with pytest.raises(TypeError, match="optimizers"):
+        get_state_dict(model, 3)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        get_state_dict(model, other)
+    with pytest.raises(ValueError, match="'state' and 'param_groups'"):
+        set_optimizer_state_dict(model, opt, {"state": {}})

@@ -329,12 +329,13 @@ class DTensor(platform.DTensorBase):
         that the data is ready by the time it is used).
         """
         mesh = device_mesh if device_mesh is not None else self._mesh
-        if mesh is not self._mesh and mesh != self._mesh:
-            raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
-                             "redistributing across meshes is not supported")
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         dst = build_layout(mesh, placements, self.ndim)
+        if mesh is not self._mesh and mesh != self._mesh:
+            # another mesh (other ranks or shape): point-to-point moves of the overlapping pieces
+            from hyper_parallel.core.dtensor.cross_mesh import redistribute_cross_mesh
+            return redistribute_cross_mesh(self, mesh, dst)
         if dst == self._layout:
             return self
         local = self._redistribute_local(dst)

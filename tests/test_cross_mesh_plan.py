@@ -172,6 +172,20 @@ def test_3d_tensor_from_a_3d_mesh():
         _check_pair(a3.with_placements(pa, 3), _base(name).with_placements(pb, 3), gshape, full)
 
 
+def test_0d_and_1d_tensors():
+    """A scalar (one element, held by every rank: moved only to target ranks off the source mesh)
+    and a 1-d tensor of 3 elements over 4 and 8 ranks (empty pieces)."""
+    for gshape in ((), (3,), (13,)):
+        full = np.arange(int(np.prod(gshape)), dtype=np.int64).reshape(gshape)
+        for ma, mb in itertools.permutations(MESHES, 2):
+            base_a, base_b = _base(ma), _base(mb)
+            opts = [Replicate()] + ([Shard(0)] if gshape else [])
+            for pa in itertools.product(opts, repeat=base_a.mesh_ndim):
+                for pb in itertools.product(opts, repeat=base_b.mesh_ndim):
+                    _check_pair(base_a.with_placements(pa, len(gshape)), base_b.with_placements(pb, len(gshape)),
+                                gshape, full)
+
+
 def test_partial_sources_reduce_first_and_partial_targets_are_local():
     gshape = (8, 12)
     for ma, mb in [("2x4", "4x2"), ("a2x2", "b4"), ("8", "a2x2"), ("b2x2", "2x4")]:

@@ -1,6 +1,6 @@
 """``DTensor.redistribute`` onto another mesh: runs a :mod:`cross_mesh_plan` on this rank.
 
-Called by :meth:`DTensor.redistribute` when the target mesh differs from the
+Called by :meth:`DTensor.redistribute` (which wraps the result) when the target mesh differs from the
 source mesh (other ranks, another shape, or both). Per rank:
 
 * outside both meshes: nothing runs; the result is a non-member DTensor (an
@@ -27,10 +27,11 @@ from hyper_parallel.platform import get_platform
 _F = get_platform().functions
 
 
-def redistribute_cross_mesh(x, mesh, dst_layout):
-    """``x`` (a DTensor) laid out as ``dst_layout`` on ``mesh`` (a different mesh)."""
-    from hyper_parallel.core.dtensor.dtensor import DTensor  # the caller's module: imported by then
+def cross_mesh_local(x, mesh, dst_layout):
+    """This rank's local tensor of ``x`` (a DTensor) laid out as ``dst_layout`` on ``mesh`` (another mesh).
 
+    An empty tensor on ranks that are not on ``mesh``; the caller wraps the result.
+    """
     src_mesh = x._mesh
     if src_mesh.device_type != mesh.device_type:
         raise ValueError(f"redistribute: the source mesh {src_mesh} has device type {src_mesh.device_type!r} but "
@@ -43,7 +44,7 @@ def redistribute_cross_mesh(x, mesh, dst_layout):
     in_src = src_mesh.get_coordinate() is not None
     in_dst = mesh.get_coordinate() is not None
     if not in_src and not in_dst:
-        return DTensor._wrap(local.new_empty(0), mesh, dst_layout, x._gshape)
+        return local.new_empty(0)
     if in_src:
         expect = x._layout.local_shape(gshape, coord=src_mesh.get_coordinate())
         if tuple(local.shape) != tuple(expect):
@@ -56,7 +57,7 @@ def redistribute_cross_mesh(x, mesh, dst_layout):
     out = _F.CrossMeshExchange.apply(local, plan.moves.program(me), plan.backward.program(me))
     if in_dst and plan.post_steps is not None:
         out = run_plan(out, plan.post_steps, mesh, mesh._rank_index())
-    return DTensor._wrap(out, mesh, dst_layout, x._gshape)
+    return out
 
 
-__all__ = ["redistribute_cross_mesh"]
+__all__ = ["cross_mesh_local"]

@@ -24,6 +24,7 @@ from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
+from hyper_parallel.core.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -323,6 +324,10 @@ class DTensor(platform.DTensorBase):
     def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False) -> "DTensor":
         """Return this tensor laid out as ``placements`` (differentiable; cheapest plan).
 
+        ``device_mesh`` may be another mesh (other ranks or another shape): the
+        overlapping pieces then move point to point (see ``docs/dtensor.md``,
+        "Cross-mesh redistribution").
+
         ``async_op`` is accepted for PyTorch compatibility, but the collectives
         always run synchronously: the result is complete when this returns (a
         valid implementation of the asynchronous contract, which only promises
@@ -334,8 +339,7 @@ class DTensor(platform.DTensorBase):
         dst = build_layout(mesh, placements, self.ndim)
         if mesh is not self._mesh and mesh != self._mesh:
             # another mesh (other ranks or shape): point-to-point moves of the overlapping pieces
-            from hyper_parallel.core.dtensor.cross_mesh import redistribute_cross_mesh
-            return redistribute_cross_mesh(self, mesh, dst)
+            return DTensor._wrap(cross_mesh_local(self, mesh, dst), mesh, dst, self._gshape)
         if dst == self._layout:
             return self
         local = self._redistribute_local(dst)

@@ -14,6 +14,9 @@ for every mesh pair, on an even and an uneven float64 shape. Each rank checks:
 * communication (CommDebugMode): the number of ``send``/``recv`` messages and the bytes sent equal
   the plan, forward and backward; a Partial source adds exactly the reduction's collectives;
 * ranks outside both meshes issue nothing.
+
+Then two pipeline stages (ranks 0-3 with a TP matmul, ranks 4-7 on a (2, 2) mesh) train through
+one cross-mesh move like one process, and the error messages are checked.
 """
 from __future__ import annotations
 
@@ -231,3 +234,49 @@ def test_cross_mesh_errors(dist_runner):
         assert dim and "dim 2 is out of range for a 2-d tensor" in dim, dim
         if rank < 4:
             assert msgs[3] and "local tensor has shape (3, 12)" in msgs[3] and "gives it (2, 12)" in msgs[3], msgs[3]
+
+
+def _pipeline():
+    """Two pipeline stages: ranks 0-3 (1-d TP mesh) compute ``relu(X @ W1)``, the activation moves to
+    ranks 4-7 (a (2, 2) mesh), which compute ``sum((h @ W2) ** 2)``; one backward pass through both
+    stages. Values and gradients against the same computation in one process."""
+    ma, mb = DeviceMesh("cpu", [0, 1, 2, 3]), DeviceMesh("cpu", [[4, 5], [6, 7]])
+    g = torch.Generator().manual_seed(0)
+    X, W1, W2 = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((10, 6), (6, 8), (8, 5)))
+    w1r, w2r = W1.clone().requires_grad_(True), W2.clone().requires_grad_(True)
+    ref = ((X @ w1r).relu() @ w2r).pow(2).sum()
+    ref.backward()
+    rank = dist.get_rank()
+    in_a = rank < 4
+    if in_a:
+        w1 = hp.distribute_tensor(W1, ma, [Shard(1)], src_data_rank=None).requires_grad_()
+        h = (hp.distribute_tensor(X, ma, [Replicate()], src_data_rank=None) @ w1).relu()
+        assert h.placements == (Shard(1),)
+    else:  # not on the source mesh: an empty shard that requires grad, like the source
+        h = DTensor._wrap(torch.empty(0, dtype=torch.float64, requires_grad=True), ma,
+                          build_layout(ma, [Shard(1)], 2), (10, 8))
+    with hp.CommDebugMode() as comm:
+        h2 = h.redistribute(mb, [Shard(0), Replicate()])
+    msgs = (comm.get_comm_counts().get("send", 0), comm.get_comm_counts().get("recv", 0))
+    out = {"msgs": msgs, "other": {k: v for k, v in comm.get_comm_counts().items() if k not in ("send", "recv")}}
+    if in_a:
+        h2.to_local().sum().backward()  # receives the gradient of h from stage 2
+        torch.testing.assert_close(w1.grad.full_tensor(), w1r.grad, rtol=1e-12, atol=1e-12)
+        out["g1"] = True
+    else:
+        w2 = hp.distribute_tensor(W2, mb, [Replicate(), Shard(1)], src_data_rank=None).requires_grad_()
+        loss = (h2 @ w2).pow(2).sum()
+        loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w2.grad.full_tensor(), w2r.grad, rtol=1e-12, atol=1e-12)
+        out["g2"] = True
+    return out
+
+
+def test_two_pipeline_stages_train_like_one_process(dist_runner):
+    outs = dist_runner.run(8, _pipeline)
+    # Shard(1) over 4 -> Shard(0) over 2, replicated over 2: each target rank needs 5 rows x 8 cols
+    # from all 4 sources; the 4 sources share the 8 receivers
+    assert sum(o["msgs"][0] for o in outs) == sum(o["msgs"][1] for o in outs) == 16
+    assert all(o["other"] == {} for o in outs)
+    assert all("g1" in o for o in outs[:4]) and all(o.get("g2") for o in outs[4:])

@@ -223,6 +223,14 @@ def test_replicas_share_the_sending_and_local_copies_are_preferred():
     # four receivers, four holders: each holder sends one quarter
     assert sorted(p.messages()) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert all(p.bytes_sent(r) == 2 * 12 * ITEM for r in range(4))
+    # more holders than receivers: each receiver's piece comes in parts from several replicas
+    b2 = Layout((2,), None, (4, 5)).with_placements([Replicate()], 2)
+    p = cmp.p2p_plan(a, b2, gshape, ITEM)
+    assert sorted(p.messages()) == [(0, 4), (1, 4), (2, 5), (3, 5)]
+    assert all(p.bytes_sent(r) == 4 * 12 * ITEM for r in range(4)) and p.total_bytes == 2 * 8 * 12 * ITEM
+    one = Layout((1,), None, (6,)).with_placements([Shard(1)], 2)
+    p = cmp.p2p_plan(a, one, (5, 3), ITEM)  # 5 rows from 4 replicas: 2, 1, 1, 1 rows
+    assert [p.bytes_sent(r) for r in range(4)] == [6 * ITEM, 3 * ITEM, 3 * ITEM, 3 * ITEM]
     # same ranks, other shape, replicated both sides: nothing moves
     r1 = _base("2x4").with_placements([Replicate(), Replicate()], 2)
     r2 = _base("4x2").with_placements([Replicate(), Shard(1)], 2)

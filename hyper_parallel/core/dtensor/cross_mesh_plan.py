@@ -9,7 +9,8 @@ rank needs, from each distinct source box, its intersection with that box.
 * The distinct source boxes partition the tensor; a box held by several ranks
   (replicas) is sent by one of them. A receiver that holds the box itself copies
   locally; otherwise the holder that has sent the fewest bytes so far is chosen,
-  so replicas share the sending. Every element a receiver does not hold crosses
+  so replicas share the sending (and when a box has more holders than receivers,
+  each receiver's piece is cut into parts that different replicas send). Every element a receiver does not hold crosses
   the wire exactly once: the plan's bytes are the minimum.
 * All pieces from one sender to one receiver travel as one message.
 * ``Partial`` sources are reduced first on the source mesh with the ordinary
@@ -57,6 +58,20 @@ def _intersect(off_a, shape_a, off_b, shape_b):
         start.append(lo)
         shape.append(hi - lo)
     return tuple(start), tuple(shape)
+
+
+def _split(start, shape, parts):
+    """Cut the box into up to ``parts`` pieces along its longest dim, sizes differing by at most one."""
+    if parts <= 1 or not shape:
+        return [(start, shape)]
+    t = max(range(len(shape)), key=lambda i: shape[i])
+    parts = min(parts, shape[t])
+    out, off = [], 0
+    for i in range(parts):
+        n = shape[t] // parts + (1 if i < shape[t] % parts else 0)
+        out.append((start[:t] + (start[t] + off,) + start[t + 1:], shape[:t] + (n,) + shape[t + 1:]))
+        off += n
+    return out
 
 
 class Transfer:
@@ -198,8 +213,10 @@ def p2p_plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> P2PPl
     """Minimal-byte point-to-point plan from ``src`` to ``dst`` (both without ``Partial``).
 
     For every target rank and every distinct source box it overlaps: a local copy
-    when the target rank holds that box itself, else one transfer from the
-    least-loaded holder (ties: first in mesh order).
+    when the target rank holds that box itself, else transfers from the
+    least-loaded holders (ties: first in mesh order); when a box has more holders
+    than remote receivers, each receiver's piece is cut into
+    ``holders // receivers`` parts sent by different replicas.
     """
     global_shape = tuple(int(s) for s in global_shape)
     _check_pair(src, dst, global_shape)
@@ -211,21 +228,29 @@ def p2p_plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> P2PPl
         if _numel(shape):
             holders.setdefault((off, shape), []).append(r)
     load = {r: 0 for r in src.rank_list}
-    transfers = []
+    needs, remote = [], {}
     for r, off, shape in _boxes(dst, global_shape):
         if not _numel(shape):
             continue
-        for (s_off, s_shape), hs in holders.items():
-            inter = _intersect(off, shape, s_off, s_shape)
-            if inter is None:
-                continue
-            nbytes = _numel(inter[1]) * itemsize
-            if r in hs:
-                transfers.append(Transfer(r, r, inter[0], inter[1], 0))
-                continue
+        for key, hs in holders.items():
+            inter = _intersect(off, shape, *key)
+            if inter is not None:
+                needs.append((r, key, inter))
+                if r not in hs:
+                    remote[key] = remote.get(key, 0) + 1
+    transfers = []
+    for r, key, (start, shape) in needs:
+        hs = holders[key]
+        if r in hs:
+            transfers.append(Transfer(r, r, start, shape, 0))
+            continue
+        # more holders than receivers of this box: each receiver takes its piece in parts from
+        # several replicas (same total bytes, a smaller share per sender)
+        for p_start, p_shape in _split(start, shape, max(1, len(hs) // remote[key])):
+            nbytes = _numel(p_shape) * itemsize
             sender = min(hs, key=lambda h: load[h])  # min() keeps the first of equals: mesh order
             load[sender] += nbytes
-            transfers.append(Transfer(sender, r, inter[0], inter[1], nbytes))
+            transfers.append(Transfer(sender, r, p_start, p_shape, nbytes))
     return P2PPlan(src, dst, global_shape, itemsize, transfers)
 
 

@@ -231,6 +231,10 @@ def test_replicas_share_the_sending_and_local_copies_are_preferred():
     one = Layout((1,), None, (6,)).with_placements([Shard(1)], 2)
     p = cmp.p2p_plan(a, one, (5, 3), ITEM)  # 5 rows from 4 replicas: 2, 1, 1, 1 rows
     assert [p.bytes_sent(r) for r in range(4)] == [6 * ITEM, 3 * ITEM, 3 * ITEM, 3 * ITEM]
+    # same ranks and shape, other dim names: local copies only
+    named = Layout((2, 4), ("x", "y"), tuple(range(8))).with_placements([Shard(0), Shard(1)], 2)
+    p = cmp.p2p_plan(_base("2x4").with_placements([Shard(0), Shard(1)], 2), named, gshape, ITEM)
+    assert p.total_bytes == 0 and len(p.transfers) == 8
     # same ranks, other shape, replicated both sides: nothing moves
     r1 = _base("2x4").with_placements([Replicate(), Replicate()], 2)
     r2 = _base("4x2").with_placements([Replicate(), Shard(1)], 2)

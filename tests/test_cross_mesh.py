@@ -207,7 +207,8 @@ def _errors():
     msgs = []
     for call in (lambda: x.redistribute(gpu, [Shard(0), Replicate()]),
                  lambda: x.redistribute(meshes["8"], [Shard(0), Shard(1)]),
-                 lambda: x.redistribute(meshes["b4"], [Shard(2)])):
+                 lambda: x.redistribute(meshes["b4"], [Shard(2)]),
+                 lambda: x.redistribute(meshes["b4"], build_layout(meshes["a4"], [Shard(0)], 2))):
         try:
             call()
             msgs.append(None)
@@ -232,8 +233,9 @@ def test_cross_mesh_errors(dist_runner):
         assert dev and "device type 'cpu'" in dev and "'cuda'" in dev, dev
         assert nplace and "has 2 entries but the mesh (8,) has 1 dims" in nplace, nplace
         assert dim and "dim 2 is out of range for a 2-d tensor" in dim, dim
+        assert msgs[3] and "over ranks (0, 1, 2, 3), but the target mesh is DeviceMesh('cpu', [4, 5, 6, 7])" in msgs[3]
         if rank < 4:
-            assert msgs[3] and "local tensor has shape (3, 12)" in msgs[3] and "gives it (2, 12)" in msgs[3], msgs[3]
+            assert msgs[4] and "local tensor has shape (3, 12)" in msgs[4] and "gives it (2, 12)" in msgs[4], msgs[4]
 
 
 def _pipeline():

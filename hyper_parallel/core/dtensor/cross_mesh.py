@@ -37,6 +37,10 @@ def cross_mesh_local(x, mesh, dst_layout):
         raise ValueError(f"redistribute: the source mesh {src_mesh} has device type {src_mesh.device_type!r} but "
                          f"the target mesh {mesh} has {mesh.device_type!r}; cross-mesh redistribution needs both "
                          "meshes on the same device type (move the tensor with .to() first)")
+    if dst_layout.mesh_shape != tuple(mesh.shape) or dst_layout.rank_list != tuple(mesh.rank_list):
+        raise ValueError(f"redistribute: placements were given as a layout of a mesh of shape {dst_layout.mesh_shape} "
+                         f"over ranks {dst_layout.rank_list}, but the target mesh is {mesh}; build the layout "
+                         "from the target mesh")
     gshape = tuple(x._gshape)
     local = x._local_tensor
     plan = cmp.cross_mesh_plan(x._layout, dst_layout, gshape, local.element_size())

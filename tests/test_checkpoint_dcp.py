@@ -6,7 +6,7 @@ int and 0-d tensors, plain tensors and Python values alongside) and loads it bac
 into *other* layouts; every value is checked against the full tensor. The saved
 metadata shows a replicated tensor written once. Partial tensors are refused with a
 clear error on every rank; ``async_save`` saves the values at the call even when
-they change right after it.
+they change right after it. An 8-rank task does the same on a (2, 2, 2) mesh.
 """
 import os
 
@@ -147,3 +147,24 @@ def test_dcp_layouts_resharding_partial_async(dist_runner, tmp_path):
         chunks = md.state_dict_metadata[k].chunks
         assert stored[k] == len(chunks), (k, stored[k], len(chunks))
         assert sum(torch.Size(c.sizes).numel() for c in chunks) == v.numel(), k
+
+
+def _mesh_3d_body(root):
+    """A (2, 2, 2) mesh: shards over all three mesh dims, one dim over two of them, uneven; reshard on load."""
+    m = hp.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+    g = torch.Generator().manual_seed(1)
+    full = {"x": torch.randn(9, 6, 5, generator=g), "y": torch.randn(11, 3, generator=g)}
+    sd = {"x": hp.distribute_tensor(full["x"], m, [Shard(0), Shard(2), Shard(1)]),
+          "y": hp.distribute_tensor(full["y"], m, (("a", "c"), "None"))}
+    dcp.save(sd, checkpoint_id=os.path.join(root, "m3"))
+    back = {"x": hp.distribute_tensor(torch.zeros(9, 6, 5), m, ("None", ("c", "b"), "a")),
+            "y": hp.distribute_tensor(torch.zeros(11, 3), m, [Replicate(), Shard(0), Replicate()])}
+    dcp.load(back, checkpoint_id=os.path.join(root, "m3"))
+    md = dcp.FileSystemReader(os.path.join(root, "m3")).read_metadata().state_dict_metadata
+    return (all(torch.equal(back[k].full_tensor(), full[k]) for k in full),
+            len(md["x"].chunks), len(md["y"].chunks))
+
+
+def test_dcp_3d_mesh(dist_runner, tmp_path):
+    # x: 8 distinct boxes; y: 4 (replicated over "b": written once)
+    assert dist_runner.run(8, _mesh_3d_body, str(tmp_path)) == [(True, 8, 4)] * 8

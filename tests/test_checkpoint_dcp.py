@@ -120,6 +120,14 @@ def _layouts_body(root):
     dcp.load(got, checkpoint_id=os.path.join(root, "partial"))
     assert torch.equal(got["p"].full_tensor(), torch.full((3,), 4.0))
 
+    # the state-dict helpers reduce a Partial value before handing it to DCP
+    from hyper_parallel.checkpoint import get_model_state_dict
+    mod = torch.nn.Module()
+    mod.register_buffer("acc", hp.DTensor.from_local(torch.full((3,), float(rank)), m1, [Partial()]))
+    msd = get_model_state_dict(mod)
+    assert not msd["acc"].layout.has_partial() and torch.equal(msd["acc"].full_tensor(), torch.full((3,), 6.0))
+    dcp.save(msd, checkpoint_id=os.path.join(root, "partial_helper"))
+
     # async_save: the values at the call are saved even though they change right after it
     w = hp.distribute_tensor(fulls["a"].clone(), m2, [Shard(0), Shard(1)])
     state = {"w": w, "step": torch.tensor(1)}

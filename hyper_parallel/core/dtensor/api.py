@@ -9,6 +9,8 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor import random as dt_random
+from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.core.dtensor.redistribute import run_plan
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -58,9 +60,20 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
             return tensor
         raise ValueError(f"distribute_tensor: tensor is already a DTensor with placements {tensor.placements}; "
                          "use .redistribute() to change its layout")
+    if mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing (PyTorch semantics)
+        from hyper_parallel.core.dtensor.dtensor import _off_mesh_local
+        local = _off_mesh_local(tensor.detach())
+        local.requires_grad_(tensor.requires_grad and local.is_floating_point())
+        return DTensor._wrap(local, mesh, layout, tuple(tensor.shape))
     if layout.has_partial():
-        raise ValueError(f"distribute_tensor: placements {layout.placements} contain Partial; a full tensor can only "
-                         "be sharded or replicated")
+        # as PyTorch: distribute as if Replicate, then turn each Partial mesh dim into pending
+        # partial values whose reduction is the tensor (exactly: the value on the dim's first
+        # rank, the reduction's identity elsewhere, where PyTorch splits a sum as v / n)
+        rep = distribute_tensor(tensor.detach(), mesh, layout.without_partial(), src_data_rank=src_data_rank)
+        plan = rp.plan(rep._layout, layout, tuple(rep.shape), rep._local_tensor.element_size())
+        local = run_plan(rep._local_tensor, plan, mesh, mesh._rank_index())
+        local.requires_grad_(tensor.requires_grad)
+        return DTensor._wrap(local, mesh, layout, rep._gshape)
     if src_data_rank is not None:
         if not isinstance(src_data_rank, int) or not all(0 <= src_data_rank < s for s in mesh.shape):
             raise ValueError(f"distribute_tensor: src_data_rank={src_data_rank!r} must be a group rank valid on every "

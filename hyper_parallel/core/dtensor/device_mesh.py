@@ -341,7 +341,11 @@ def _rebuild_mesh(device_type, rank_list, shape, names):
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
-    """Create a mesh over all ranks of the world, row-major, initialising the default group if needed."""
+    """Create a mesh over ranks ``0..prod(mesh_shape)-1`` (row-major), initialising the default group if needed.
+
+    Every rank of the world must call it (creating the groups is collective); a mesh
+    smaller than the world leaves the remaining ranks outside it (see docs/dtensor.md).
+    """
     if isinstance(mesh_shape, int):
         mesh_shape = (mesh_shape,)
     mesh_shape = tuple(mesh_shape)
@@ -355,10 +359,11 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     n = 1
     for s in mesh_shape:
         n *= s
-    if n != world:
+    if n > world:
         raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices but the world size is {world}; "
-                         "the product of mesh_shape must equal the number of processes")
-    return DeviceMesh(device_type, _reshape(range(world), mesh_shape), mesh_dim_names=mesh_dim_names)
+                         "a mesh cannot be bigger than the number of processes")
+    # as PyTorch: a smaller mesh spans ranks 0..n-1; the other ranks hold empty shards of its DTensors
+    return DeviceMesh(device_type, _reshape(range(n), mesh_shape), mesh_dim_names=mesh_dim_names)
 
 
 __all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh"]

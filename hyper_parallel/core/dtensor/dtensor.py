@@ -165,6 +165,8 @@ class DTensor(platform.DTensorBase):
         r._layout = layout
         r._gshape = shape = shape if type(shape) is _Size else _Size(shape)
         r._spec = spec_of(layout, shape)
+        if stride is not None:  # an explicit global stride (from_local): what stride() reports
+            r.__dict__["_gstride"] = tuple(stride)
         return r
 
     # ------------------------------------------------------------------ metadata
@@ -323,6 +325,8 @@ class DTensor(platform.DTensorBase):
                 raise ValueError(f"DTensor.from_local: local tensor shape {tuple(local_tensor.shape)} on rank "
                                  f"{mesh.get_rank()} does not match shape={gshape} with placements "
                                  f"{layout.placements} (expected local shape {expect})")
+        if stride is None and shape is None and not local_tensor.is_contiguous():
+            stride = _global_stride(local_tensor, mesh, layout)
         if mesh._coord is None:
             # a rank outside the mesh holds nothing (PyTorch semantics): global metadata only
             return DTensor._wrap(_off_mesh_local(local_tensor), mesh, layout, gshape, stride)
@@ -517,6 +521,22 @@ class DTensor(platform.DTensorBase):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _global_stride(local, mesh, layout):
+    """The global stride PyTorch gives a DTensor made from a (possibly non-contiguous) local shard.
+
+    For each mesh dim sharding tensor dim ``d`` over ``n`` ranks, every other dim whose
+    stride is at least ``d``'s is ``n`` times further apart (the shard's memory order is
+    kept); for a contiguous shard this is the contiguous global stride.
+    """
+    stride = list(local.stride())
+    for md, p in enumerate(layout.placements):
+        if p.is_shard():
+            d, n = p.dim, mesh.size(md)
+            ref = stride[d]
+            stride = [s * n if j != d and s >= ref else s for j, s in enumerate(stride)]
+    return tuple(stride)
 
 
 def _off_mesh_local(like, shape=None):

@@ -602,12 +602,17 @@ def _off_mesh_result(entry, func, args, kwargs, dts, mesh):
         lkw = dict(zip(kwargs, _replace(list(kwargs.values()), it))) if kwargs else kwargs
         return (entry.local_fn or func)(*largs, **lkw)
     meta = _base.meta_run(func, args, kwargs)
+    # keep the autograd graph connected (zero gradients), so a backward() that every rank runs works here too
+    needs = [d._local_tensor for d in dts if d._local_tensor.requires_grad] if platform.grad_enabled() else []
+    anchor = sum(t.sum() for t in needs) * 0 if needs else None
 
     def empty(m, lay, shape):
         if lay is None or not isinstance(m, _Tensor):
             return m
         base = dts[0]._local_tensor
         local = base.new_zeros((), dtype=m.dtype) if m.dim() == 0 else base.new_empty((0,), dtype=m.dtype)
+        if anchor is not None and local.is_floating_point():
+            local = local + anchor.to(local.dtype)
         return DTensor._wrap(local, mesh, lay, shape if shape is not None else platform.Size(m.shape))
     if isinstance(meta, _Tensor):
         return empty(meta, entry.out_layouts, entry.out_shapes if isinstance(entry.out_shapes, platform.Size)

@@ -302,6 +302,42 @@ def _run_check(mesh):
     torch.testing.assert_close(ok.to_local(), torch.zeros(2, 2))  # replicated data synced from the first rank
 
 
+class _NonMaterialized(torch.autograd.Function):
+    """torch's pattern: grads of unused outputs stay None (set_materialize_grads(False))."""
+
+    @staticmethod
+    def forward(ctx, x, y, scale):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return x * scale, y.clone()
+
+    @staticmethod
+    def backward(ctx, gx, gy):
+        (x,) = ctx.saved_tensors
+        assert isinstance(gx, type(x)) and gy is None  # DTensors in, DTensor grads back
+        assert ctx.needs_input_grad[0] and not ctx.needs_input_grad[2]
+        return gx * ctx.scale + x * 0, None, None
+
+
+def _autograd_function(mesh):
+    ws = mesh.size()
+    full = _global(6, 2 * ws, 3, dtype=torch.float64)
+    x = distribute_tensor(full.clone().requires_grad_(), mesh, [Shard(0)])
+    y = distribute_tensor(full.clone().requires_grad_(), mesh, [Replicate()])
+    a, b = _NonMaterialized.apply(x, y, 3.0)
+    assert isinstance(a, DTensor) and a.placements == (Shard(0),) and isinstance(b, DTensor)
+    torch.testing.assert_close(a.full_tensor(), 3 * full)
+    (a * a).sum().backward()  # b unused: its gradient stays None inside backward
+    torch.testing.assert_close(x.grad.full_tensor(), 18 * full)
+    assert y.grad is None
+    # plain tensors still take the ordinary path
+    p = full.clone().requires_grad_()
+    q, _ = _NonMaterialized.apply(p, p.detach(), 2.0)
+    q.sum().backward()
+    torch.testing.assert_close(p.grad, torch.full_like(full, 2.0))
+
+
 def _redistribute_rows(mesh):
     ws = mesh.size()
     # redistribute needs Partial only where torch allows it too: same Partial kept; to Partial is our
@@ -344,6 +380,7 @@ def _fidelity():
     _layout_and_ops(mesh)
     _tp_plans(mesh)
     _run_check(mesh)
+    _autograd_function(mesh)
     _redistribute_rows(mesh)
     return True
 

@@ -44,6 +44,12 @@ class TorchPlatform(Platform):
                 or torch._C._dispatch_tls_is_dispatch_key_excluded(keys.FuncTorchDynamicLayerBackMode))
 
     @staticmethod
+    def function_hook():
+        """The module that routes ``autograd.Function.apply`` on DTensors (see function_hook.py)."""
+        from hyper_parallel.platform.torch import function_hook
+        return function_hook
+
+    @staticmethod
     def comm_keys() -> dict:
         """torch's key objects for collectives -> hyper_parallel collective kind (see comm_keys.py)."""
         from hyper_parallel.platform.torch.comm_keys import torch_comm_keys

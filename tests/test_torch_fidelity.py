@@ -105,7 +105,8 @@ def _comm_debug_mode(mesh):
     assert cm.get_comm_counts()[c10d.all_reduce] == 2  # Rowwise output (fwd), Colwise input grad (bwd)
     assert cm.comm_module_counts["Global"]["forward"][c10d.all_reduce] == 1
     assert cm.comm_module_counts["Global"]["backward"][funcol.all_reduce] == 1
-    assert "_MLP" in cm.comm_module_counts
+    assert cm.comm_module_counts["_MLP"]["forward"][c10d.all_reduce] == 1
+    assert cm.comm_module_counts["_MLP.net2"]["forward"][c10d.all_reduce] == 1  # Rowwise's output hook
     info = cm.get_sharding_info()
     assert info["_MLP.net1.weight"] == (Shard(0),) and info["_MLP.net2.weight"] == (Shard(1),), info
     assert set(cm.get_parameter_info()["_MLP.net1"]) == {"weight", "bias"}
@@ -277,6 +278,22 @@ def _tp_plans(mesh):
             assert isinstance(a, DTensor) and a.placements == (Replicate(),)
             assert not isinstance(b, DTensor) and not isinstance(c, DTensor)
             return a.full_tensor() + b + c
+
+    # torch's errors: layout tuples of different lengths (AssertionError there; also a ValueError here),
+    # and module inputs that do not match input_layouts (ValueError)
+    with pytest.raises(AssertionError, match="input_layouts and desired_input_layouts should have same length!"):
+        PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=(Replicate(), None))
+    short = parallelize_module(Two(), mesh, PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()))
+    with pytest.raises(ValueError, match="module inputs and input_layouts should have same length!"):
+        short(torch.ones(2, 2), torch.ones(1), torch.ones(1))
+    # styles' collectives counted by torch's keys (torch's test_colwise_parallel_style)
+    col = parallelize_module(nn.Linear(16, 16), mesh, ColwiseParallel(input_layouts=Shard(0)))
+    with CommDebugMode() as cm:
+        out = col(torch.rand(8, 16, requires_grad=True))
+        assert out.shape == (8 * ws, 16 // ws)
+        assert cm.get_comm_counts()[c10d.all_gather_into_tensor] == 1 and cm.get_total_counts() == 1
+        out.sum().backward()
+        assert cm.get_comm_counts()[c10d.reduce_scatter_tensor] == 1 and cm.get_total_counts() == 2
 
     mod = parallelize_module(Two(), mesh, PrepareModuleInput(input_layouts=(Shard(0), None, None),
                                                               desired_input_layouts=(Replicate(), None, None)))

@@ -105,13 +105,32 @@ def module_tracker():
         return None
 
     class _Tracker(ModTracker):
+        # A module leaves ``parents`` in a forward hook of its own, registered on first use and
+        # so run after the hooks already on it (a parallel style's output redistribution): as in
+        # torch's CommDebugMode, those collectives count for the module.
         def __init__(self):
             super().__init__()
             self.parameter_info = {}
             self.sharding_info = {}
+            self._late = {}
+
+        def _fw_post_hook(self, mod, input, output):
+            if mod not in self._late:  # a module first seen here (no pre-hook ran): pop now
+                ModTracker._fw_post_hook(self, mod, input, output)
+
+        def _late_post_hook(self, mod, input, output):
+            ModTracker._fw_post_hook(self, mod, input, output)
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            for h in self._late.values():
+                h.remove()
+            self._late.clear()
 
         def _fw_pre_hook(self, mod, input):
             super()._fw_pre_hook(mod, input)
+            if mod not in self._late:
+                self._late[mod] = mod.register_forward_hook(self._late_post_hook, always_call=True)
             if self.is_bw:  # re-run under activation checkpointing: already noted
                 return
             name = self._get_mod_name(mod)

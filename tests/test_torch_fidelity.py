@@ -148,6 +148,12 @@ def _signatures(mesh):
     (d * 5).sum().backward()
     torch.testing.assert_close(loc.grad, torch.full((2, 3), 5.0))
 
+    # distribute_tensor sends each rank its piece with a scatter (torch's test_distribute_tensor_rank)
+    with CommDebugMode() as cm:
+        sh = distribute_tensor(full + rank, mesh, [Shard(0)])
+    assert cm.get_comm_counts()[torch.ops.c10d.scatter_] == 1 and cm.get_total_counts() == 1
+    torch.testing.assert_close(sh.full_tensor(), full)
+
     # distribute_tensor(t, mesh, [Partial()]): pending values that reduce to t (rank 0's data)
     mine = full + 100 * rank
     p = distribute_tensor(mine, mesh, [Partial()])

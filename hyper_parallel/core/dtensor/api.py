@@ -21,6 +21,37 @@ def _slice_local(tensor, layout, mesh, gshape):
     return platform.narrow_block(tensor, offset, shape)
 
 
+def _chunk_sizes(n: int, k: int):
+    """Extents of ``torch.chunk(x, k)`` pieces of an ``n``-long dim, padded with zeros to ``k`` entries."""
+    c = -(-n // k) if n else 0
+    return [max(0, min(c, n - i * c)) for i in range(k)]
+
+
+def _scatter_from(tensor, mesh: DeviceMesh, layout, src_data_rank: int):
+    """This rank's piece of the tensor held by mesh coordinate ``(src,)*ndim``, as PyTorch sends it.
+
+    Mesh dims in order: a Shard dim scatters the pieces from the line's source
+    rank (each rank receives only its piece), a Replicate dim broadcasts. Returns
+    None for a layout that placements in mesh order cannot express (alias layouts
+    sharding one tensor dim in another order): the caller broadcasts and slices.
+    """
+    placements = layout.placements
+    if build_layout(mesh, placements, tensor.dim()) != layout:
+        return None
+    out = tensor.detach().contiguous()
+    for d, p in enumerate(placements):
+        k = mesh.size(d)
+        if k == 1:
+            continue
+        group = mesh.get_comm_group(d)
+        src = group.ranks[src_data_rank]
+        if p.is_shard():
+            out = platform.collectives.split_scatter(out, p.dim, group, src, _chunk_sizes(out.shape[p.dim], k))
+        else:
+            out = platform.collectives.broadcast(out, group, src)
+    return out
+
+
 def _broadcast_from(tensor, mesh: DeviceMesh, src_data_rank: int):
     """Give every rank of ``mesh`` the tensor held by mesh coordinate ``(src,)*ndim``.
 
@@ -81,9 +112,13 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
     requires_grad = tensor.requires_grad
     gshape = tuple(tensor.shape)
     data = tensor.detach()
+    local = None
     if src_data_rank is not None:
-        data = _broadcast_from(data, mesh, src_data_rank)
-    local = _slice_local(data, layout, mesh, gshape)
+        local = _scatter_from(data, mesh, layout, src_data_rank)
+        if local is None:
+            data = _broadcast_from(data, mesh, src_data_rank)
+    if local is None:
+        local = _slice_local(data, layout, mesh, gshape)
     if local is tensor or local.data_ptr() == tensor.data_ptr():
         local = local.clone()
     local.requires_grad_(requires_grad)

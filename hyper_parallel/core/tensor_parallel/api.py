@@ -71,9 +71,10 @@ def _parallelize(module, mesh, plan, src_data_rank, prefix: str):
         matched = _apply_path(module, fqn.split("."), style, mesh, src_data_rank, prefix)
         if not matched:
             names = [n for n, _ in module.named_modules() if n][:20]
-            warnings.warn(f"Parallelize plan key {full!r} could not be resolved: plan entry {full!r} matches no submodule of "
-                          f"{type(module).__name__} (submodules include {names}); skipping this plan entry",
-                          UserWarning, stacklevel=3)
+            token = _unresolved_token(module, fqn.split("."))
+            warnings.warn(f"Parallelize plan key {full!r} could not be resolved: no submodule matching token "
+                          f"{token!r} in module {type(module).__name__}, skipping this plan entry (plan entry "
+                          f"{full!r} matches no submodule; submodules include {names})", UserWarning, stacklevel=3)
     return module
 
 
@@ -89,3 +90,13 @@ def _apply_path(module, atoms, style, mesh, src_data_rank, prefix) -> int:
                 _parallelize(child, mesh, style, src_data_rank, path)
                 n += 1
     return n
+
+
+def _unresolved_token(module, atoms) -> str:
+    """The first path component of a plan key that no submodule matches (for the warning)."""
+    level = [module]
+    for atom in atoms:
+        level = [c for m in level for name, c in m.named_children() if fnmatch.fnmatch(name, atom)]
+        if not level:
+            return atom
+    return atoms[-1]

@@ -110,6 +110,8 @@ def _comm_debug_mode(mesh):
     info = cm.get_sharding_info()
     assert info["_MLP.net1.weight"] == (Shard(0),) and info["_MLP.net2.weight"] == (Shard(1),), info
     assert set(cm.get_parameter_info()["_MLP.net1"]) == {"weight", "bias"}
+    table = cm.generate_comm_debug_tracing_table(noise_level=0)
+    assert "_MLP.net2" in table and "FORWARD PASS" in table and "all_reduce: 1" in table
 
 
 def _signatures(mesh):

@@ -125,6 +125,33 @@ class CommDebugMode:
         """``{"module.param": placements}`` of the DTensor parameters of the modules run inside the mode."""
         return self._tracker.sharding_info if self._tracker is not None else {}
 
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """A readable per-module table of the collectives (torch's method; one detail level here)."""
+        lines = []
+        for name, phases in self.comm_module_counts.items():
+            depth = 0 if name == "Global" else name.count(".") + 1
+            lines.append("  " * depth + name)
+            for phase in ("forward", "backward"):
+                counts = phases[phase]
+                if counts:
+                    lines.append("  " * (depth + 1) + f"{phase.upper()} PASS")
+                    lines.extend("  " * (depth + 2) + f"*{kind}: {n}" for kind, n in sorted(counts.items()))
+        return "\n".join(lines) + "\n"
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3):
+        """Write :meth:`generate_comm_debug_tracing_table` to ``file_name``."""
+        with open(file_name, "w") as f:
+            f.write(self.generate_comm_debug_tracing_table(noise_level))
+
+    def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3):
+        """Dump the per-module counts (and DTensor parameters' placements) as JSON to ``file_name``."""
+        import json
+        data = {"comm_module_counts": {m: {ph: dict(c) for ph, c in phases.items()}
+                                       for m, phases in self.comm_module_counts.items()},
+                "sharding_info": {k: [str(p) for p in v] for k, v in self.get_sharding_info().items()}}
+        with open(file_name, "w") as f:
+            json.dump(data, f, indent=2)
+
     def get_bytes(self) -> dict:
         return dict(self.bytes)
 

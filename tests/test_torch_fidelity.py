@@ -204,6 +204,23 @@ def _layout_and_ops(mesh):
         assert isinstance(back, DTensor) and back.placements == a.placements
         torch.testing.assert_close(back, a)
 
+    if ws == 2 and rank == 0:
+        # a weights-only load in another process without torch.distributed works once hyper_parallel
+        # is imported (torch's test_dtensor_save_load_import; one subprocess: about a second)
+        import subprocess
+        import sys
+        import tempfile
+        with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+            torch.save(a, f.name)
+            code = (f"import torch, hyper_parallel; t = torch.load({f.name!r}, weights_only=True); "
+                    "print(type(t).__name__, tuple(t.shape), tuple(t.to_local().shape), t.placements)")
+            import os
+            root = os.path.dirname(os.path.dirname(os.path.abspath(hp.__file__)))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert r.stdout.split()[0] == "DTensor" and "(4, 4) (2, 4) (Shard(dim=0),)" in r.stdout, r.stdout
+
     # as_strided: identity and permutation; anything else is a clear error
     x = distribute_tensor(full.clone().requires_grad_(), mesh, [Shard(0)])
     same = x.as_strided(x.size(), x.stride())

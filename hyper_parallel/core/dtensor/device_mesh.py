@@ -321,6 +321,9 @@ def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
 def _rebuild_mesh(device_type, rank_list, shape, names):
     """Unpickle a DeviceMesh (a DTensor loaded with ``torch.load``).
 
+    In a process that has not initialised distributed at all the mesh is rebuilt
+    without process groups (to inspect a saved shard, as PyTorch allows).
+
     The mesh's process groups must already exist in this process: they are made by
     creating the mesh (or the mesh it was sliced from) with ``init_device_mesh`` on
     every rank before loading. Creating them here would be a collective that only
@@ -328,6 +331,10 @@ def _rebuild_mesh(device_type, rank_list, shape, names):
     """
     mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False)
     plat = get_platform()
+    if not plat.is_initialized():
+        # a process without torch.distributed (inspecting a checkpoint, as PyTorch allows): the
+        # shard loads as rank 0's view; anything needing a collective fails when it asks for a group
+        return mesh
     missing = [ranks for d in range(len(shape)) for ranks in mesh._lines((d,)) if not plat.has_group(ranks)]
     if missing:
         raise RuntimeError(

@@ -446,6 +446,7 @@ def _sub_mesh():
         out = d + 2
         rep = d.redistribute(placements=[Replicate()])
         back = rep.redistribute(placements=[Shard(0)])
+        rep64 = d.redistribute(placements=[Replicate()], forward_dtype=torch.float64)
         total = d.sum()
         parts = d.split([2, 2], dim=1)
         same = d.equal(DTensor.from_local(torch.ones(3, 4), mesh, [Shard(0)]))
@@ -453,6 +454,8 @@ def _sub_mesh():
         dist_t = distribute_tensor(torch.arange(float(3 * k * 4)).view(3 * k, 4), mesh, [Shard(0)])
     assert same is True
     assert rep.shape == (3 * k, 4) and total.shape == () and mm.shape == (3 * k, 2)
+    assert rep64.dtype == torch.float64 and rep64.shape == (3 * k, 4)
+    assert rep64.to_local().numel() == (3 * k * 4 if inside else 0)
     if inside:
         torch.testing.assert_close(out.to_local(), torch.ones(3, 4) + 2)
         torch.testing.assert_close(rep.to_local(), torch.ones(3 * k, 4))

@@ -409,6 +409,8 @@ class DTensor(platform.DTensorBase):
         in_dtype = local.dtype
         fwd = forward_dtype if forward_dtype is not None else in_dtype
         bwd = backward_dtype if backward_dtype is not None else in_dtype
+        if mesh._coord is None:  # outside the mesh: no data, no collective
+            return DTensor._wrap(local.to(fwd), self._mesh, dst, self._gshape)
         shape = tuple(self._gshape)
         fplan = rp.plan(self._layout, dst, shape, platform.element_size(fwd))
         bplan = rp.plan(_grad_layout(dst), _grad_layout(self._layout), shape, platform.element_size(bwd))

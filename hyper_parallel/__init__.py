@@ -15,6 +15,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.api import (
     distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
 from hyper_parallel.core.dtensor.random import manual_seed
+from hyper_parallel.core.dtensor import function_bridge as _function_bridge  # noqa: F401  (autograd.Function on DTensors)
 from hyper_parallel.debug import CommDebugMode
 from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispatch, local_map, custom_shard
 from hyper_parallel.core.shard._op_dispatch import (

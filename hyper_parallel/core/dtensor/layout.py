@@ -318,7 +318,11 @@ class Layout:
 
     # ---------------------------------------------------------------- dunder
     def __eq__(self, other):
-        return isinstance(other, Layout) and self._key == other._key
+        if isinstance(other, Layout):
+            return self._key == other._key
+        # a DTensor is a strided tensor to the framework: ``dt.layout == torch.strided`` holds
+        # (see docs/design.md, "DTensor.layout"); never equal to sparse layouts or other objects
+        return other is _strided()
 
     def __hash__(self):
         return self._hash
@@ -332,6 +336,18 @@ class Layout:
         pl = ", ".join(str(p) for p in self.placements)
         extra = "" if self.is_mesh_ordered else f", alias={self.alias_placements}"
         return f"Layout(mesh={dict(zip(self.alias_names, self.mesh_shape))}, placements=[{pl}]{extra})"
+
+
+def _strided():
+    """The framework's dense-tensor layout object (``torch.strided``), looked up once."""
+    global _STRIDED_OBJ
+    if _STRIDED_OBJ is None:
+        from hyper_parallel.platform import get_platform
+        _STRIDED_OBJ = get_platform().strided
+    return _STRIDED_OBJ
+
+
+_STRIDED_OBJ = None
 
 
 def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial):

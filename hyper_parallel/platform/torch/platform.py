@@ -32,6 +32,37 @@ class TorchPlatform(Platform):
 
     float32 = torch.float32
     strided = torch.strided
+    framework_package = "torch"  # whose own code reads Tensor.layout as a memory layout
+
+    @staticmethod
+    def functorch_active() -> bool:
+        """Whether a functorch transform (``torch.vmap``, ``torch.func.grad``...) is running.
+
+        Inside a batching rule the transform's level is already popped, but its dispatch
+        keys are still excluded in thread-local state: check both.
+        """
+        keys = torch._C.DispatchKey
+        return (torch._C._functorch.maybe_current_level() is not None
+                or torch._C._dispatch_tls_is_dispatch_key_excluded(keys.FuncTorchBatched)
+                or torch._C._dispatch_tls_is_dispatch_key_excluded(keys.FuncTorchDynamicLayerBackMode))
+
+    @staticmethod
+    def function_hook():
+        """The module that routes ``autograd.Function.apply`` on DTensors (see function_hook.py)."""
+        from hyper_parallel.platform.torch import function_hook
+        return function_hook
+
+    @staticmethod
+    def comm_keys() -> dict:
+        """torch's key objects for collectives -> hyper_parallel collective kind (see comm_keys.py)."""
+        from hyper_parallel.platform.torch.comm_keys import torch_comm_keys
+        return torch_comm_keys()
+
+    @staticmethod
+    def module_tracker():
+        """A tracker of the running modules for per-module collective counts (see comm_keys.py)."""
+        from hyper_parallel.platform.torch.comm_keys import module_tracker
+        return module_tracker()
 
     @staticmethod
     def torch_function_func(method_name: str):

@@ -225,6 +225,9 @@ def is_inplace(name: str) -> bool:
 
 
 def _global_stride(self, dim=None):
+    given = self.__dict__.get("_gstride")
+    if given is not None:
+        return given if dim is None else given[dim]
     shape = tuple(self._gshape)
     strides, acc = [], 1
     for s in reversed(shape):

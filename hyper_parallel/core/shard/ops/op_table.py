@@ -17,6 +17,8 @@ FAMILIES = (
     "nn_ops",
     "foreach",
     "init_ops",
+    "compare",
+    "strided",
 )
 
 _LOADED = False

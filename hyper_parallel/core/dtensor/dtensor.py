@@ -652,6 +652,17 @@ def _run_check(local, mesh, layout, gshape):
 
 __all__ = ["DTensor", "build_layout"]
 
+# names HyperParallel imports from this module (see hyper_parallel.core.dtensor.api)
+_API_NAMES = frozenset({"distribute_tensor", "distribute_module", "ones", "empty", "full", "zeros", "rand", "randn"})
+
+
+def _build_layout(device_mesh: DeviceMesh, placements, tensor_dim: int) -> Layout:
+    """HyperParallel's name: the (cached) layout of a ``tensor_dim``-d tensor from placements or aliases."""
+    return build_layout(device_mesh, placements, tensor_dim)
+
+
+_is_alias_placements = is_alias_spelling  # HyperParallel's name
+
 
 def __getattr__(name):
     # HyperParallel documents ``from hyper_parallel.core.dtensor.dtensor import SkipDTensorDispatch``;
@@ -659,4 +670,8 @@ def __getattr__(name):
     if name == "SkipDTensorDispatch":
         from hyper_parallel.core.shard.skip import SkipDTensorDispatch
         return SkipDTensorDispatch
+    if name in _API_NAMES:
+        # HyperParallel's module layout: these live in api.py here (which imports this module)
+        from hyper_parallel.core.dtensor import api
+        return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.core.dtensor._hp_compat import LayoutCompatMixin
 
 NONE_ALIAS = "None"
 
@@ -63,7 +64,7 @@ def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int
 
 
 # --------------------------------------------------------------------- the class
-class Layout:
+class Layout(LayoutCompatMixin):
     """Device matrix plus (optionally) how one tensor is laid out on it.
 
     ``Layout(mesh_shape, alias_names)`` describes the device matrix only; call it
@@ -76,7 +77,9 @@ class Layout:
     Tensor layouts are immutable and hashable, so they serve as cache keys.
     """
 
-    __slots__ = ("mesh_shape", "alias_names", "rank_list", "mesh", "dim_map", "partial", "_key", "_hash")
+    # ``mesh`` is a property (LayoutCompatMixin): a standalone layout creates its mesh lazily
+    __slots__ = ("mesh_shape", "alias_names", "rank_list", "_mesh", "_explicit_ranks", "dim_map", "partial",
+                 "_key", "_hash")
 
     def __init__(self, mesh_shape: Sequence[int], alias_names: Sequence[str] = None,
                  rank_list: Sequence[int] = None, *, mesh=None, _dim_map=None, _partial=None):
@@ -97,13 +100,14 @@ class Layout:
         n = 1
         for s in mesh_shape:
             n *= s
+        self._explicit_ranks = rank_list is not None
         rank_list = tuple(range(n)) if rank_list is None else tuple(int(r) for r in rank_list)
         if len(rank_list) != n:
             raise ValueError(f"Layout: rank_list has {len(rank_list)} ranks, mesh_shape {mesh_shape} needs {n}")
         self.mesh_shape = mesh_shape
         self.alias_names = alias_names
         self.rank_list = rank_list
-        self.mesh = mesh
+        self._mesh = mesh
         self.dim_map = None if _dim_map is None else tuple(tuple(m) for m in _dim_map)
         self.partial = tuple(_partial) if _partial is not None else (None,) * len(mesh_shape)
         self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial)
@@ -116,7 +120,8 @@ class Layout:
         return cls(mesh.shape, mesh.mesh_dim_names, mesh.rank_list, mesh=mesh)
 
     def _derive(self, dim_map, partial) -> "Layout":
-        return Layout(self.mesh_shape, self.alias_names, self.rank_list, mesh=self.mesh,
+        return Layout(self.mesh_shape, self.alias_names, self.rank_list if self._explicit_ranks else None,
+                      mesh=self._mesh,
                       _dim_map=dim_map, _partial=partial)
 
     def __call__(self, *aliases) -> "Layout":
@@ -165,8 +170,7 @@ class Layout:
         """Tensor layout from one placement per mesh dim for an ``ndim``-d tensor."""
         placements = tuple(placements)
         if len(placements) != len(self.mesh_shape):
-            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh "
-                             f"{self.mesh_shape} has {len(self.mesh_shape)} dims; give one placement per mesh dim")
+            placements = _fit_placements(placements, len(self.mesh_shape))
         dim_map = [[] for _ in range(ndim)]
         partial = []
         for d, p in enumerate(placements):
@@ -241,8 +245,12 @@ class Layout:
 
     @property
     def tensor_map(self) -> Tuple:
-        """MindSpore-style map: per tensor dim, the mesh dim counted from the right (-1 = none)."""
-        self._require_tensor()
+        """MindSpore-style map: per tensor dim, the mesh dim counted from the right (-1 = none).
+
+        ``None`` for a layout that describes only the device matrix (as in HyperParallel).
+        """
+        if self.dim_map is None:
+            return None
         n = len(self.mesh_shape)
         out = []
         for dims in self.dim_map:
@@ -334,6 +342,24 @@ class Layout:
         return f"Layout(mesh={dict(zip(self.alias_names, self.mesh_shape))}, placements=[{pl}]{extra})"
 
 
+def _fit_placements(placements, mesh_ndim: int):
+    """Placements of another length than the mesh's ndim, HyperParallel-style.
+
+    Missing trailing entries are ``Replicate()``; extra trailing entries are dropped
+    when they are ``Replicate()`` (they describe no data movement). An extra Shard
+    or Partial entry names a mesh dim that does not exist and raises.
+    """
+    if len(placements) < mesh_ndim:
+        return placements + (Replicate(),) * (mesh_ndim - len(placements))
+    extra = placements[mesh_ndim:]
+    for i, p in enumerate(extra):
+        if not isinstance(p, Replicate):
+            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh has "
+                             f"{mesh_ndim} dims; the extra entry placements[{mesh_ndim + i}] = {p!r} is not "
+                             "Replicate() (give at most one placement per mesh dim)")
+    return placements[:mesh_ndim]
+
+
 def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial):
     return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial)
 
@@ -349,6 +375,14 @@ def is_alias_spelling(placements) -> bool:
             continue
         return False
     return True
+
+
+def __getattr__(name):
+    # HyperParallel imports ``DeviceMesh`` from this module; device_mesh.py imports this one, so lazily
+    if name == "DeviceMesh":
+        from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+        return DeviceMesh
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Layout", "chunk_sizes", "chunk_size_and_offset", "local_shape_and_offset", "is_alias_spelling"]

@@ -110,6 +110,8 @@ class DistributedOp:
                 layouts.append(None)
                 extra.append(a)
         out = self.infer_layout(tuple(layouts), extra)
+        if isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], Layout):
+            out = out[0]  # HyperParallel rules return a one-element tuple for a single output
         return Strategy(call.layouts, out)
 
 

@@ -229,7 +229,7 @@ def _check_plain_tensors(func, args, kwargs, mesh):
         offender = walk(kwargs.values())
     if offender is None:
         return args, kwargs
-    if not _FLAGS["implicit_replication"]:
+    if not _FLAGS["implicit_replication"] and _op_name(func) not in _base.PLAIN_AS_REPLICATED:
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(
             f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "

@@ -17,6 +17,8 @@ FAMILIES = (
     "nn_ops",
     "foreach",
     "init_ops",
+    "scatter_ops",
+    "sort_ops",
 )
 
 _LOADED = False

@@ -119,8 +119,82 @@ def _multinomial_body():
     return len(results)
 
 
+def _extremum_body():
+    x = _randn(5, 7, seed=11)
+    short = _randn(3, 4, seed=12)                  # 3 rows over 4 ranks: one rank holds an empty shard
+    ints = torch.randint(-50, 50, (6, 5), generator=torch.Generator().manual_seed(13))
+    n = 0
+    for mesh in _meshes():
+        rep = [Replicate()] * mesh.ndim
+        for pl in _placements(mesh, 2):
+            _check("amax(1)", mesh, lambda t: t.amax(1), [(x, pl)])
+            _check("amin(0, keepdim)", mesh, lambda t: torch.amin(t, 0, keepdim=True), [(x, pl)])
+            _check("amax(dims)", mesh, lambda t: t.amax((0, 1)), [(x, pl)])
+            _check("min()", mesh, lambda t: torch.min(t), [(x, pl)])
+            _check("max() short", mesh, lambda t: t.max(), [(short, pl)])
+            _check("amin(0) short", mesh, lambda t: t.amin(0), [(short, pl)])
+            n += 6
+        for pl in _placements(mesh, 2, partial=False):
+            _check("int amax", mesh, lambda t: t.amax(0), [(ints, pl)])
+            _check("int max()", mesh, lambda t: t.max(), [(ints, pl)])
+            _check("max(dim) global indices", mesh, lambda t: t.max(dim=0), [(x, pl)])
+            _check("min(dim) global indices", mesh, lambda t: torch.min(t, 1, keepdim=True), [(x, pl)])
+            n += 4
+        # a full max of a sharded tensor: local max, Partial(max); reducing it moves one value per rank
+        sh = [Shard(0)] + rep[1:]
+        d = hp.distribute_tensor(x, mesh, sh)
+        m = _no_comm(lambda: d.max())
+        assert m.placements == (Partial("max"),) + tuple(rep[1:]), m.placements
+        a = _no_comm(lambda: d.amin(0))
+        assert a.placements == (Partial("min"),) + tuple(rep[1:])
+        with hp.CommDebugMode() as comm:
+            torch.testing.assert_close(m.full_tensor(), x.max())
+        assert comm.get_total_counts() == 1
+        both = hp.distribute_tensor(x, mesh, [Shard(1)] + ([Shard(0)] if mesh.ndim == 2 else []))
+        am = _no_comm(lambda: both.amax(1))
+        assert am.placements[0] == Partial("max") and (mesh.ndim == 1 or am.placements[1] == Shard(0))
+    return n
+
+
+def _attention_body():
+    F = torch.nn.functional
+    sdpa = F.scaled_dot_product_attention
+    q = _randn(2, 3, 9, 4, seed=21)                # 9 query rows: uneven over 2 and 4 ranks
+    k = _randn(2, 3, 11, 4, seed=22)
+    v = _randn(2, 3, 11, 6, seed=23)
+    bmask = torch.rand(9, 11, generator=torch.Generator().manual_seed(24)) > 0.3
+    bmask[:, 0] = True
+    fmask = _randn(2, 1, 9, 11, seed=25)
+    n = 0
+    for mesh in _meshes():
+        rep = [Replicate()] * mesh.ndim
+        seq = [Shard(2)] + rep[1:]
+        seq_pls = [seq] + ([[Shard(0), Shard(2)], [Shard(2), Shard(2)]] if mesh.ndim == 2 else [])
+        for pl in seq_pls:
+            _check("sdpa seq", mesh, lambda a, b, c: sdpa(a, b, c), [(q, pl), (k, rep), (v, rep)])
+            _check("sdpa seq causal", mesh, lambda a, b, c: sdpa(a, b, c, is_causal=True), [(q, pl), (k, rep), (v, rep)])
+            _check("sdpa seq plain bool mask", mesh, lambda a, b, c: sdpa(a, b, c, attn_mask=bmask),
+                   [(q, pl), (k, rep), (v, rep)])
+            _check("sdpa seq float mask", mesh, lambda a, b, c, m: sdpa(a, b, c, m, scale=0.5),
+                   [(q, pl), (k, rep), (v, rep), (fmask, rep)])
+            n += 4
+        # the output stays sequence-sharded and nothing moves (K/V replicated, plain mask replicated)
+        dq = hp.distribute_tensor(q, mesh, seq)
+        dk, dv = (hp.distribute_tensor(t, mesh, rep) for t in (k, v))
+        for kw in ({}, {"is_causal": True}, {"attn_mask": bmask}):
+            o = _no_comm(lambda: sdpa(dq, dk, dv, **kw))
+            assert o.placements == tuple(seq), (kw, o.placements)
+            torch.testing.assert_close(o.full_tensor(), sdpa(q, k, v, **kw))
+        # K/V sharded on the sequence too: they are gathered (PyTorch-style), the queries stay sharded
+        ks = hp.distribute_tensor(k, mesh, seq)
+        o = sdpa(dq, ks, dv, is_causal=True)
+        assert o.placements == tuple(seq)
+        torch.testing.assert_close(o.full_tensor(), sdpa(q, k, v, is_causal=True))
+    return n
+
+
 def _body():
-    return _scatter_body() + _sort_body() + _multinomial_body()
+    return _scatter_body() + _sort_body() + _multinomial_body() + _extremum_body() + _attention_body()
 
 
 def test_hp_sweep_ops_4_ranks(dist_runner):

@@ -470,7 +470,9 @@ class OpDispatcher:
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and key[1] == tuple(sig(a) for a in args):
+            # (plain tensors converted to DTensors above change the signature: such calls are not cached)
+            if entry is not None and key[1] == tuple(sig(a) for a in args) and (
+                    not kwargs or key[2] == tuple((k, sig(v)) for k, v in kwargs.items())):
                 _bounded_put(_CACHE, key, entry)
                 if _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh

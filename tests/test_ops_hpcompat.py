@@ -193,8 +193,67 @@ def _attention_body():
     return n
 
 
+def _misc_body():
+    F = torch.nn.functional
+    x = _randn(7, 6, seed=31)
+    a, b = _randn(7, seed=32), _randn(5, seed=33)
+    ids = torch.randint(0, 5, (7, 6), generator=torch.Generator().manual_seed(34))
+    img = _randn(4, 3, 6, 6, seed=35)
+    w2 = _randn(4, 3, 3, 3, seed=36)
+    bias = _randn(4, seed=37)
+    sig = _randn(4, 3, 9, seed=38)
+    w1 = _randn(6, 3, 2, seed=39)
+    vol = _randn(2, 2, 4, 4, 4, seed=40)
+    w3 = _randn(4, 2, 2, 2, 2, seed=41)
+    n = 0
+    for mesh in _meshes():
+        rep = [Replicate()] * mesh.ndim
+        for pl in _placements(mesh, 2):
+            _check("pad", mesh, lambda t: F.pad(t, (1, 2)), [(x, pl)])
+            _check("pad 2d reflect", mesh, lambda t: F.pad(t.unsqueeze(0), (1, 1, 2, 0), mode="reflect"), [(x, pl)])
+            _check("pad value", mesh, lambda t: F.pad(t, (0, 0, 1, 1), value=0.5), [(x, pl)])
+            _check("repeat_interleave", mesh, lambda t: t.repeat_interleave(2, dim=1), [(x, pl)])
+            _check("repeat_interleave flat", mesh, lambda t: torch.repeat_interleave(t, 2), [(x, pl)])
+            _check("vstack", mesh, lambda t, u: torch.vstack([t, u]), [(x, pl), (x, rep)])
+            _check("hstack", mesh, lambda t, u: torch.hstack((t, u)), [(x, pl), (x, pl)])
+            _check("atleast_3d", mesh, lambda t: torch.atleast_3d(t), [(x, pl)])
+            n += 8
+        for pl in _placements(mesh, 1):
+            for pl2 in (rep, pl):
+                _check("outer", mesh, lambda u, w: torch.outer(u, w), [(a, pl), (b, pl2)])
+                n += 1
+            _check("atleast_2d", mesh, lambda u: torch.atleast_2d(u), [(a, pl)])
+            _check("histc", mesh, lambda u: torch.histc(u, bins=4, min=-2.0, max=2.0), [(a, pl)], grad=False)
+            _check("histc data range", mesh, lambda u: torch.histc(u, bins=3), [(a, pl)], grad=False)
+            n += 3
+        for pl in _placements(mesh, 2, partial=False):
+            _check("one_hot", mesh, lambda t: F.one_hot(t, 5), [(ids, pl)])
+            _check("one_hot auto", mesh, lambda t: F.one_hot(t), [(ids, pl)])
+            _check("nonzero", mesh, lambda t: torch.nonzero(t > 0), [(x, pl)], grad=False)
+            n += 3
+        for pl in ([Shard(0)] + rep[1:], rep, [Shard(1)] + rep[1:], rep[:-1] + [Shard(0)]):
+            wpl = rep[:-1] + [Shard(0)]
+            _check("conv2d", mesh, lambda t, w, c: F.conv2d(t, w, c, padding=1), [(img, pl), (w2, wpl), (bias, wpl)])
+            _check("conv1d", mesh, lambda t, w: F.conv1d(t, w, stride=2), [(sig, pl), (w1, rep)])
+            _check("conv3d", mesh, lambda t, w: F.conv3d(t, w), [(vol, pl), (w3, wpl)])
+            n += 3
+        # histc over a sharded input: a local count, Partial(sum), no communication
+        da = hp.distribute_tensor(a, mesh, [Shard(0)] + rep[1:])
+        h = _no_comm(lambda: torch.histc(da, 4, -2.0, 2.0))
+        torch.testing.assert_close(h.full_tensor(), torch.histc(a, 4, -2.0, 2.0))
+        assert h.placements == (Partial(),) + tuple(rep[1:])
+        # conv with a batch-sharded input and an output-channel-sharded weight: no communication
+        if mesh.ndim == 2:
+            ci = hp.distribute_tensor(img, mesh, [Shard(0), Replicate()])
+            cw = hp.distribute_tensor(w2, mesh, [Replicate(), Shard(0)])
+            o = _no_comm(lambda: F.conv2d(ci, cw))
+            assert o.placements == (Shard(0), Shard(1))
+    return n
+
+
 def _body():
-    return _scatter_body() + _sort_body() + _multinomial_body() + _extremum_body() + _attention_body()
+    return (_scatter_body() + _sort_body() + _multinomial_body() + _extremum_body() + _attention_body()
+            + _misc_body())
 
 
 def test_hp_sweep_ops_4_ranks(dist_runner):

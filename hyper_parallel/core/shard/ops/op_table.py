@@ -19,6 +19,7 @@ FAMILIES = (
     "init_ops",
     "scatter_ops",
     "sort_ops",
+    "misc_ops",
 )
 
 _LOADED = False

@@ -15,6 +15,25 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
+import os
+
+# Opt-in for HyperParallel programs that divide loss gradients by ``layout.repeat_num()``:
+# our gradients are single-program ones already, so with this on ``repeat_num()`` is 1
+# and that division becomes a no-op (see docs/migrating_from_hyperparallel.md).
+_UNIT_REPEAT_NUM = {"on": os.environ.get("HYPER_PARALLEL_UNIT_REPEAT_NUM", "") not in ("", "0")}
+
+
+def unit_repeat_num(enabled: bool = True) -> None:
+    """Make ``Layout.repeat_num()`` return 1 (``enabled``) or the replica count (default).
+
+    For HyperParallel programs that scale loss gradients by ``1 / layout.repeat_num()``
+    to undo HyperParallel's replica-summed gradients: here gradients already equal
+    the single-process ones, so the scaling must be 1. The environment variable
+    ``HYPER_PARALLEL_UNIT_REPEAT_NUM=1`` turns it on without a code change.
+    """
+    _UNIT_REPEAT_NUM["on"] = bool(enabled)
+
+
 # One mesh per (shape, names, ranks): a standalone ``Layout(...)`` reuses it, so that
 # touching ``layout.mesh`` on many layouts creates the process groups once.
 _STANDALONE_MESHES: Dict[tuple, object] = {}
@@ -87,10 +106,13 @@ class LayoutCompatMixin:
         ``Layout((2, 4), ("dp", "mp"))("dp", "None").repeat_num() == 4``. HyperParallel
         divides a replicated loss's gradient by it because its replicated gradients
         are summed over replicas; ours are single-program gradients already (see
-        docs/migrating_from_hyperparallel.md). Unlike HyperParallel it never returns
-        -1 for a non-last pipeline stage.
+        docs/migrating_from_hyperparallel.md); :func:`unit_repeat_num` makes it 1 for
+        programs that divide by it. Unlike HyperParallel it never returns -1 for a
+        non-last pipeline stage.
         """
         self._require_tensor()
+        if _UNIT_REPEAT_NUM["on"]:
+            return 1
         n = 1
         for s in self.mesh_shape:
             n *= s
@@ -261,4 +283,4 @@ class DeviceMeshCompatMixin:
         return tuple(out)
 
 
-__all__ = ["LayoutCompatMixin", "DeviceMeshCompatMixin"]
+__all__ = ["LayoutCompatMixin", "DeviceMeshCompatMixin", "unit_repeat_num"]

@@ -467,6 +467,13 @@ def _requires_grad_(self, requires_grad=True):
 
 def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     if gradient is not None:
+        if isinstance(gradient, _Tensor) and not isinstance(gradient, DTensor):
+            # a plain tensor (HyperParallel's ``loss.backward(torch.tensor(1.0 / n))``): the whole
+            # gradient, the same on every rank, i.e. a replicated one
+            if tuple(gradient.shape) != tuple(self._gshape):
+                raise ValueError(f"DTensor.backward: plain gradient of shape {tuple(gradient.shape)} does not match "
+                                 f"the global shape {tuple(self._gshape)}")
+            gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
         if not isinstance(gradient, DTensor):
             raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
         want = _grad_layout(self._layout)

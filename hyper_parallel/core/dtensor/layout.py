@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.core.dtensor._hp_compat import LayoutCompatMixin
+from hyper_parallel.core.dtensor._hp_compat import LayoutCompatMixin, unit_repeat_num  # noqa: F401
 
 NONE_ALIAS = "None"
 

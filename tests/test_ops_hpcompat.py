@@ -185,6 +185,13 @@ def _attention_body():
             o = _no_comm(lambda: sdpa(dq, dk, dv, **kw))
             assert o.placements == tuple(seq), (kw, o.placements)
             torch.testing.assert_close(o.full_tensor(), sdpa(q, k, v, **kw))
+        # a plain mask is converted on every call, but the rule runs once (the call is cached)
+        from hyper_parallel.core.shard import _op_dispatch
+        sdpa(dq, dk, dv, attn_mask=bmask)
+        misses = _op_dispatch._STATS["misses"]
+        o = sdpa(dq, dk, dv, attn_mask=~bmask | (torch.arange(11) == 0))
+        assert _op_dispatch._STATS["misses"] == misses
+        torch.testing.assert_close(o.full_tensor(), sdpa(q, k, v, attn_mask=~bmask | (torch.arange(11) == 0)))
         # K/V sharded on the sequence too: they are gathered (PyTorch-style), the queries stay sharded
         ks = hp.distribute_tensor(k, mesh, seq)
         o = sdpa(dq, ks, dv, is_causal=True)

@@ -78,11 +78,12 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn")
+                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
 
     def __init__(self):
         self.fallback = False
         self.set_meta = False
+        self.plain_conv = False  # built after plain tensors were taken as replicated (redo that on a hit)
 
 
 _CACHE: dict = {}
@@ -464,14 +465,22 @@ class OpDispatcher:
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         entry = _CACHE.get(key)
         if entry is None:
+            converted = False
             if not name.startswith("_foreach_"):  # foreach lists may hold plain parameters
+                a0, k0 = args, kwargs
                 args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+                converted = args is not a0 or kwargs is not k0
             dts = []
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            # (plain tensors converted to DTensors above change the signature: such calls are not cached)
-            if entry is not None and key[1] == tuple(sig(a) for a in args) and (
+            if entry is not None and converted and name in _base.PLAIN_AS_REPLICATED:
+                # plain index/mask tensors of these ops are always replicated: cache the entry under the
+                # call's own key (not the fast path); a hit converts them again, as here
+                entry.plain_conv = True
+                _bounded_put(_CACHE, key, entry)
+            # (other plain tensors converted above change the signature: such calls are not cached)
+            elif entry is not None and key[1] == tuple(sig(a) for a in args) and (
                     not kwargs or key[2] == tuple((k, sig(v)) for k, v in kwargs.items())):
                 _bounded_put(_CACHE, key, entry)
                 if _fast_eligible(entry, args, kwargs):
@@ -486,6 +495,11 @@ class OpDispatcher:
                     _bounded_put(_FAST, _fast_key_kw(func, args, kwargs) if kwargs else _fast_key(func, args), entry)
             _STATS["misses"] += 1
         else:
+            if entry.plain_conv:
+                args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+                dts = []
+                _collect(args, dts)
+                _collect(kwargs.values(), dts)
             _STATS["hits"] += 1
         return self._execute(entry, func, args, kwargs, dts, mesh)
 

@@ -40,7 +40,7 @@ def test_module_paths_reexport_the_same_objects():
     assert DistributedOp is hp.DistributedOp and layout_mod.DeviceMesh is DeviceMesh is hp.DeviceMesh
     assert Layout is hp.Layout and init_device_mesh is hp.init_device_mesh
     assert (Placement, Shard, Replicate, Partial) == (hp.Placement, hp.Shard, hp.Replicate, hp.Partial)
-    assert hp_random.manual_seed is hp.manual_seed
+    assert hp_random.manual_seed is hp.manual_seed and hp_random.is_rng_supported_mesh()
     assert style.ColwiseParallel is ColwiseParallel is hp.ColwiseParallel and RowwiseParallel is hp.RowwiseParallel
     assert ParallelStyle is hp.ParallelStyle and dfunction.DFunction is DFunction
     assert shard_api.shard_module is shard_module is hp.shard_module
@@ -286,6 +286,16 @@ def _compat_8_ranks():
         Layout((2, 2), ("dp", "tp")).mesh
     with pytest.raises(ValueError, match=r"rank_list \(8, 9, 10, 11\) uses rank 11 but the world has only 8"):
         Layout((4,), ("x",), rank_list=[8, 9, 10, 11]).mesh
+    # distribute_module through HyperParallel's path: everything replicated, input hook applied
+    lin = distribute_module(nn.Linear(4, 3).double(), mesh,
+                            input_fn=lambda mod, inputs, m: tuple(
+                                distribute_tensor(t, m, ("dp", "None")) for t in inputs))
+    assert lin.weight.placements == (Replicate(), Replicate())
+    torch.manual_seed(4)
+    inp = torch.randn(6, 4, dtype=torch.float64)
+    ref_lin = nn.Linear(4, 3).double()
+    ref_lin.load_state_dict({k: v.full_tensor() for k, v in lin.state_dict().items()})
+    torch.testing.assert_close(lin(inp).full_tensor(), ref_lin(inp))
     # a plain function through shard_module
     fn = shard_module(lambda t: t * 2, mesh, ShardingPlan(output_plan={"output": ("None", "None")}))
     assert fn(dt).placements == (Replicate(), Replicate())

@@ -112,6 +112,17 @@ class MLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class SimpleModel(nn.Module):
+    """HyperParallel's README example: one root-level ``weight``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(12, 6, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight)
+
+
 class ScaleByTwoRule(DistributedOp):
     """HyperParallel style: name in ``__init__``, a one-element tuple of output layouts."""
 
@@ -253,6 +264,24 @@ def _compat_8_ranks():
     model = _train_and_compare(mesh, plan, [Shard(0), Replicate()], x, y, return_local=False)
     assert model.fc1.weight.placements == (Replicate(), Shard(0)) and model.fc2.bias.placements == (
         Replicate(), Replicate())
+    # HyperParallel's README example, verbatim placements and keyword call
+    x_placement = (Shard(0), Shard(1))
+    w_placement = (Replicate(), Shard(0))
+    out_placement = (Shard(0), Replicate())
+    torch.manual_seed(5)
+    simple = SimpleModel()
+    ref_w = simple.weight.detach().clone().requires_grad_()
+    sharding_plan = ShardingPlan(input_plan={"input": x_placement}, output_plan={"output": out_placement},
+                                 plan={"weight": w_placement})
+    simple = shard_module(simple, device_mesh=mesh, sharding_plan=sharding_plan)
+    xs = torch.randn(8, 12, dtype=torch.float64)
+    local_x = xs[rank // 4 * 4:rank // 4 * 4 + 4, rank % 4 * 3:rank % 4 * 3 + 3]
+    out = simple(DTensor.from_local(local_x, mesh, x_placement))
+    assert out.placements == out_placement and simple.weight.placements == w_placement
+    torch.testing.assert_close(out.full_tensor(), torch.relu(xs @ ref_w))
+    out.full_tensor().pow(2).sum().backward()
+    torch.relu(xs @ ref_w).pow(2).sum().backward()
+    torch.testing.assert_close(simple.weight.grad.full_tensor(), ref_w.grad)
     # HyperParallel's loss scaling, `loss.backward(torch.tensor(1.0 / loss.layout.repeat_num()))`: our
     # gradients are single-program ones, so the division gives 1/8 of them, unless unit_repeat_num is on
     from hyper_parallel.core.dtensor.layout import unit_repeat_num

@@ -13,7 +13,7 @@ surface can be read (and tested) in one place.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import os
 

@@ -70,6 +70,9 @@ def test_layout_queries_hyperparallel_convention():
     assert y.tensor_map == (-1, 0) and x.tensor_map == (1, -1)
     p = x.with_placements([Shard(0), Partial("max")], 2)
     assert p.is_partial() and p.get_partial_by_dev_id("tp") == "max" and p.get_partial_by_dev_id("dp") is None
+    assert x.set_partial_by_dev_axis("tp", "max") == p and not x.is_partial()
+    with pytest.raises(ValueError, match="shards the tensor"):
+        x.set_partial_by_dev_axis("dp", "sum")
     q = p.reset_partial()
     assert not q.is_partial() and q == x and p.is_partial()
     assert x.get_devices_for_axis("tp", 5) == [4, 5, 6, 7] and x.get_devices_for_axis("dp", 5) == [1, 5]
@@ -79,7 +82,8 @@ def test_layout_queries_hyperparallel_convention():
     assert z.tensor_map == ((2, 1), -1, 0) and z.repeat_num() == 1
     assert l3("sp", "None").repeat_num() == 4 and l3("sp", "None").tensor_map == (1, -1)
     assert z.get_global_shape((1, 3, 2)) == (4, 3, 4)
-    assert Layout((2, 4), ("dp", "tp"), rank_list=[7, 6, 5, 4, 3, 2, 1, 0]).rank_list == (7, 6, 5, 4, 3, 2, 1, 0)
+    kw = Layout(mesh_shape=(2, 4), alias_name=("dp", "tp"), rank_list=[7, 6, 5, 4, 3, 2, 1, 0])
+    assert kw.rank_list == (7, 6, 5, 4, 3, 2, 1, 0) and kw.alias_name == ("dp", "tp")
     # placements shorter than the mesh are padded with Replicate; extra Replicate ignored; extra Shard raises
     assert _build_layout.__name__ == "_build_layout"
     with pytest.raises(ValueError, match="alias 'pp'"):

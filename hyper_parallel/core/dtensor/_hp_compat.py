@@ -153,6 +153,19 @@ class LayoutCompatMixin:
                              "layout.with_placements(placements, ndim)")
         return self.with_placements(placements, nd)
 
+    def set_partial_by_dev_axis(self, axis, op):
+        """A new layout with a pending ``op`` reduction on mesh dim ``axis`` (HyperParallel mutates; rebind)."""
+        self._require_tensor()
+        d = self._axis_index(axis)
+        if op is not None and op not in ("sum", "avg", "max", "min", "prod"):
+            raise ValueError(f"Layout.set_partial_by_dev_axis: op must be sum, avg, max, min, prod or None, got {op!r}")
+        if d in self.sharded_mesh_dims():
+            raise ValueError(f"Layout.set_partial_by_dev_axis: mesh dim {axis!r} shards the tensor; a partial mesh "
+                             "dim must not shard it")
+        partial = list(self.partial)
+        partial[d] = op
+        return self.with_dim_map(self.dim_map, partial)
+
     def reset_partial(self):
         """A new layout without pending reductions (HyperParallel mutates; rebind: ``lay = lay.reset_partial()``)."""
         return self.without_partial()

@@ -82,7 +82,12 @@ class Layout(LayoutCompatMixin):
                  "_key", "_hash")
 
     def __init__(self, mesh_shape: Sequence[int], alias_names: Sequence[str] = None,
-                 rank_list: Sequence[int] = None, *, mesh=None, _dim_map=None, _partial=None):
+                 rank_list: Sequence[int] = None, *, alias_name: Sequence[str] = None, mesh=None, _dim_map=None,
+                 _partial=None):
+        if alias_name is not None:  # HyperParallel's keyword: Layout(mesh_shape=..., alias_name=...)
+            if alias_names is not None:
+                raise TypeError("Layout: give alias_names or alias_name (HyperParallel's spelling), not both")
+            alias_names = alias_name
         mesh_shape = tuple(int(s) for s in mesh_shape)
         if not mesh_shape or any(s <= 0 for s in mesh_shape):
             raise ValueError(f"Layout: mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")

@@ -24,6 +24,7 @@ from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
+from hyper_parallel.core.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -323,18 +324,22 @@ class DTensor(platform.DTensorBase):
     def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False) -> "DTensor":
         """Return this tensor laid out as ``placements`` (differentiable; cheapest plan).
 
+        ``device_mesh`` may be another mesh (other ranks or another shape): the
+        overlapping pieces then move point to point (see ``docs/dtensor.md``,
+        "Cross-mesh redistribution").
+
         ``async_op`` is accepted for PyTorch compatibility, but the collectives
         always run synchronously: the result is complete when this returns (a
         valid implementation of the asynchronous contract, which only promises
         that the data is ready by the time it is used).
         """
         mesh = device_mesh if device_mesh is not None else self._mesh
-        if mesh is not self._mesh and mesh != self._mesh:
-            raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
-                             "redistributing across meshes is not supported")
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         dst = build_layout(mesh, placements, self.ndim)
+        if mesh is not self._mesh and mesh != self._mesh:
+            # another mesh (other ranks or shape): point-to-point moves of the overlapping pieces
+            return DTensor._wrap(cross_mesh_local(self, mesh, dst), mesh, dst, self._gshape)
         if dst == self._layout:
             return self
         local = self._redistribute_local(dst)

@@ -509,7 +509,7 @@ class OpDispatcher:
         for d in dts[1:]:
             if d._mesh != mesh:
                 raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d._mesh}); "
-                                 "redistributing across meshes is not supported")
+                                 "move one onto the other's mesh first with .redistribute(mesh, placements)")
         rule = _base.get_rule(name)
         call = _base.OpCall(func, name, args, kwargs, dts, mesh)
         entry = _Entry()

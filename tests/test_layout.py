@@ -295,7 +295,7 @@ def test_error_placements_length():
     # HyperParallel rules: missing entries are Replicate, extra trailing Replicate entries are dropped
     assert base.with_placements([Shard(0)], 2) == base.with_placements([Shard(0), Replicate()], 2)
     assert base.with_placements([Shard(0), Replicate(), Replicate()], 2).placements == (Shard(0), Replicate())
-    with pytest.raises(ValueError, match=r"has 3 entries but the mesh has 2 dims; the extra entry "
+    with pytest.raises(ValueError, match=r"has 3 entries but the mesh \(2, 2\) has 2 dims; the extra entry "
                                          r"placements\[2\] = Shard\(dim=1\)"):
         base.with_placements([Shard(0), Replicate(), Shard(1)], 2)
     with pytest.raises(ValueError, match="has 4 entries"):

@@ -175,7 +175,7 @@ class Layout(LayoutCompatMixin):
         """Tensor layout from one placement per mesh dim for an ``ndim``-d tensor."""
         placements = tuple(placements)
         if len(placements) != len(self.mesh_shape):
-            placements = _fit_placements(placements, len(self.mesh_shape))
+            placements = _fit_placements(placements, self.mesh_shape)
         dim_map = [[] for _ in range(ndim)]
         partial = []
         for d, p in enumerate(placements):
@@ -347,19 +347,20 @@ class Layout(LayoutCompatMixin):
         return f"Layout(mesh={dict(zip(self.alias_names, self.mesh_shape))}, placements=[{pl}]{extra})"
 
 
-def _fit_placements(placements, mesh_ndim: int):
+def _fit_placements(placements, mesh_shape):
     """Placements of another length than the mesh's ndim, HyperParallel-style.
 
     Missing trailing entries are ``Replicate()``; extra trailing entries are dropped
     when they are ``Replicate()`` (they describe no data movement). An extra Shard
     or Partial entry names a mesh dim that does not exist and raises.
     """
+    mesh_ndim = len(mesh_shape)
     if len(placements) < mesh_ndim:
         return placements + (Replicate(),) * (mesh_ndim - len(placements))
     extra = placements[mesh_ndim:]
     for i, p in enumerate(extra):
         if not isinstance(p, Replicate):
-            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh has "
+            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh {mesh_shape} has "
                              f"{mesh_ndim} dims; the extra entry placements[{mesh_ndim + i}] = {p!r} is not "
                              "Replicate() (give at most one placement per mesh dim)")
     return placements[:mesh_ndim]

@@ -127,6 +127,11 @@ class SimpleModel(nn.Module):
         return torch.relu(x @ self.weight)
 
 
+class TwoInTwoOut(nn.Module):
+    def forward(self, x, scale=None):
+        return x * 2, scale + 1
+
+
 class ScaleByTwoRule(DistributedOp):
     """HyperParallel style: name in ``__init__``, a one-element tuple of output layouts."""
 
@@ -286,6 +291,17 @@ def _compat_8_ranks():
     out.full_tensor().pow(2).sum().backward()
     torch.relu(xs @ ref_w).pow(2).sum().backward()
     torch.testing.assert_close(simple.weight.grad.full_tensor(), ref_w.grad)
+    # input plan by argument name (positional and keyword), output plan per output
+    two = shard_module(TwoInTwoOut(), mesh, ShardingPlan(
+        input_plan={"input": {"x": ("None", "None"), "scale": [Shard(1)]}},
+        output_plan={"output": [("dp", "None"), None]}))
+    sc = distribute_tensor(g, mesh, ("dp", "None"))
+    o1, o2 = two(dt, scale=sc)
+    assert o1.placements == (Shard(0), Replicate()) and o2.placements == (Shard(1), Replicate())
+    torch.testing.assert_close(o1.full_tensor(), 2 * g)
+    torch.testing.assert_close(o2.full_tensor(), g + 1)
+    with pytest.raises(ValueError, match=r"returned 2 outputs but the plan gives 1 layouts"):
+        shard_module(TwoInTwoOut(), mesh, ShardingPlan(output_plan={"output": ("dp", "None")}))(dt, scale=sc)
     # HyperParallel's loss scaling, `loss.backward(torch.tensor(1.0 / loss.layout.repeat_num()))`: our
     # gradients are single-program ones, so the division gives 1/8 of them, unless unit_repeat_num is on
     from hyper_parallel.core.dtensor.layout import unit_repeat_num

@@ -76,6 +76,12 @@ def test_layout_queries_hyperparallel_convention():
     q = p.reset_partial()
     assert not q.is_partial() and q == x and p.is_partial()
     assert x.get_devices_for_axis("tp", 5) == [4, 5, 6, 7] and x.get_devices_for_axis("dp", 5) == [1, 5]
+    # the placement call form: placements on the mesh, tensor rank not known yet
+    spec = layout([Shard(0), Replicate()])
+    assert spec.tensor_map is None and spec.placements == (Shard(0), Replicate()) and not spec.is_partial()
+    assert spec.placement_to_tensor_map(3) == [1, -1, -1] and spec.to_layout(2) == x
+    assert layout(Replicate(), Shard(1)).placement_to_tensor_map(2) == [-1, 0]
+    assert layout((Partial(), Shard(0))).is_partial() and list(spec) == [Shard(0), Replicate()]
     # 3-d device matrix
     l3 = Layout((2, 2, 2), ("dp", "sp", "tp"))
     z = l3(("dp", "sp"), "None", "tp")
@@ -237,6 +243,10 @@ def _compat_8_ranks():
     torch.testing.assert_close(fl.full_tensor(), g)
     (fl.full_tensor() * 3).sum().backward()
     torch.testing.assert_close(local.grad, torch.full((1, 12), 3.0, dtype=torch.float64))
+    spec = layout([Shard(1), Replicate()])                  # HyperParallel's placement call form
+    ds = distribute_tensor(g, spec.mesh, spec)
+    assert ds.placements == (Shard(1), Replicate()) and ds.to_local().shape == (8, 6)
+    assert dt.redistribute(mesh, spec).placements == (Shard(1), Replicate())
     r = dt.redistribute(mesh, layout("None", "tp").alias_placements)
     assert r.placements == (Replicate(), Shard(1))
     # factories, HyperParallel spelling (size, device_mesh, placements)

@@ -182,6 +182,56 @@ class LayoutCompatMixin:
         return repr(self)
 
 
+class PlacementSpec:
+    """HyperParallel's ``layout(placements)``: placements on a layout's mesh, tensor rank unknown.
+
+    It iterates over its placements, so it can be passed wherever placements are
+    (``distribute_tensor(x, spec.mesh, spec)``, ``DTensor.from_local``,
+    ``redistribute``, a ``ShardingPlan``); :meth:`to_layout` / ``placement_to_tensor_map``
+    give the tensor layout / map once the rank is known. Immutable, like layouts.
+    """
+
+    __slots__ = ("base", "placements")
+
+    def __init__(self, base, placements):
+        self.base = base
+        self.placements = tuple(placements)
+
+    def __iter__(self):
+        return iter(self.placements)
+
+    def __len__(self):
+        return len(self.placements)
+
+    def __getitem__(self, i):
+        return self.placements[i]
+
+    def __eq__(self, other):
+        return isinstance(other, PlacementSpec) and (self.base, self.placements) == (other.base, other.placements)
+
+    def __hash__(self):
+        return hash((self.base, self.placements))
+
+    def __repr__(self):
+        return f"PlacementSpec({list(self.placements)} on mesh {self.base.mesh_shape})"
+
+    mesh = property(lambda self: self.base.mesh)
+    mesh_shape = property(lambda self: self.base.mesh_shape)
+    alias_name = property(lambda self: self.base.alias_names)
+    rank_list = property(lambda self: self.base.rank_list)
+    tensor_map = property(lambda self: None)  # as in HyperParallel until the rank is known
+
+    def is_partial(self) -> bool:
+        return any(p.is_partial() for p in self.placements)
+
+    def to_layout(self, ndim: int):
+        """The tensor layout for an ``ndim``-d tensor."""
+        return self.base.with_placements(self.placements, ndim)
+
+    def placement_to_tensor_map(self, dim: int):
+        return list(self.to_layout(dim).tensor_map)
+
+
 def _ranks_along(mesh_shape, rank_list, d, rank):
     from hyper_parallel.core.dtensor.layout import coordinate_of
     if rank not in rank_list:
@@ -296,4 +346,4 @@ class DeviceMeshCompatMixin:
         return tuple(out)
 
 
-__all__ = ["LayoutCompatMixin", "DeviceMeshCompatMixin", "unit_repeat_num"]
+__all__ = ["LayoutCompatMixin", "DeviceMeshCompatMixin", "PlacementSpec", "unit_repeat_num"]

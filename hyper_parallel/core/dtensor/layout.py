@@ -130,10 +130,17 @@ class Layout(LayoutCompatMixin):
                       _dim_map=dim_map, _partial=partial)
 
     def __call__(self, *aliases) -> "Layout":
-        """Tensor layout from one alias per tensor dim (``"None"`` = not sharded)."""
-        if len(aliases) == 1 and isinstance(aliases[0], (list,)) and aliases[0] and all(
-                isinstance(p, Placement) for p in aliases[0]):
-            raise TypeError("Layout(...): pass placements with Layout.with_placements(placements, ndim)")
+        """Tensor layout from one alias per tensor dim (``"None"`` = not sharded).
+
+        HyperParallel's placement form, ``layout([Shard(0), Replicate()])`` or
+        ``layout(Shard(0), Replicate())``, gives a :class:`PlacementSpec` (placements
+        on this mesh, tensor rank not yet known) that ``distribute_tensor``,
+        ``DTensor.from_local`` and ``redistribute`` accept as placements.
+        """
+        pls = aliases[0] if len(aliases) == 1 and isinstance(aliases[0], (list, tuple)) else aliases
+        if pls and all(isinstance(p, Placement) for p in pls):
+            from hyper_parallel.core.dtensor._hp_compat import PlacementSpec
+            return PlacementSpec(self, tuple(pls))
         return self.with_aliases(aliases)
 
     def with_aliases(self, aliases: Sequence) -> "Layout":

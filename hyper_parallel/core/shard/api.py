@@ -27,6 +27,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
 from hyper_parallel.core.dtensor.api import distribute_module, distribute_tensor
 from hyper_parallel.core.dtensor.layout import Layout
+from hyper_parallel.core.dtensor._hp_compat import PlacementSpec
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate
 from hyper_parallel.core.shard.sharding_plan import ShardingPlan
 from hyper_parallel.platform import get_platform
@@ -39,7 +40,7 @@ _SUFFIXES = ("input", "output")
 # ----------------------------------------------------------------------------- specs
 def _is_spec(value) -> bool:
     """One layout: a Layout, or a tuple/list of placements / alias names (a name tuple = multi-axis shard)."""
-    if isinstance(value, Layout):
+    if isinstance(value, (Layout, PlacementSpec)):
         return True
     if not isinstance(value, (tuple, list)) or not value:
         return False

@@ -9,6 +9,9 @@ loss curve (CSV + PNG) and finally trains the same model for the same steps in
 one process and prints the largest loss difference. ``--loss-parallel``
 computes the cross-entropy on the vocabulary-sharded logits (no gather of the
 vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
+``--checkpoint-dir DIR --save-every K`` saves DCP checkpoints (``DIR/step-NNNNNN`` and a
+``DIR/latest`` marker written after each completed save); ``--resume`` continues from
+``DIR/latest`` under any ``--dp/--tp`` (see docs/checkpoint.md).
 
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
@@ -48,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
+    p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints as DIR/step-NNNNNN (+ DIR/latest)")
+    p.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last) when "
+                   "--checkpoint-dir is set; 0: only after the last step")
+    p.add_argument("--resume", action="store_true", help="resume from DIR/latest (any --dp/--tp layout)")
     return p.parse_args(argv)
 
 
@@ -59,12 +66,18 @@ def train(args, steps, cfg, mesh, log=print):
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
                       src_data_rank=None)
     opt = build_optimizer(model.parameters(), cfg.optim)
+    ckpt_dir = getattr(args, "checkpoint_dir", None)
+    start = 0
+    if ckpt_dir and getattr(args, "resume", False):
+        from examples.llama import checkpoint
+        start = checkpoint.resume(ckpt_dir, model, opt)
+        log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
     dp_rank, dp_group = mesh.get_local_rank(0), mesh.get_group(0)
     losses = []
     t0 = time.perf_counter()
     tokens = 0
-    for step in range(steps):
+    for step in range(start, steps):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
         opt.zero_grad(set_to_none=True)
@@ -77,10 +90,18 @@ def train(args, steps, cfg, mesh, log=print):
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
+        every = getattr(args, "save_every", 0)
+        if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
+            from examples.llama import checkpoint
+            path = checkpoint.save(ckpt_dir, step + 1, model, opt)
+            log(None, steps, f"saved {path}", 0)
     return losses
 
 
 def progress(step, steps, loss, tok_s, width=30):
+    if step is None:  # a message (checkpoint saved / resumed)
+        print(loss, flush=True)
+        return
     done = int(width * (step + 1) / steps)
     line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
     end = "\n" if step + 1 == steps or not sys.stdout.isatty() else ""
@@ -92,6 +113,10 @@ def progress(step, steps, loss, tok_s, width=30):
 
 def main(argv=None):
     args = parse_args(argv)
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        raise SystemExit("--resume and --save-every need --checkpoint-dir DIR")
+    if args.save_every < 0:
+        raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dp * args.tp != world:
@@ -114,11 +139,13 @@ def main(argv=None):
     if rank == 0:
         from examples.llama.plot import save_loss_curves
         series = {f"dp{args.dp}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
-        print(f"trained {steps} steps in {elapsed:.1f}s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-        if not args.no_compare:
+        done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
+        print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")
+        if not args.no_compare and losses:
             print("running the same training in one process for comparison ...", flush=True)
             ref, _ = train_reference(cfg.model, steps, seed=cfg.seed, global_batch=cfg.global_batch,
                                      seq_len=cfg.seq_len, optim=cfg.optim)
+            ref = ref[len(ref) - len(losses):]  # after --resume only the last steps ran here
             series["single_process"] = ref
             diff = max(abs(a - b) for a, b in zip(losses, ref))
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))

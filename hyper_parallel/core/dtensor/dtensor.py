@@ -433,6 +433,22 @@ class DTensor(platform.DTensorBase):
         return (_rebuild_dtensor, (self._local_tensor, self._mesh, self._layout, tuple(self._gshape),
                                    bool(self.__dict__.get("_is_param", False))))
 
+    # ------------------------------------------------------------------ distributed checkpoint hooks
+    # torch.distributed.checkpoint asks tensor-likes for their boxes through these; the
+    # framework-specific answers live in the platform layer (platform.checkpoint_hooks()).
+    def __create_write_items__(self, fqn, obj):
+        return platform.checkpoint_hooks().create_write_items(fqn, self)
+
+    def __create_chunk_list__(self):
+        return platform.checkpoint_hooks().create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        return platform.checkpoint_hooks().get_tensor_shard(self, index)
+
+    def __hp_stage__(self, copy_local):
+        """This DTensor with its local tensor copied by ``copy_local`` (DCP's async_save staging)."""
+        return DTensor._wrap(copy_local(self._local_tensor), self._mesh, self._layout, self._gshape)
+
     def __deepcopy__(self, memo):
         import copy
         local = copy.deepcopy(self._local_tensor, memo)

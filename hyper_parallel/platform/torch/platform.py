@@ -10,6 +10,9 @@ import torch.nn as nn
 
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
 from hyper_parallel.platform.torch import collectives, deferred_grads, functions
+from hyper_parallel.platform.torch import dcp_staging
+
+dcp_staging.install()  # async_save's stager learns to copy DTensors (see dcp_staging)
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
@@ -79,6 +82,18 @@ class TorchPlatform(Platform):
     collectives = collectives
     functions = functions
     deferred_grads = deferred_grads
+
+    @staticmethod
+    def checkpoint_hooks():
+        """The ``torch.distributed.checkpoint`` hook implementations for DTensor (imported on first use)."""
+        from hyper_parallel.platform.torch import dcp
+        return dcp
+
+    @staticmethod
+    def checkpoint_state_dict():
+        """The state-dict helpers behind ``hyper_parallel.checkpoint`` (imported on first use)."""
+        from hyper_parallel.platform.torch import state_dict
+        return state_dict
 
     def __init__(self):
         self._groups = {}

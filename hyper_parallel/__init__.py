@@ -21,6 +21,8 @@ from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispa
 from hyper_parallel.core.shard._op_dispatch import (
     set_strict_layouts, strict_layouts, implicit_replication, allow_replicate_fallback, set_debug)
 
+from hyper_parallel.core.shard.sharding_plan import ShardingPlan
+from hyper_parallel.core.shard.api import shard_module
 from hyper_parallel.core.tensor_parallel import (
     ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
     PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
@@ -48,4 +50,5 @@ __all__ = [
     "implicit_replication", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
     "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
+    "ShardingPlan", "shard_module",
 ]

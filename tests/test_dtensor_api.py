@@ -230,8 +230,10 @@ def _mesh():
     assert "DeviceMesh('cpu', [0, 1," in repr(other) and "mesh_dim_names=('dp', 'tp')" in repr(mesh)
     with pytest.raises(ValueError, match="different meshes"):
         x + hp.ones(4, 4, device_mesh=hp.init_device_mesh("cpu", (ws // 2, 2)), placements=[Replicate()] * 2)
-    with pytest.raises(ValueError, match=r"has 1 entries but the mesh \(2, \d\) has 2 dims"):
-        hp.distribute_tensor(torch.ones(2), mesh, [Shard(0)])
+    # HyperParallel-style short placements are padded with Replicate; an extra Shard raises
+    assert hp.distribute_tensor(torch.ones(2), mesh, [Shard(0)]).placements == (Shard(0), Replicate())
+    with pytest.raises(ValueError, match=r"has 3 entries but the mesh \(2, \d\) has 2 dims; the extra entry"):
+        hp.distribute_tensor(torch.ones(2), mesh, [Shard(0), Replicate(), Shard(0)])
     with pytest.raises(ValueError, match="out of range"):
         hp.distribute_tensor(torch.ones(2), mesh, [Shard(1), Replicate()])
     with pytest.raises(ValueError, match="unknown alias 'pp'"):

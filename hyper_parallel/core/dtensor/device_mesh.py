@@ -11,6 +11,7 @@ import threading
 from typing import Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.dtensor.layout import coordinate_of
+from hyper_parallel.core.dtensor._hp_compat import DeviceMeshCompatMixin
 from hyper_parallel.platform import get_platform
 
 _CTX = threading.local()
@@ -34,7 +35,7 @@ def _flatten(nested):
     return [int(nested)], ()
 
 
-class DeviceMesh:
+class DeviceMesh(DeviceMeshCompatMixin):
     """An n-d mesh of global ranks.
 
     Args:

@@ -602,6 +602,13 @@ def _requires_grad_(self, requires_grad=True):
 
 def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     if gradient is not None:
+        if isinstance(gradient, _Tensor) and not isinstance(gradient, DTensor):
+            # a plain tensor (HyperParallel's ``loss.backward(torch.tensor(1.0 / n))``): the whole
+            # gradient, the same on every rank, i.e. a replicated one
+            if tuple(gradient.shape) != tuple(self._gshape):
+                raise ValueError(f"DTensor.backward: plain gradient of shape {tuple(gradient.shape)} does not match "
+                                 f"the global shape {tuple(self._gshape)}")
+            gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
         if not isinstance(gradient, DTensor):
             raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
         want = _grad_layout(self._layout)
@@ -807,6 +814,17 @@ def _run_check(local, mesh, layout, gshape, check_stride=True):
 
 __all__ = ["DTensor", "build_layout"]
 
+# names HyperParallel imports from this module (see hyper_parallel.core.dtensor.api)
+_API_NAMES = frozenset({"distribute_tensor", "distribute_module", "ones", "empty", "full", "zeros", "rand", "randn"})
+
+
+def _build_layout(device_mesh: DeviceMesh, placements, tensor_dim: int) -> Layout:
+    """HyperParallel's name: the (cached) layout of a ``tensor_dim``-d tensor from placements or aliases."""
+    return build_layout(device_mesh, placements, tensor_dim)
+
+
+_is_alias_placements = is_alias_spelling  # HyperParallel's name
+
 
 def __getattr__(name):
     # HyperParallel documents ``from hyper_parallel.core.dtensor.dtensor import SkipDTensorDispatch``;
@@ -814,4 +832,8 @@ def __getattr__(name):
     if name == "SkipDTensorDispatch":
         from hyper_parallel.core.shard.skip import SkipDTensorDispatch
         return SkipDTensorDispatch
+    if name in _API_NAMES:
+        # HyperParallel's module layout: these live in api.py here (which imports this module)
+        from hyper_parallel.core.dtensor import api
+        return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -78,11 +78,12 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn")
+                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
 
     def __init__(self):
         self.fallback = False
         self.set_meta = False
+        self.plain_conv = False  # built after plain tensors were taken as replicated (redo that on a hit)
 
 
 _CACHE: dict = {}
@@ -238,7 +239,7 @@ def _check_plain_tensors(func, args, kwargs, mesh):
         warnings.warn(f"{platform.op_name(func)}: found a non-scalar tensor with numel=1 and ndim!=0 (shape "
                       f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
                       "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
-    elif not _FLAGS["implicit_replication"]:
+    elif not _FLAGS["implicit_replication"] and _op_name(func) not in _base.PLAIN_AS_REPLICATED:
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(
             f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
@@ -473,13 +474,23 @@ class OpDispatcher:
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         entry = _CACHE.get(key)
         if entry is None:
+            converted = False
             if not name.startswith("_foreach_"):  # foreach lists may hold plain parameters
+                a0, k0 = args, kwargs
                 args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+                converted = args is not a0 or kwargs is not k0
             dts = []
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and key[1] == tuple(sig(a) for a in args):
+            if entry is not None and converted and name in _base.PLAIN_AS_REPLICATED:
+                # plain index/mask tensors of these ops are always replicated: cache the entry under the
+                # call's own key (not the fast path); a hit converts them again, as here
+                entry.plain_conv = True
+                _bounded_put(_CACHE, key, entry)
+            # (other plain tensors converted above change the signature: such calls are not cached)
+            elif entry is not None and key[1] == tuple(sig(a) for a in args) and (
+                    not kwargs or key[2] == tuple((k, sig(v)) for k, v in kwargs.items())):
                 _bounded_put(_CACHE, key, entry)
                 if mesh._coord is not None and _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh
@@ -493,6 +504,11 @@ class OpDispatcher:
                     _bounded_put(_FAST, _fast_key_kw(func, args, kwargs) if kwargs else _fast_key(func, args), entry)
             _STATS["misses"] += 1
         else:
+            if entry.plain_conv:
+                args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+                dts = []
+                _collect(args, dts)
+                _collect(kwargs.values(), dts)
             _STATS["hits"] += 1
         return self._execute(entry, func, args, kwargs, dts, mesh)
 

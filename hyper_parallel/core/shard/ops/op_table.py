@@ -19,6 +19,9 @@ FAMILIES = (
     "init_ops",
     "compare",
     "strided",
+    "scatter_ops",
+    "sort_ops",
+    "misc_ops",
 )
 
 _LOADED = False

@@ -23,6 +23,8 @@ from hyper_parallel.core.shard._op_dispatch import (
 from hyper_parallel.core.tensor_parallel import (
     ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
     PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
+from hyper_parallel.core.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                      CPUOffloadPolicy)
 
 __version__ = "0.1.0"
 
@@ -47,4 +49,5 @@ __all__ = [
     "implicit_replication", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
     "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
 ]

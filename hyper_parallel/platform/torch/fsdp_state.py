@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.platform.torch import deferred_grads
 from hyper_parallel.platform.torch.fsdp_param import FSDPParam
 from hyper_parallel.platform.torch.fsdp_param_group import SHARDED, FSDPParamGroup
 
@@ -63,8 +64,9 @@ class FSDPState:
         self.backward_prefetch = None
         self._pre_bw_done = False
         self._post_bw_done = False
+        self._wait_for_final = False
         if group is not None:
-            group.on_all_grads = self.post_backward
+            group.on_all_grads = self._all_grads_ready
 
     # --------------------------------------------------------------- settings shared with the group
     @property
@@ -190,6 +192,23 @@ class FSDPState:
     def _will_run_backward(self):
         return any(p.is_unsharded_allocated() or p.unsharded is not None for p in self.group.params)
 
+    def _all_grads_ready(self):
+        """Every expected gradient has accumulated: reduce now, unless one still waits for a partial sum.
+
+        A TP-replicated parameter used on sequence-sharded activations (SP norm
+        weights) gets its tensor-parallel sum at the end of backward
+        (``deferred_grads``); such a group is reduced in the root's final callback,
+        after that sum.
+        """
+        task = torch._C._current_graph_task_id()
+        pending = deferred_grads._tasks.get(task)
+        if pending and pending["sum"]:
+            ids = {id(p.unsharded) for p in self.group.params}
+            if any(key[0] in ids for key in pending["sum"]):
+                self._wait_for_final = True
+                return
+        self.post_backward()
+
     def post_backward(self):
         if self._post_bw_done:
             return
@@ -206,6 +225,7 @@ class FSDPState:
     def _final_callback(self):
         ctx = self.ctx
         order = ctx.order + [s for s in ctx.states if s not in ctx.order]
+        deferred_grads._flush(torch._C._current_graph_task_id())  # TP partial sums first (see _all_grads_ready)
         for st in reversed(order):
             if not st._post_bw_done and (st._pre_bw_done or (st.group is not None and st.group.state != SHARDED)):
                 st.post_backward()

@@ -1,0 +1,81 @@
+"""fully_shard composed with TP/SP and loss_parallel (2-D), HSDP (2, 2) and HSDP x TP (2, 2, 2) on the
+example Llama: every step's loss and the final parameters equal single-process training."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyper_parallel as hp
+from examples.llama.configs import OptimConfig
+from examples.llama.data import TokenBatches, dp_shard
+from examples.llama.model import ModelArgs, build_model, loss_fn
+from examples.llama.parallelize import parallelize_llama, train_loss
+from examples.llama.reference import build_optimizer, train_reference
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=260, multiple_of=32, max_seq_len=32)
+STEPS, BATCH, SEQ = 4, 8, 32
+RTOL, ATOL = 1e-5, 1e-5
+_REF = {}
+
+
+def _reference(steps):
+    if steps not in _REF:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _REF[steps] = train_reference(ARGS, steps, seed=0, global_batch=BATCH, seq_len=SEQ)
+        finally:
+            torch.set_num_threads(threads)
+    return _REF[steps]
+
+
+def _train(shape, names, sp, loss_parallel, ref):
+    mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = build_model(ARGS, 0)
+    parallelize_llama(model, mesh, sequence_parallel=sp, loss_parallel=loss_parallel)
+    assert isinstance(model, hp.FSDPModule)
+    for n, p in model.named_parameters():
+        assert isinstance(p, hp.DTensor) and p.device_mesh == mesh, n
+    opt = build_optimizer(model.parameters(), OptimConfig())
+    data = TokenBatches(seed=0)
+    dp_names = [n for n in names if n.startswith("dp")]
+    dp = 1
+    for n in dp_names:
+        dp *= mesh.size(n)
+    r = 0
+    for n in dp_names:  # row-major data-parallel index
+        r = r * mesh.size(n) + mesh.get_local_rank(n)
+    losses = []
+    for step in range(STEPS):
+        x, y = data.get_batch(step, BATCH, SEQ)
+        x, y = dp_shard(x, r, dp), dp_shard(y, r, dp)
+        opt.zero_grad(set_to_none=True)
+        loss = train_loss(model, x, y, loss_fn, loss_parallel=loss_parallel)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OptimConfig().max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    g = torch.tensor(losses)
+    dist.all_reduce(g)
+    tp = mesh.size("tp") if "tp" in names else 1
+    losses = (g / (dp * tp)).tolist()
+    ref_losses, ref_state = ref
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{shape} step {step}: loss {a} vs single-process {b}"
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p.full_tensor(), ref_state[name], rtol=RTOL, atol=ATOL, msg=f"{shape} {name}")
+    return True
+
+
+CASES = {
+    "fsdp2_tp2_sp_loss_parallel": ((2, 2), ("dp_shard", "tp"), True, True),
+    "hsdp2x2": ((2, 2), ("dp", "dp_shard"), False, False),
+    "hsdp2x2_tp2_sp": ((2, 2, 2), ("dp", "dp_shard", "tp"), True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_tp_llama_parity(dist_runner, case):
+    shape, names, sp, lp = CASES[case]
+    n = 1
+    for s in shape:
+        n *= s
+    assert dist_runner.run(n, _train, shape, names, sp, lp, _reference(STEPS)) == [True] * n

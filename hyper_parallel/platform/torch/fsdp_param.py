@@ -115,6 +115,15 @@ class FSDPParam:
     def to_unsharded(self):
         self._set_on_owners(self.unsharded_view)
 
+    def refresh_sharded(self):
+        """Adopt a sharded parameter the module replaced while sharded (``to_empty`` off the meta device,
+        ``load_state_dict(assign=True)``): the module's current one is the truth."""
+        mod, name = self.owners[0]
+        cur = mod._parameters.get(name)
+        if cur is not self.sharded and isinstance(cur, DTensor) and cur._layout == self.layout:
+            self.sharded = cur
+            self.to_sharded()
+
     # ------------------------------------------------------------------ storage
     def local_shard(self) -> torch.Tensor:
         return self.sharded._local_tensor

@@ -56,6 +56,7 @@ class FSDPParamGroup:
     @property
     def device(self):
         """Where the shards live now (follows ``module.to_empty(device=...)`` after meta init)."""
+        self.params[0].refresh_sharded()
         return self.params[0].local_shard().device
 
     # ------------------------------------------------------------------ all_gather
@@ -69,6 +70,8 @@ class FSDPParamGroup:
             self.wait_for_unshard()
 
     def _issue_all_gather(self):
+        for p in self.params:
+            p.refresh_sharded()
         send = torch.empty(self.S, dtype=self.ag_dtype, device=self.device)
         for p, off in zip(self.params, self.offsets):
             p.copy_in(send[off: off + p.padded])

@@ -184,7 +184,11 @@ class FSDPState:
             i = order.index(self)
         except ValueError:
             return []
+        if i == 0:  # the root: its output's gradient arrives first; the last module in forward runs backward next
+            i = len(order)
         for st in reversed(order[:i]):
+            if st is self:
+                continue
             if st.group is not None and not st._post_bw_done:
                 return [st] if st.group.state == SHARDED and st._will_run_backward() else []
         return []

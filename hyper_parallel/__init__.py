@@ -25,6 +25,7 @@ from hyper_parallel.core.tensor_parallel import (
     PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
 from hyper_parallel.core.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                                       CPUOffloadPolicy)
+from hyper_parallel.core.fsdp.hsdp import hsdp
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,5 @@ __all__ = [
     "implicit_replication", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
     "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
-    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "hsdp",
 ]

@@ -100,6 +100,7 @@ class FSDPParam:
         self.layout, self.gshape, self.root_mesh = layout, gshape, root
         dt = DTensor._wrap(local, root, layout, gshape)
         self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        self._full_local_for_zero = full_local
         self.unsharded = None       # plain leaf tensor (created at first unshard)
         self.unsharded_view = None  # what the module holds while unsharded (the TP DTensor or the leaf itself)
         self.acc_hook_group = None
@@ -191,6 +192,32 @@ class FSDPParam:
         if n < k * self.rows:
             g = torch.cat([g, g.new_zeros((k * self.rows - n,) + tuple(g.shape[1:]))], dim=0)
         return g.reshape(k, self.padded)
+
+    def make_shard_a_view(self):
+        """ZeRO modes: allocate the unsharded tensor now with the full values and make the sharded local
+        tensor a view of this rank's rows (so the optimizer updates them in place)."""
+        full_local = self._full_local_for_zero
+        u = self.alloc_unsharded(full_local.device)
+        with torch.no_grad():
+            u.copy_(full_local.to(u.dtype))
+        start = sum(self.sizes[: self.shard_group.rank])
+        view = u.detach().narrow(0, start, self.sizes[self.shard_group.rank])
+        dt = DTensor._wrap(view, self.root_mesh, self.layout, self.gshape)
+        self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        self.to_sharded()
+        self._full_local_for_zero = None
+
+    def set_shard_grad_from_full(self, full_grad: torch.Tensor):
+        """all_reduce modes: the sharded gradient is this rank's rows of the full (kept) gradient."""
+        s = self.local_shard()
+        start = sum(self.sizes[: self.shard_group.rank])
+        g = full_grad.narrow(self.dim, start, s.shape[self.dim])
+        if g.dtype != self.orig_dtype:
+            g = g.to(self.orig_dtype)
+        if s.grad is None:
+            s.grad = g
+        else:
+            s.grad.add_(g)
 
     def accumulate_sharded_grad(self, flat_piece: torch.Tensor):
         """Add this rank's reduced gradient rows (from the flat output) to the sharded parameter's grad."""

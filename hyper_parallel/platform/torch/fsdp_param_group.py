@@ -52,6 +52,26 @@ class FSDPParamGroup:
         self._hooks_installed = False
         self.expected = None
         self.on_all_grads = None
+        # hsdp modes: "all_reduce" keeps the full averaged gradient on every rank (HyperParallel level1,
+        # ZeRO-1); persistent keeps the unsharded parameters for good (ZeRO-1/2): the shards are views
+        # of them and the only all_gather is the one after an optimizer step changed the shards
+        self.grad_reduce = "reduce_scatter"
+        self.persistent = False
+        self._gathered_versions = None
+
+    def make_persistent(self):
+        """ZeRO-1/2: unsharded parameters allocated now and kept; each shard becomes a view of its rows."""
+        self.persistent = True
+        for p in self.params:
+            if p.dim != 0:
+                raise ValueError(f"hsdp ZeRO modes shard dim 0 only (parameter {p.fqn!r} asks for dim {p.dim})")
+            p.make_shard_a_view()
+        self._install_grad_hooks()
+        self.state = UNSHARDED
+        self._gathered_versions = self._versions()
+
+    def _versions(self):
+        return tuple(p.local_shard()._version for p in self.params)
 
     @property
     def device(self):
@@ -62,6 +82,8 @@ class FSDPParamGroup:
     # ------------------------------------------------------------------ all_gather
     def unshard(self, async_op: bool = True):
         """Issue the group's flat all_gather (no-op when already unsharded or in flight)."""
+        if self.persistent and self.state == UNSHARDED and self._versions() != self._gathered_versions:
+            self.state = SHARDED  # an optimizer step changed the shards: gather them into the kept tensors
         if self.state != SHARDED:
             return
         with torch.no_grad():
@@ -86,8 +108,7 @@ class FSDPParamGroup:
 
     def wait_for_unshard(self):
         """Finish the all_gather (issuing it first if needed) and expose the unsharded parameters."""
-        if self.state == SHARDED:
-            self.unshard()
+        self.unshard()
         if self.state == UNSHARDING:
             work, out = self._ag
             self._ag = None
@@ -100,6 +121,8 @@ class FSDPParamGroup:
                 p.copy_out(gathered[:, off: off + p.padded], self.k)
             self._install_grad_hooks()
             self.state = UNSHARDED
+            if self.persistent:
+                self._gathered_versions = self._versions()
         for p in self.params:
             p.to_unsharded()
 
@@ -108,10 +131,14 @@ class FSDPParamGroup:
             with torch.no_grad():
                 self._ag[0] is not None and self._ag[0].wait()
             self._ag = None
+            if self.persistent:
+                self.state = UNSHARDED
         for p in self.params:
-            p.free_unsharded()
+            if not self.persistent:
+                p.free_unsharded()
             p.to_sharded()
-        self.state = SHARDED
+        if not self.persistent:
+            self.state = SHARDED
 
     # ------------------------------------------------------------------ post-backward tracking
     def _install_grad_hooks(self):
@@ -155,6 +182,8 @@ class FSDPParamGroup:
         have = [p.unsharded is not None and p.unsharded.grad is not None for p in self.params]
         if not any(have):
             return
+        if self.grad_reduce == "all_reduce":
+            return self._all_reduce_grads(have)
         k = self.k
         blocks = []
         for p, h in zip(self.params, have):
@@ -173,10 +202,28 @@ class FSDPParamGroup:
                                       async_op=True)
         self._rs = (work, out, have)
 
+    def _all_reduce_grads(self, have):
+        """One all_reduce of the flat full gradients (the shard group's; HSDP adds the replicate group's)."""
+        pieces = []
+        for p, h in zip(self.params, have):
+            if h:
+                pieces.append(p.unsharded.grad.reshape(-1).to(self.rs_dtype))
+                p.unsharded.grad = None
+            else:
+                pieces.append(torch.zeros(p.unsharded.numel(), dtype=self.rs_dtype, device=self.device))
+        flat = torch.cat(pieces)
+        work = None
+        if self.k > 1:
+            rec.record(rec.ALL_REDUCE, flat.numel() * flat.element_size(), self.shard_group.ranks)
+            work = dist.all_reduce(flat, group=self.shard_group.handle, async_op=True)
+        self._rs = (work, flat, have, "all_reduce")
+
     def finish_reduce(self):
         """Wait for the reduce_scatter, all-reduce over replicas (HSDP), average, add to sharded grads."""
         if self._rs is None:
             return
+        if len(self._rs) == 4:
+            return self._finish_all_reduce()
         work, out, have = self._rs
         self._rs = None
         if work is not None:
@@ -192,3 +239,25 @@ class FSDPParamGroup:
         for p, off, h in zip(self.params, self.offsets, have):
             if h:
                 p.accumulate_sharded_grad(out[off: off + p.padded])
+
+    def _finish_all_reduce(self):
+        work, flat, have, _ = self._rs
+        self._rs = None
+        if work is not None:
+            work.wait()
+        n = self.k
+        if self.rep_group is not None and self.rep_group.size > 1 and self.requires_all_reduce:
+            rec.record(rec.ALL_REDUCE, flat.numel() * flat.element_size(), self.rep_group.ranks)
+            dist.all_reduce(flat, group=self.rep_group.handle)
+            n *= self.rep_group.size
+        factor = self.divide_factor if self.divide_factor is not None else n
+        if factor != 1:
+            flat.div_(factor)
+        off = 0
+        for p, h in zip(self.params, have):
+            numel = 1
+            for s in p.full_shape:
+                numel *= s
+            if h:
+                p.set_shard_grad_from_full(flat[off: off + numel].view(p.full_shape))
+            off += numel

@@ -281,7 +281,7 @@ def _collect(module, ignored, where):
 
 
 def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                ignored_params, module_cls):
+                ignored_params, module_cls, _grad_reduce="reduce_scatter", _persistent=False):
     if isinstance(module, (list, tuple)):
         raise NotImplementedError("fully_shard: a list of modules sharing one group is not supported yet; "
                                   "call fully_shard on a common parent module")
@@ -333,13 +333,33 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
         fsdp_params.append(fp)
         fp.to_sharded()
     group = FSDPParamGroup(fsdp_params) if fsdp_params else None
+    if group is not None:
+        group.grad_reduce = _grad_reduce
+        if _persistent:
+            group.make_persistent()
+    for fp in fsdp_params:
+        fp._full_local_for_zero = None  # drop the reference to the unsharded original
     state = FSDPState(module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where)
     module.__dict__["_hp_fsdp_state"] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, with_kwargs=True)
     cls = type(module)
-    new_cls = _CLASS_CACHE.get(cls)
+    new_cls = _CLASS_CACHE.get((cls, module_cls))
     if new_cls is None:
-        new_cls = _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (module_cls, cls), {})
+        prefix = module_cls.__name__[:4]  # FSDP<Class> (fully_shard) or HSDP<Class> (hsdp)
+        new_cls = _CLASS_CACHE[(cls, module_cls)] = type(f"{prefix}{cls.__name__}", (module_cls, cls), {})
     module.__class__ = new_cls
     return module
+
+
+def replicate_small(params, world_mesh):
+    """hsdp's below-threshold parameters: replicated; gradients averaged over ``world_mesh`` after backward."""
+    group = world_mesh.get_comm_group(0)
+    if group.size == 1:
+        return
+    for p in params:
+        if getattr(p, "_hp_hsdp_replicated", False) or not p.requires_grad:
+            continue
+        p._hp_hsdp_replicated = True
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        local.register_post_accumulate_grad_hook(lambda t, g=group: deferred_grads.defer_average(t, g))

@@ -242,6 +242,12 @@ def _errors():
     assert m.inp.weight.placements == (hp.Shard(1),)
     x, y = _data(0)
     torch.testing.assert_close(m(x), ref(x), **TOL)
+    # CPUOffloadPolicy: on a CPU-only machine the same numbers as no offload
+    from hyper_parallel.fsdp import CPUOffloadPolicy
+    a, b = _shard(_make(), mesh), _shard(_make(), mesh, offload_policy=CPUOffloadPolicy())
+    la = _train(a, torch.optim.AdamW(a.parameters(), lr=1e-2), 2, dist.get_rank(), world)
+    lb = _train(b, torch.optim.AdamW(b.parameters(), lr=1e-2), 2, dist.get_rank(), world)
+    assert la == lb and all(p._local_tensor.device.type == "cpu" for p in b.parameters())
     return True
 
 

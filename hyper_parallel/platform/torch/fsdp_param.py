@@ -39,7 +39,8 @@ def _root_base_layout(root):
 class FSDPParam:
     """A managed parameter (see the module docstring)."""
 
-    def __init__(self, param, fqn: str, owners, dp_mesh, shard_dim: int, mp_policy, where: str):
+    def __init__(self, param, fqn: str, owners, dp_mesh, shard_dim: int, mp_policy, where: str,
+                 offload_pin_memory=None):
         self.fqn = fqn
         self.owners = owners  # [(module, attribute name)] (several when tied inside the group)
         self.requires_grad = param.requires_grad
@@ -94,6 +95,15 @@ class FSDPParam:
         size, start = chunk_size_and_offset(n, k, me)
         self.shard_numel = size * inner
         local = full_local.narrow(d, start, size).clone(memory_format=torch.contiguous_format)
+        # CPUOffloadPolicy: shards (and so gradients and the optimizer step) live on the CPU; the
+        # all_gather copies them to the compute device (a no-op on a CPU-only machine)
+        self.compute_device = None
+        if offload_pin_memory is not None:
+            if local.device.type != "meta":
+                self.compute_device = torch.device(dp_mesh.device_type) if dp_mesh.device_type != "cpu" else None
+                local = local.to("cpu")
+                if offload_pin_memory and torch.cuda.is_available():
+                    local = local.pin_memory()
         dim_map = list(tp_dim_map)
         dim_map[d] = tuple(dim_map[d]) + (shard_root_dim,)
         layout = _root_base_layout(root).with_dim_map(tuple(dim_map))
@@ -167,7 +177,7 @@ class FSDPParam:
             s = s.movedim(self.dim, 0)
         m = self.shard_numel
         if m:
-            flat_piece[:m].view(s.shape).copy_(s)
+            flat_piece[:m].view(s.shape).copy_(s, non_blocking=s.is_pinned())
         if m < self.padded:
             flat_piece[m:].zero_()
 
@@ -212,8 +222,8 @@ class FSDPParam:
         s = self.local_shard()
         start = sum(self.sizes[: self.shard_group.rank])
         g = full_grad.narrow(self.dim, start, s.shape[self.dim])
-        if g.dtype != self.orig_dtype:
-            g = g.to(self.orig_dtype)
+        if g.dtype != self.orig_dtype or g.device != s.device:
+            g = g.to(dtype=self.orig_dtype, device=s.device)
         if s.grad is None:
             s.grad = g
         else:
@@ -228,8 +238,8 @@ class FSDPParam:
         g = flat_piece[: self.shard_numel].view(shape)
         if self.dim != 0:
             g = g.movedim(0, self.dim)
-        if g.dtype != self.orig_dtype:
-            g = g.to(self.orig_dtype).contiguous()
+        if g.dtype != self.orig_dtype or g.device != s.device:
+            g = g.to(dtype=self.orig_dtype, device=s.device).contiguous()
         else:  # never hand out views of the flat buffer
             g = g.clone(memory_format=torch.contiguous_format)
         if s.grad is None:

@@ -76,8 +76,11 @@ class FSDPParamGroup:
     @property
     def device(self):
         """Where the shards live now (follows ``module.to_empty(device=...)`` after meta init)."""
-        self.params[0].refresh_sharded()
-        return self.params[0].local_shard().device
+        p0 = self.params[0]
+        if p0.compute_device is not None:  # CPU offload: gather and compute on the accelerator
+            return p0.compute_device
+        p0.refresh_sharded()
+        return p0.local_shard().device
 
     # ------------------------------------------------------------------ all_gather
     def unshard(self, async_op: bool = True):

@@ -323,7 +323,8 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
                     raise ValueError(f"fully_shard({where}): shard_placement_fn returned {pl!r} for parameter "
                                      f"{fqn!r}; expected Shard(dim) or None")
                 d = pl.dim
-        fp = FSDPParam(p, fqn, owners, mesh, d, mp_policy, where)
+        pin = getattr(offload_policy, "pin_memory", None)  # set only by CPUOffloadPolicy
+        fp = FSDPParam(p, fqn, owners, mesh, d, mp_policy, where, offload_pin_memory=pin)
         local = p._local_tensor if isinstance(p, DTensor) else p
         device = local.device if device is None else device
         try:

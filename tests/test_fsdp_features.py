@@ -78,8 +78,12 @@ def _prefetch_and_accumulation():
                 assert all(p.grad is None for p in model.parameters())
         for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), rp.grad, **TOL, msg=f"accumulated grad {n} raf={raf}")
-    # ---- explicit unshard / reshard
+    # ---- a no-grad forward (evaluation) leaves every module resharded, the root included
     model = _shard(_make(), mesh)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x[:2]), ref(x[:2]), **TOL)
+    assert all(isinstance(p, hp.DTensor) for p in model.parameters())
+    # ---- explicit unshard / reshard
     h = model.blocks[0].unshard(async_op=True)
     h.wait()
     w = model.blocks[0].w1.weight

@@ -140,7 +140,8 @@ class FSDPState:
 
     def post_forward(self, module, args, kwargs, output):
         backward = _in_backward()
-        if self.group is not None and self.reshard_after_forward and not backward:
+        # without grad no backward will need the parameters: free them (an optimizer step may come next)
+        if self.group is not None and (self.reshard_after_forward or not torch.is_grad_enabled()) and not backward:
             self.group.reshard()
         if self.is_root and not backward:
             self.ctx.recording = False

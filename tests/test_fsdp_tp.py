@@ -12,25 +12,28 @@ from examples.llama.parallelize import parallelize_llama, train_loss
 from examples.llama.reference import build_optimizer, train_reference
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=260, multiple_of=32, max_seq_len=32)
+GQA_TIED = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=260, multiple_of=32, max_seq_len=32,
+                     tie_embeddings=True)
+MODELS = {"mha": ARGS, "gqa_tied": GQA_TIED}
 STEPS, BATCH, SEQ = 4, 8, 32
 RTOL, ATOL = 1e-5, 1e-5
 _REF = {}
 
 
-def _reference(steps):
-    if steps not in _REF:
+def _reference(model_name):
+    if model_name not in _REF:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            _REF[steps] = train_reference(ARGS, steps, seed=0, global_batch=BATCH, seq_len=SEQ)
+            _REF[model_name] = train_reference(MODELS[model_name], STEPS, seed=0, global_batch=BATCH, seq_len=SEQ)
         finally:
             torch.set_num_threads(threads)
-    return _REF[steps]
+    return _REF[model_name]
 
 
-def _train(shape, names, sp, loss_parallel, ref):
+def _train(shape, names, sp, loss_parallel, ref, model_name="mha"):
     mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = build_model(ARGS, 0)
+    model = build_model(MODELS[model_name], 0)
     parallelize_llama(model, mesh, sequence_parallel=sp, loss_parallel=loss_parallel)
     assert isinstance(model, hp.FSDPModule)
     for n, p in model.named_parameters():
@@ -66,6 +69,7 @@ def _train(shape, names, sp, loss_parallel, ref):
 
 
 CASES = {
+    "fsdp2_tied_embeddings": ((2,), ("dp_shard",), False, False, "gqa_tied"),
     "fsdp2_tp2_sp_loss_parallel": ((2, 2), ("dp_shard", "tp"), True, True),
     "hsdp2x2": ((2, 2), ("dp", "dp_shard"), False, False),
     "hsdp2x2_tp2_sp": ((2, 2, 2), ("dp", "dp_shard", "tp"), True, False),
@@ -74,8 +78,9 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp_tp_llama_parity(dist_runner, case):
-    shape, names, sp, lp = CASES[case]
+    shape, names, sp, lp, *model = CASES[case]
+    model_name = model[0] if model else "mha"
     n = 1
     for s in shape:
         n *= s
-    assert dist_runner.run(n, _train, shape, names, sp, lp, _reference(STEPS)) == [True] * n
+    assert dist_runner.run(n, _train, shape, names, sp, lp, _reference(model_name), model_name) == [True] * n

@@ -4,15 +4,12 @@ Each distributed task runs many checks (one pool task per world size keeps the
 suite cheap). The model has dims that do not divide the world size (and a
 layer whose last rank's shard is empty on 4 ranks).
 """
-import copy
-
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import hyper_parallel as hp
-from hyper_parallel.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from hyper_parallel.fsdp import FSDPModule, fully_shard
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)

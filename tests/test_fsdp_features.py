@@ -2,7 +2,6 @@
 checkpointing, per-rank save/load, explicit unshard/reshard, meta-device init, mixed precision against
 torch's own FSDP2, and the bad-input errors (one distributed task per world size)."""
 import copy
-import io
 
 import pytest
 import torch
@@ -11,8 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hyper_parallel as hp
-from hyper_parallel.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from tests.test_fsdp import DT, TOL, Block, Net, _data, _full, _make, _shard, _train, _check_parity
+from hyper_parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from tests.test_fsdp import DT, TOL, Block, Net, _data, _make, _shard, _train, _check_parity
 
 
 class CkptBlock(Block):
@@ -215,8 +214,6 @@ def _errors():
     fully_shard(m.blocks[0], mesh=mesh)
     with pytest.raises(RuntimeError, match="already applied to this FSDPBlock"):
         fully_shard(m.blocks[0], mesh=mesh)
-    if world >= 8:
-        pass
     mesh3 = hp.init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("a", "b", "c"))
     with pytest.raises(ValueError, match="3-D mesh"):
         fully_shard(_make().blocks[0], mesh=mesh3)

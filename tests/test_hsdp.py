@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.core.hsdp import HSDPModule, hsdp
-from tests.test_fsdp import DT, TOL, _check_parity, _data, _make, _train
+from tests.test_fsdp import TOL, _check_parity, _data, _make, _train
 
 STEPS = 3
 # (level, grads sharded?, params sharded?, re-gather in backward?)

@@ -314,7 +314,6 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
                              "(or pass it in ignored_params)")
         by_id.setdefault(id(p), [fqn, [], p])[1].append((owner, name))
     fsdp_params = []
-    device = None
     for fqn, owners, p in by_id.values():
         d = 0
         if shard_placement_fn is not None:
@@ -326,8 +325,6 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
                 d = pl.dim
         pin = getattr(offload_policy, "pin_memory", None)  # set only by CPUOffloadPolicy
         fp = FSDPParam(p, fqn, owners, mesh, d, mp_policy, where, offload_pin_memory=pin)
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        device = local.device if device is None else device
         try:
             p._hp_fsdp_owner = f"{where} (parameter {fqn!r})"
         except (AttributeError, RuntimeError):

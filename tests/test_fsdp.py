@@ -107,10 +107,12 @@ def _fsdp_1d():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         losses = _train(model, opt, STEPS, rank, world)
         _check_parity(model, ref, losses, ref_losses, label)
-        # optimizer state is sharded like the parameters
-        for p in model.parameters():
-            st = opt.state[p]
+        # optimizer state: sharded like the parameters, equal to the single-process state
+        for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
+            st, rst = opt.state[p], ref_opt.state[rp]
             assert st["exp_avg"]._local_tensor.shape == p._local_tensor.shape, label
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(st[key].full_tensor(), rst[key], **TOL, msg=f"{label}: {key} of {n}")
     return True
 
 

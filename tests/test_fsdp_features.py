@@ -69,12 +69,17 @@ def _prefetch_and_accumulation():
         xs, ys = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
         for mb in range(4):
             model.set_requires_gradient_sync(mb == 3)
+            model.set_reshard_after_backward(mb == 3)
             with hp.CommDebugMode() as comm:
                 ((model(xs[mb * 2:(mb + 1) * 2]) - ys[mb * 2:(mb + 1) * 2]).pow(2).mean() / 4).backward()
             rs = comm.get_comm_counts().get("reduce_scatter", 0)
             assert rs == (4 if mb == 3 else 0), (mb, comm.get_comm_counts())
-            if mb < 3:
-                assert all(p.grad is None for p in model.parameters())
+            if raf is False:  # unsharded parameters kept across the micro-batches: one gather in all
+                assert comm.get_comm_counts().get("all_gather", 0) == (4 if mb == 0 else 0), (mb, comm.counts)
+            if mb < 3:  # nothing reduced yet: the sharded parameters have no gradient
+                sharded = [fp.sharded for m in model.modules() if isinstance(m, hp.FSDPModule)
+                           for fp in m._hp_fsdp_state.group.params]
+                assert len(sharded) == 22 and all(p.grad is None for p in sharded)
         for (n, p), rp in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), rp.grad, **TOL, msg=f"accumulated grad {n} raf={raf}")
     # ---- a no-grad forward (evaluation) leaves every module resharded, the root included
@@ -82,7 +87,26 @@ def _prefetch_and_accumulation():
     with torch.no_grad():
         torch.testing.assert_close(model(x[:2]), ref(x[:2]), **TOL)
     assert all(isinstance(p, hp.DTensor) for p in model.parameters())
+    # ---- set_reshard_after_backward(False): kept unsharded parameters are re-gathered after a step
+    model = _shard(_make(), mesh, False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.set_reshard_after_backward(False)
+    ref2 = _make()
+    ref_opt = torch.optim.AdamW(ref2.parameters(), lr=1e-2)
+    for s in range(3):
+        x2, y2 = _data(10 + s)
+        (ref2(x2) - y2).pow(2).mean().backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        with hp.CommDebugMode() as comm:
+            out = model(x2[rank::world])
+        assert comm.get_comm_counts().get("all_gather", 0) == 4, comm.get_comm_counts()  # re-gathered each step
+        (out - y2[rank::world]).pow(2).mean().backward()
+        opt.step(), opt.zero_grad()
+    with torch.no_grad(), hp.CommDebugMode() as comm:
+        torch.testing.assert_close(model(x2), ref2(x2), **TOL, msg="reshard_after_backward=False")
+    assert comm.get_comm_counts() == {"all_gather": 4}, comm.get_comm_counts()  # stale copies re-gathered
     # ---- explicit unshard / reshard
+    model = _shard(_make(), mesh)
     h = model.blocks[0].unshard(async_op=True)
     h.wait()
     w = model.blocks[0].w1.weight

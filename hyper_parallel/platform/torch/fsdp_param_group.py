@@ -85,8 +85,10 @@ class FSDPParamGroup:
     # ------------------------------------------------------------------ all_gather
     def unshard(self, async_op: bool = True):
         """Issue the group's flat all_gather (no-op when already unsharded or in flight)."""
-        if self.persistent and self.state == UNSHARDED and self._versions() != self._gathered_versions:
-            self.state = SHARDED  # an optimizer step changed the shards: gather them into the kept tensors
+        if self.state == UNSHARDED and self._versions() != self._gathered_versions:
+            # the shards changed while the unsharded parameters were kept (an optimizer step after
+            # set_reshard_after_backward(False), or the ZeRO modes): gather them again
+            self.state = SHARDED
         if self.state != SHARDED:
             return
         with torch.no_grad():
@@ -124,8 +126,7 @@ class FSDPParamGroup:
                 p.copy_out(gathered[:, off: off + p.padded], self.k)
             self._install_grad_hooks()
             self.state = UNSHARDED
-            if self.persistent:
-                self._gathered_versions = self._versions()
+            self._gathered_versions = self._versions()
         for p in self.params:
             p.to_unsharded()
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import hyper_parallel as hp
 from examples.llama.configs import OptimConfig
 from examples.llama.data import TokenBatches, dp_shard
-from examples.llama.model import ModelArgs, build_model, loss_fn
+from examples.llama.model import ModelArgs, Transformer, build_model, loss_fn
 from examples.llama.parallelize import parallelize_llama, train_loss
 from examples.llama.reference import build_optimizer, train_reference
 
@@ -84,3 +84,27 @@ def test_fsdp_tp_llama_parity(dist_runner, case):
     for s in shape:
         n *= s
     assert dist_runner.run(n, _train, shape, names, sp, lp, _reference(model_name), model_name) == [True] * n
+
+
+def _meta_llama():
+    """Meta-device Llama -> TP + fully_shard -> to_empty -> the model's init: equal to one process's init."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    with torch.device("meta"):
+        model = Transformer(ARGS, init_seed=None)
+    parallelize_llama(model, mesh, sequence_parallel=True)
+    assert all(p._local_tensor.device.type == "meta" for p in model.parameters())
+    model.to_empty(device="cpu")
+    with hp.implicit_replication():  # init_weights copies full CPU draws into the (sharded) parameters
+        model.init_weights(0)
+    ref = build_model(ARGS, 0).state_dict()
+    n_local = 0
+    for n, p in model.state_dict().items():
+        assert p._local_tensor.device.type == "cpu", n
+        torch.testing.assert_close(p.full_tensor(), ref[n], rtol=0, atol=0, msg=n)
+        n_local += p._local_tensor.numel()
+    return n_local, sum(t.numel() for t in ref.values())
+
+
+def test_meta_init_fsdp_tp_llama(dist_runner):
+    for n_local, total in dist_runner.run(4, _meta_llama):
+        assert n_local < total / 3, (n_local, total)  # a quarter, plus the tp-replicated norm weights

@@ -52,7 +52,14 @@ def _train(shape, names, sp, loss_parallel, ref, model_name="mha"):
         x, y = data.get_batch(step, BATCH, SEQ)
         x, y = dp_shard(x, r, dp), dp_shard(y, r, dp)
         opt.zero_grad(set_to_none=True)
-        loss = train_loss(model, x, y, loss_fn, loss_parallel=loss_parallel)
+        with hp.CommDebugMode() as comm:
+            loss = train_loss(model, x, y, loss_fn, loss_parallel=loss_parallel)
+        # per group (2 blocks + root): one all_gather forward, one again backward for the blocks, one
+        # reduce_scatter over dp_shard, plus (HSDP) one all_reduce over the replicate dim
+        on = lambda kind, dim: sum(1 for e in comm.events if e[0] == kind and e[2] == mesh.get_comm_group(dim).ranks)
+        assert on("all_gather", "dp_shard") == 3 + 2 and on("reduce_scatter", "dp_shard") == 3, comm.events
+        if "dp" in names:
+            assert on("all_reduce", "dp") == 3, comm.events
         torch.nn.utils.clip_grad_norm_(model.parameters(), OptimConfig().max_grad_norm)
         opt.step()
         losses.append(loss.item())

@@ -222,21 +222,37 @@ class FSDPParamGroup:
             work = dist.all_reduce(flat, group=self.shard_group.handle, async_op=True)
         self._rs = (work, flat, have, "all_reduce")
 
+    def start_replica_reduce(self):
+        """HSDP: once the reduce_scatter is done, issue the all_reduce over the replicate dim (async).
+
+        The root calls this for every group before finishing any, so the replicate all_reduces of
+        all groups are in flight together.
+        """
+        if self._rs is None or len(self._rs) == 4:
+            return
+        work, out, have = self._rs
+        if work is not None:
+            work.wait()
+        ar = None
+        n = self.k
+        if self.rep_group is not None and self.rep_group.size > 1 and self.requires_all_reduce:
+            rec.record(rec.ALL_REDUCE, out.numel() * out.element_size(), self.rep_group.ranks)
+            ar = dist.all_reduce(out, group=self.rep_group.handle, async_op=True)
+            n *= self.rep_group.size
+        self._rs = (ar, out, have, n, "replica")
+
     def finish_reduce(self):
-        """Wait for the reduce_scatter, all-reduce over replicas (HSDP), average, add to sharded grads."""
+        """Wait for the reduce_scatter (and HSDP all_reduce), average, add to the sharded grads."""
         if self._rs is None:
             return
         if len(self._rs) == 4:
             return self._finish_all_reduce()
-        work, out, have = self._rs
+        if len(self._rs) == 3:
+            self.start_replica_reduce()
+        work, out, have, n, _ = self._rs
         self._rs = None
         if work is not None:
             work.wait()
-        n = self.k
-        if self.rep_group is not None and self.rep_group.size > 1 and self.requires_all_reduce:
-            rec.record(rec.ALL_REDUCE, out.numel() * out.element_size(), self.rep_group.ranks)
-            dist.all_reduce(out, group=self.rep_group.handle)
-            n *= self.rep_group.size
         factor = self.divide_factor if self.divide_factor is not None else n
         if factor != 1:
             out.div_(factor)

@@ -235,9 +235,11 @@ class FSDPState:
             if not st._post_bw_done and (st._pre_bw_done or (st.group is not None and st.group.state != SHARDED)):
                 st.post_backward()
         with torch.no_grad():
-            for st in reversed(order):
-                if st.group is not None:
-                    st.group.finish_reduce()
+            groups = [st.group for st in reversed(order) if st.group is not None]
+            for g in groups:
+                g.start_replica_reduce()
+            for g in groups:
+                g.finish_reduce()
         for st in order:
             st._pre_bw_done = st._post_bw_done = False
         ctx.callback_queued = False

@@ -267,6 +267,12 @@ def _errors():
     assert m.inp.weight.placements == (hp.Shard(1),)
     x, y = _data(0)
     torch.testing.assert_close(m(x), ref(x), **TOL)
+    # state_dict() right after forward (the root keeps its parameters unsharded): sharded DTensors
+    m = _shard(_make(), mesh)
+    m(x)
+    assert not isinstance(m.inp.weight, hp.DTensor)
+    assert all(isinstance(v, hp.DTensor) for v in m.state_dict().values())
+    assert isinstance(m.inp.weight, hp.DTensor)
     # CPUOffloadPolicy: on a CPU-only machine the same numbers as no offload
     from hyper_parallel.fsdp import CPUOffloadPolicy
     a, b = _shard(_make(), mesh), _shard(_make(), mesh, offload_policy=CPUOffloadPolicy())

@@ -340,6 +340,13 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
             group.make_persistent()
     for fp in fsdp_params:
         fp._full_local_for_zero = None  # drop the reference to the unsharded original
+    if group is not None:
+        # state_dict() / load_state_dict() see the sharded DTensors even while the group is unsharded
+        # (the root after forward), as FSDP2's pre-hooks arrange
+        hook = lambda *a, **k: group.reshard()
+        for owner in {id(m): m for fp in fsdp_params for m, _ in fp.owners}.values():
+            owner.register_state_dict_pre_hook(hook)
+            owner._register_load_state_dict_pre_hook(hook)
     state = FSDPState(module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where)
     module.__dict__["_hp_fsdp_state"] = state
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)

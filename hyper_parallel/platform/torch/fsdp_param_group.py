@@ -138,6 +138,7 @@ class FSDPParamGroup:
             if self.persistent:
                 self.state = UNSHARDED
         for p in self.params:
+            p.refresh_sharded()  # the module may hold a replaced sharded parameter (to_empty)
             if not self.persistent:
                 p.free_unsharded()
             p.to_sharded()

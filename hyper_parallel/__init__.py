@@ -26,6 +26,9 @@ from hyper_parallel.core.shard.api import shard_module
 from hyper_parallel.core.tensor_parallel import (
     ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
     PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
+from hyper_parallel.core.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                      CPUOffloadPolicy)
+from hyper_parallel.core.fsdp.hsdp import hsdp
 
 __version__ = "0.1.0"
 
@@ -51,4 +54,5 @@ __all__ = [
     "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
     "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
     "ShardingPlan", "shard_module",
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "hsdp",
 ]

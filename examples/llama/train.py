@@ -1,6 +1,13 @@
 """Train the example Llama with data x tensor (x sequence) parallelism on CPU processes.
 
     torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
+    torchrun --nproc_per_node 4 examples/llama/train.py --dp-shard 2 --tp 2 --sp --steps 40   # FSDP x TP
+
+``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
+parameters, gradients and optimizer states (``fully_shard`` per block and root);
+both together are HSDP (dp_replicate x dp_shard x tp). With ``--dp-shard`` rank 0
+prints every rank's parameter + gradient + optimizer-state bytes next to the
+unsharded total.
 
 Every rank builds the same model (same seed), ``parallelize_llama`` shards it
 over a ("dp", "tp") mesh, and AdamW with gradient clipping trains it on the
@@ -43,6 +50,8 @@ from examples.llama.reference import build_optimizer, train_reference  # noqa: E
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="DP x TP (+SP) training of the example Llama on CPU")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--dp-shard", type=int, default=1,
+                   help="fully sharded data-parallel degree (fully_shard; with --dp: HSDP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
     p.add_argument("--loss-parallel", action="store_true",
@@ -58,9 +67,38 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def train(args, steps, cfg, mesh, log=print):
-    """Distributed training loop; returns the global mean loss of every step."""
-    dp = mesh.size(0)
+def make_mesh(args):
+    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given."""
+    if getattr(args, "dp_shard", 1) > 1:
+        return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+    return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+
+
+def state_bytes(model, opt):
+    """This rank's bytes of parameters, gradients and optimizer states (local shards)."""
+    local = lambda t: t._local_tensor if isinstance(t, hp.DTensor) else t
+    n = 0
+    for p in model.parameters():
+        n += local(p).numel() * local(p).element_size()
+        if p.grad is not None:
+            n += local(p.grad).numel() * local(p.grad).element_size()
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                n += local(v).numel() * local(v).element_size()
+    return n
+
+
+def train(args, steps, cfg, mesh, log=print, report=None):
+    """Distributed training loop; returns the global mean loss of every step.
+
+    ``report``, if given, is a dict that receives this rank's state bytes after the last step.
+    """
+    names = mesh.mesh_dim_names
+    if "dp_shard" in names:
+        dp = mesh.size("dp") * mesh.size("dp_shard")
+        dp_rank = mesh.get_local_rank("dp") * mesh.size("dp_shard") + mesh.get_local_rank("dp_shard")
+    else:
+        dp, dp_rank = mesh.size(0), mesh.get_local_rank(0)
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
@@ -73,7 +111,7 @@ def train(args, steps, cfg, mesh, log=print):
         start = checkpoint.resume(ckpt_dir, model, opt)
         log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
-    dp_rank, dp_group = mesh.get_local_rank(0), mesh.get_group(0)
+    tp = mesh.size("tp") if "tp" in names else 1
     losses = []
     t0 = time.perf_counter()
     tokens = 0
@@ -84,9 +122,9 @@ def train(args, steps, cfg, mesh, log=print):
         g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         opt.step()
-        if dp > 1:
-            dist.all_reduce(g, group=dp_group)
-            g /= dp
+        if dp > 1:  # every tp rank holds the same loss: average over the whole world
+            dist.all_reduce(g)
+            g /= dp * tp
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
@@ -95,6 +133,8 @@ def train(args, steps, cfg, mesh, log=print):
             from examples.llama import checkpoint
             path = checkpoint.save(ckpt_dir, step + 1, model, opt)
             log(None, steps, f"saved {path}", 0)
+    if report is not None:
+        report["bytes"] = state_bytes(model, opt)
     return losses
 
 
@@ -119,26 +159,38 @@ def main(argv=None):
         raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.dp * args.tp != world:
-        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} must equal the number of "
-                         f"processes ({world}); launch with torchrun --nproc_per_node {args.dp * args.tp}")
+    need = args.dp * args.dp_shard * args.tp
+    if need != world:
+        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} = {need} must equal the "
+                         f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
-    mesh = hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    mesh = make_mesh(args)
     cfg = get_config(args.config)
     steps = args.steps or cfg.steps
     rank = dist.get_rank()
     if rank == 0:
         n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
         lp = ", loss_parallel" if args.loss_parallel else ""
-        print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp} tp={args.tp} "
+        ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
+        print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
-    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None))
+    report = {}
+    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None), report=report)
     elapsed = time.perf_counter() - t0
+    per_rank = torch.zeros(world, dtype=torch.long)
+    per_rank[rank] = report["bytes"]
+    dist.all_reduce(per_rank)
     if rank == 0:
         from examples.llama.plot import save_loss_curves
-        series = {f"dp{args.dp}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
+        n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
+        total = 4 * n * 4  # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq
+        print("per-rank parameter+gradient+optimizer bytes: "
+              + ", ".join(f"rank {r}: {b:,}" for r, b in enumerate(per_rank.tolist()))
+              + f" (unsharded total {total:,})")
+        ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
+        series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")
         if not args.no_compare and losses:

@@ -710,7 +710,9 @@ def _setstate(self, state):
 
 def _compatible_shallow_copy(a, b):
     if isinstance(a, DTensor) and isinstance(b, DTensor):
-        return True
+        # the local tensors decide: a meta local cannot take a CPU local by ``.data =``, so
+        # ``module.to_empty(device=...)`` replaces such a parameter (as for plain tensors)
+        return platform.has_compatible_shallow_copy_type(a._local_tensor, b._local_tensor)
     if isinstance(a, DTensor) or isinstance(b, DTensor):
         return False  # a DTensor and a plain tensor: ``.data =`` would mix the two kinds
     return platform.has_compatible_shallow_copy_type(a, b)

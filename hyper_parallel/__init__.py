@@ -15,14 +15,20 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.api import (
     distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
 from hyper_parallel.core.dtensor.random import manual_seed
+from hyper_parallel.core.dtensor import function_bridge as _function_bridge  # noqa: F401  (autograd.Function on DTensors)
 from hyper_parallel.debug import CommDebugMode
 from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispatch, local_map, custom_shard
 from hyper_parallel.core.shard._op_dispatch import (
     set_strict_layouts, strict_layouts, implicit_replication, allow_replicate_fallback, set_debug)
 
+from hyper_parallel.core.shard.sharding_plan import ShardingPlan
+from hyper_parallel.core.shard.api import shard_module
 from hyper_parallel.core.tensor_parallel import (
     ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
     PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
+from hyper_parallel.core.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                      CPUOffloadPolicy)
+from hyper_parallel.core.fsdp.hsdp import hsdp
 
 __version__ = "0.1.0"
 
@@ -47,4 +53,6 @@ __all__ = [
     "implicit_replication", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
     "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
+    "ShardingPlan", "shard_module",
+    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "hsdp",
 ]

@@ -17,7 +17,6 @@ import argparse
 import copy
 import dataclasses
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -100,9 +99,14 @@ def _program_case(mesh):
         torch.testing.assert_close(a.grad.full_tensor(), a_ref.grad, **TOL)
         torch.testing.assert_close(b.grad.full_tensor(), b_ref.grad, **TOL)
         assert a.grad.placements == (Shard(0),) and b.grad.placements == (Replicate(),)
-    # a DTensor computed eagerly (with autograd history on its local tensor) cannot enter a region
-    with pytest.raises(Exception, match="computed outside the compiled region"):
-        torch.compile(lambda t: t.full_tensor(), backend=BACKEND, fullgraph=True)(a * 2)
+    # a DTensor returned by a region is used eagerly: its gradient crosses the boundary (the
+    # function bridge runs AOT's autograd.Function on the local tensors)
+    a = hp.distribute_tensor(a_full, mesh, [Shard(0)]).requires_grad_()
+    f = torch.compile(lambda t: (t * 3).sin(), backend=BACKEND, fullgraph=True)
+    out = f(a)
+    assert isinstance(out, hp.DTensor) and out.placements == (Shard(0),)
+    (out * 2).full_tensor().sum().backward()
+    torch.testing.assert_close(a.grad.full_tensor(), 6 * torch.cos(3 * a_full), **TOL)
     # Partial input made inside the region, reduced by full_tensor
     f = torch.compile(lambda x: hp.DTensor.from_local(x, mesh, [Partial()]).full_tensor() * 3,
                       backend=BACKEND, fullgraph=True)

@@ -1,8 +1,9 @@
 """The runnable examples, end to end under torchrun with 4 CPU processes (as a user runs them).
 
-* ``examples/llama/train.py --dp 2 --tp 2 --sp`` (the command behind scripts/demo.sh) on the tiny
-  config for 2 steps: exit code 0, the loss curve files, and the printed largest loss difference
-  against the single-process run.
+* ``examples/llama/train.py --dp-shard 2 --tp 2 --sp`` (the command behind scripts/demo.sh: FSDP x TP)
+  on the tiny config for 2 steps: exit code 0, the loss curve files, the printed largest loss
+  difference against the single-process run, and the per-rank state bytes (about a quarter of the
+  unsharded total).
 * ``examples/dtensor_demo.py``: exit code 0, the collectives it prints for the moves the README
   describes, and its own check of every shard and full_tensor() against the full tensor.
 """
@@ -36,11 +37,16 @@ def _torchrun(script, *args):
     return proc.stdout
 
 
-def test_train_llama_dp2_tp2_sp(tmp_path):
+def test_train_llama_dp_shard2_tp2_sp(tmp_path):
     prefix = tmp_path / "loss"
-    out = _torchrun("examples/llama/train.py", "--dp", "2", "--tp", "2", "--sp", "--steps", "2",
+    out = _torchrun("examples/llama/train.py", "--dp-shard", "2", "--tp", "2", "--sp", "--steps", "2",
                     "--config", "tiny", "--out", prefix)
-    assert "dp=2 tp=2 sp=on, 2 steps" in out, out
+    assert "dp=1 dp_shard=2 tp=2 sp=on, 2 steps" in out, out
+    m = re.search(r"per-rank parameter\+gradient\+optimizer bytes: (.*) \(unsharded total ([\d,]+)\)", out)
+    assert m, out
+    per_rank = [int(b.replace(",", "")) for b in re.findall(r"rank \d: ([\d,]+)", m.group(1))]
+    total = int(m.group(2).replace(",", ""))
+    assert len(per_rank) == 4 and all(total / 4 <= b <= total / 4 * 1.01 for b in per_rank), (per_rank, total)
     assert re.search(r"step 2/2 +loss \d+\.\d{4} +[\d,]+ tok/s", out), out
     m = re.search(r"largest loss difference vs single process: (\S+) \(relative (\S+)\)", out)
     assert m, out
@@ -51,10 +57,10 @@ def test_train_llama_dp2_tp2_sp(tmp_path):
     assert f"loss curve written to {csv}" in out, out  # into tmp_path, not the repository
     assert csv.is_file(), out
     series = read_loss_csv(csv)
-    assert set(series) == {"dp2_tp2_sp", "single_process"}, series
+    assert set(series) == {"dp1_dpshard2_tp2_sp", "single_process"}, series
     for name, losses in series.items():
         assert len(losses) == 2 and all(math.isfinite(v) and 0 < v < 10 for v in losses), (name, losses)
-    for a, b in zip(series["dp2_tp2_sp"], series["single_process"]):
+    for a, b in zip(series["dp1_dpshard2_tp2_sp"], series["single_process"]):
         assert abs(a - b) <= 1e-4 * abs(b), series
     try:
         import matplotlib  # noqa: F401

@@ -292,10 +292,14 @@ def test_coordinate_and_rank_list():
 
 def test_error_placements_length():
     base = Layout((2, 2), ("dp", "tp"))
-    with pytest.raises(ValueError, match=r"has 1 entries but the mesh \(2, 2\) has 2 dims"):
-        base.with_placements([Shard(0)], 2)
-    with pytest.raises(ValueError, match="has 3 entries"):
-        base.with_placements([Shard(0), Replicate(), Replicate()], 2)
+    # HyperParallel rules: missing entries are Replicate, extra trailing Replicate entries are dropped
+    assert base.with_placements([Shard(0)], 2) == base.with_placements([Shard(0), Replicate()], 2)
+    assert base.with_placements([Shard(0), Replicate(), Replicate()], 2).placements == (Shard(0), Replicate())
+    with pytest.raises(ValueError, match=r"has 3 entries but the mesh \(2, 2\) has 2 dims; the extra entry "
+                                         r"placements\[2\] = Shard\(dim=1\)"):
+        base.with_placements([Shard(0), Replicate(), Shard(1)], 2)
+    with pytest.raises(ValueError, match="has 4 entries"):
+        base.with_placements([Shard(0), Replicate(), Replicate(), Partial()], 2)
 
 
 def test_error_shard_dim_out_of_range():
@@ -312,8 +316,8 @@ def test_error_not_a_placement():
     base = Layout((2,), ("x",))
     with pytest.raises(TypeError, match="is not a Placement"):
         base.with_placements(["x"], 1)
-    with pytest.raises(TypeError, match="with_placements"):
-        base([Shard(0)])
+    # HyperParallel's placement call form gives a PlacementSpec (tensor rank not known yet)
+    assert base([Shard(0)]).placements == (Shard(0),) and base([Shard(0)]).to_layout(2).tensor_map == (0, -1)
 
 
 def test_error_unknown_alias():

@@ -29,13 +29,18 @@ SequenceParallel.register_module_type(RMSNorm)
 
 def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_parallel: bool = False,
                       src_data_rank=0):
-    """Apply TP (+SP) on ``mesh['tp']`` and DP on ``mesh['dp']`` (if present) to ``model`` in place."""
+    """Apply TP (+SP) on ``mesh['tp']`` and DP on ``mesh['dp']`` (if present) to ``model`` in place.
+
+    A ``dp_shard`` mesh dim makes the data parallelism fully sharded: every block and
+    then the root are ``fully_shard``-ed on ``mesh['dp_shard']`` (on
+    ``mesh['dp', 'dp_shard']``, i.e. HSDP, when ``dp`` is present too).
+    """
     names = mesh.mesh_dim_names or ()
     tp_mesh = mesh["tp"] if "tp" in names else mesh
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
 
-    if tp_mesh.size() > 1:
+    if tp_mesh.size() > 1 and ("tp" in names or not {"dp", "dp_shard"} & set(names)):
         parallelize_module(model, tp_mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -59,7 +64,13 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, block_plan, src_data_rank=src_data_rank)
-    if "dp" in names and mesh["dp"].size() > 1:
+    if "dp_shard" in names:
+        # FSDP (HSDP when a "dp" replicate dim is present): one fully_shard group per block plus the root
+        fsdp_mesh = mesh["dp", "dp_shard"] if "dp" in names else mesh["dp_shard"]
+        for block in model.layers.values():
+            hp.fully_shard(block, mesh=fsdp_mesh)
+        hp.fully_shard(model, mesh=fsdp_mesh)
+    elif "dp" in names and mesh["dp"].size() > 1:
         replicate(model, mesh["dp"])
     return model
 

@@ -1,6 +1,13 @@
 """Train the example Llama with data x tensor (x sequence) parallelism on CPU processes.
 
     torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
+    torchrun --nproc_per_node 4 examples/llama/train.py --dp-shard 2 --tp 2 --sp --steps 40   # FSDP x TP
+
+``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
+parameters, gradients and optimizer states (``fully_shard`` per block and root);
+both together are HSDP (dp_replicate x dp_shard x tp). With ``--dp-shard`` rank 0
+prints every rank's parameter + gradient + optimizer-state bytes next to the
+unsharded total.
 
 Every rank builds the same model (same seed), ``parallelize_llama`` shards it
 over a ("dp", "tp") mesh, and AdamW with gradient clipping trains it on the
@@ -9,6 +16,9 @@ loss curve (CSV + PNG) and finally trains the same model for the same steps in
 one process and prints the largest loss difference. ``--loss-parallel``
 computes the cross-entropy on the vocabulary-sharded logits (no gather of the
 vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
+``--checkpoint-dir DIR --save-every K`` saves DCP checkpoints (``DIR/step-NNNNNN`` and a
+``DIR/latest`` marker written after each completed save); ``--resume`` continues from
+``DIR/latest`` under any ``--dp/--tp`` (see docs/checkpoint.md).
 
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
@@ -40,6 +50,8 @@ from examples.llama.reference import build_optimizer, train_reference  # noqa: E
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="DP x TP (+SP) training of the example Llama on CPU")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--dp-shard", type=int, default=1,
+                   help="fully sharded data-parallel degree (fully_shard; with --dp: HSDP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
     p.add_argument("--loss-parallel", action="store_true",
@@ -50,12 +62,45 @@ def parse_args(argv=None):
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="torch.compile each transformer block (torchtitan style; default backend: inductor)")
+    p.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints as DIR/step-NNNNNN (+ DIR/latest)")
+    p.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last) when "
+                   "--checkpoint-dir is set; 0: only after the last step")
+    p.add_argument("--resume", action="store_true", help="resume from DIR/latest (any --dp/--tp layout)")
     return p.parse_args(argv)
 
 
-def train(args, steps, cfg, mesh, log=print):
-    """Distributed training loop; returns the global mean loss of every step."""
-    dp = mesh.size(0)
+def make_mesh(args):
+    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given."""
+    if getattr(args, "dp_shard", 1) > 1:
+        return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+    return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+
+
+def state_bytes(model, opt):
+    """This rank's bytes of parameters, gradients and optimizer states (local shards)."""
+    local = lambda t: t._local_tensor if isinstance(t, hp.DTensor) else t
+    n = 0
+    for p in model.parameters():
+        n += local(p).numel() * local(p).element_size()
+        if p.grad is not None:
+            n += local(p.grad).numel() * local(p.grad).element_size()
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                n += local(v).numel() * local(v).element_size()
+    return n
+
+
+def train(args, steps, cfg, mesh, log=print, report=None):
+    """Distributed training loop; returns the global mean loss of every step.
+
+    ``report``, if given, is a dict that receives this rank's state bytes after the last step.
+    """
+    names = mesh.mesh_dim_names
+    if "dp_shard" in names:
+        dp = mesh.size("dp") * mesh.size("dp_shard")
+        dp_rank = mesh.get_local_rank("dp") * mesh.size("dp_shard") + mesh.get_local_rank("dp_shard")
+    else:
+        dp, dp_rank = mesh.size(0), mesh.get_local_rank(0)
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
@@ -63,24 +108,37 @@ def train(args, steps, cfg, mesh, log=print):
     if getattr(args, "compile", None):
         compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)
+    ckpt_dir = getattr(args, "checkpoint_dir", None)
+    start = 0
+    if ckpt_dir and getattr(args, "resume", False):
+        from examples.llama import checkpoint
+        start = checkpoint.resume(ckpt_dir, model, opt)
+        log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
-    dp_rank, dp_group = mesh.get_local_rank(0), mesh.get_group(0)
+    tp = mesh.size("tp") if "tp" in names else 1
     losses = []
     t0 = time.perf_counter()
     tokens = 0
-    for step in range(steps):
+    for step in range(start, steps):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
         opt.zero_grad(set_to_none=True)
         g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         opt.step()
-        if dp > 1:
-            dist.all_reduce(g, group=dp_group)
-            g /= dp
+        if dp > 1:  # every tp rank holds the same loss: average over the whole world
+            dist.all_reduce(g)
+            g /= dp * tp
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
+        every = getattr(args, "save_every", 0)
+        if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
+            from examples.llama import checkpoint
+            path = checkpoint.save(ckpt_dir, step + 1, model, opt)
+            log(None, steps, f"saved {path}", 0)
+    if report is not None:
+        report["bytes"] = state_bytes(model, opt)
     return losses
 
 
@@ -94,6 +152,9 @@ def compile_blocks(model, backend="inductor"):
 
 
 def progress(step, steps, loss, tok_s, width=30):
+    if step is None:  # a message (checkpoint saved / resumed)
+        print(loss, flush=True)
+        return
     done = int(width * (step + 1) / steps)
     line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
     end = "\n" if step + 1 == steps or not sys.stdout.isatty() else ""
@@ -105,14 +166,19 @@ def progress(step, steps, loss, tok_s, width=30):
 
 def main(argv=None):
     args = parse_args(argv)
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        raise SystemExit("--resume and --save-every need --checkpoint-dir DIR")
+    if args.save_every < 0:
+        raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.dp * args.tp != world:
-        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} must equal the number of "
-                         f"processes ({world}); launch with torchrun --nproc_per_node {args.dp * args.tp}")
+    need = args.dp * args.dp_shard * args.tp
+    if need != world:
+        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} = {need} must equal the "
+                         f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
-    mesh = hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+    mesh = make_mesh(args)
     cfg = get_config(args.config)
     steps = args.steps or cfg.steps
     rank = dist.get_rank()
@@ -120,19 +186,32 @@ def main(argv=None):
         n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
         lp = ", loss_parallel" if args.loss_parallel else ""
         lp += f", compiled blocks ({args.compile})" if args.compile else ""
-        print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp} tp={args.tp} "
+        ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
+        print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
-    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None))
+    report = {}
+    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None), report=report)
     elapsed = time.perf_counter() - t0
+    per_rank = torch.zeros(world, dtype=torch.long)
+    per_rank[rank] = report["bytes"]
+    dist.all_reduce(per_rank)
     if rank == 0:
         from examples.llama.plot import save_loss_curves
-        series = {f"dp{args.dp}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
-        print(f"trained {steps} steps in {elapsed:.1f}s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-        if not args.no_compare:
+        n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
+        total = 4 * n * 4  # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq
+        print("per-rank parameter+gradient+optimizer bytes: "
+              + ", ".join(f"rank {r}: {b:,}" for r, b in enumerate(per_rank.tolist()))
+              + f" (unsharded total {total:,})")
+        ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
+        series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
+        done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
+        print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")
+        if not args.no_compare and losses:
             print("running the same training in one process for comparison ...", flush=True)
             ref, _ = train_reference(cfg.model, steps, seed=cfg.seed, global_batch=cfg.global_batch,
                                      seq_len=cfg.seq_len, optim=cfg.optim)
+            ref = ref[len(ref) - len(losses):]  # after --resume only the last steps ran here
             series["single_process"] = ref
             diff = max(abs(a - b) for a, b in zip(losses, ref))
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))

@@ -49,6 +49,7 @@ class Platform:
     autograd_backward = None  # torch.autograd.backward's contract
     has_compatible_shallow_copy_type = None  # may ``a.data = b``? (asked by Module.to)
     strided = None            # the dense tensor layout (for wrapper construction)
+    framework_package = ""    # the framework's top-level package name (its code reads Tensor.layout)
     set_wrapper_data = None   # (wrapper, other): give a wrapper subclass other's dtype/device/sizes
     register_safe_globals = None  # (objs): rebuild functions/classes allowed by a safe (weights-only) load
     bump_version = None       # (t): mark t modified in place (kernels that do not say so themselves)

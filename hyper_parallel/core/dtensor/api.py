@@ -9,6 +9,8 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor import random as dt_random
+from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.core.dtensor.redistribute import run_plan
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -17,6 +19,37 @@ platform = get_platform()
 def _slice_local(tensor, layout, mesh, gshape):
     shape, offset = layout.local_shape_and_offset(gshape, coord=mesh.get_coordinate())
     return platform.narrow_block(tensor, offset, shape)
+
+
+def _chunk_sizes(n: int, k: int):
+    """Extents of ``torch.chunk(x, k)`` pieces of an ``n``-long dim, padded with zeros to ``k`` entries."""
+    c = -(-n // k) if n else 0
+    return [max(0, min(c, n - i * c)) for i in range(k)]
+
+
+def _scatter_from(tensor, mesh: DeviceMesh, layout, src_data_rank: int):
+    """This rank's piece of the tensor held by mesh coordinate ``(src,)*ndim``, as PyTorch sends it.
+
+    Mesh dims in order: a Shard dim scatters the pieces from the line's source
+    rank (each rank receives only its piece), a Replicate dim broadcasts. Returns
+    None for a layout that placements in mesh order cannot express (alias layouts
+    sharding one tensor dim in another order): the caller broadcasts and slices.
+    """
+    placements = layout.placements
+    if build_layout(mesh, placements, tensor.dim()) != layout:
+        return None
+    out = tensor.detach().contiguous()
+    for d, p in enumerate(placements):
+        k = mesh.size(d)
+        if k == 1:
+            continue
+        group = mesh.get_comm_group(d)
+        src = group.ranks[src_data_rank]
+        if p.is_shard():
+            out = platform.collectives.split_scatter(out, p.dim, group, src, _chunk_sizes(out.shape[p.dim], k))
+        else:
+            out = platform.collectives.broadcast(out, group, src)
+    return out
 
 
 def _broadcast_from(tensor, mesh: DeviceMesh, src_data_rank: int):
@@ -58,9 +91,20 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
             return tensor
         raise ValueError(f"distribute_tensor: tensor is already a DTensor with placements {tensor.placements}; "
                          "use .redistribute() to change its layout")
+    if mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing (PyTorch semantics)
+        from hyper_parallel.core.dtensor.dtensor import _off_mesh_local
+        local = _off_mesh_local(tensor.detach())
+        local.requires_grad_(tensor.requires_grad and local.is_floating_point())
+        return DTensor._wrap(local, mesh, layout, tuple(tensor.shape))
     if layout.has_partial():
-        raise ValueError(f"distribute_tensor: placements {layout.placements} contain Partial; a full tensor can only "
-                         "be sharded or replicated")
+        # as PyTorch: distribute as if Replicate, then turn each Partial mesh dim into pending
+        # partial values whose reduction is the tensor (exactly: the value on the dim's first
+        # rank, the reduction's identity elsewhere, where PyTorch splits a sum as v / n)
+        rep = distribute_tensor(tensor.detach(), mesh, layout.without_partial(), src_data_rank=src_data_rank)
+        plan = rp.plan(rep._layout, layout, tuple(rep.shape), rep._local_tensor.element_size())
+        local = run_plan(rep._local_tensor, plan, mesh, mesh._rank_index())
+        local.requires_grad_(tensor.requires_grad)
+        return DTensor._wrap(local, mesh, layout, rep._gshape)
     if src_data_rank is not None:
         if not isinstance(src_data_rank, int) or not all(0 <= src_data_rank < s for s in mesh.shape):
             raise ValueError(f"distribute_tensor: src_data_rank={src_data_rank!r} must be a group rank valid on every "
@@ -68,9 +112,13 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
     requires_grad = tensor.requires_grad
     gshape = tuple(tensor.shape)
     data = tensor.detach()
+    local = None
     if src_data_rank is not None:
-        data = _broadcast_from(data, mesh, src_data_rank)
-    local = _slice_local(data, layout, mesh, gshape)
+        local = _scatter_from(data, mesh, layout, src_data_rank)
+        if local is None:
+            data = _broadcast_from(data, mesh, src_data_rank)
+    if local is None:
+        local = _slice_local(data, layout, mesh, gshape)
     if local is tensor or local.data_ptr() == tensor.data_ptr():
         local = local.clone()
     local.requires_grad_(requires_grad)

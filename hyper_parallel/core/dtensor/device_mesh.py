@@ -11,6 +11,7 @@ import threading
 from typing import Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.dtensor.layout import coordinate_of
+from hyper_parallel.core.dtensor._hp_compat import DeviceMeshCompatMixin
 from hyper_parallel.platform import get_platform
 
 _CTX = threading.local()
@@ -34,7 +35,7 @@ def _flatten(nested):
     return [int(nested)], ()
 
 
-class DeviceMesh:
+class DeviceMesh(DeviceMeshCompatMixin):
     """An n-d mesh of global ranks.
 
     Args:
@@ -321,6 +322,9 @@ def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
 def _rebuild_mesh(device_type, rank_list, shape, names):
     """Unpickle a DeviceMesh (a DTensor loaded with ``torch.load``).
 
+    In a process that has not initialised distributed at all the mesh is rebuilt
+    without process groups (to inspect a saved shard, as PyTorch allows).
+
     The mesh's process groups must already exist in this process: they are made by
     creating the mesh (or the mesh it was sliced from) with ``init_device_mesh`` on
     every rank before loading. Creating them here would be a collective that only
@@ -328,6 +332,10 @@ def _rebuild_mesh(device_type, rank_list, shape, names):
     """
     mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False)
     plat = get_platform()
+    if not plat.is_initialized():
+        # a process without torch.distributed (inspecting a checkpoint, as PyTorch allows): the
+        # shard loads as rank 0's view; anything needing a collective fails when it asks for a group
+        return mesh
     missing = [ranks for d in range(len(shape)) for ranks in mesh._lines((d,)) if not plat.has_group(ranks)]
     if missing:
         raise RuntimeError(
@@ -341,7 +349,11 @@ def _rebuild_mesh(device_type, rank_list, shape, names):
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
-    """Create a mesh over all ranks of the world, row-major, initialising the default group if needed."""
+    """Create a mesh over ranks ``0..prod(mesh_shape)-1`` (row-major), initialising the default group if needed.
+
+    Every rank of the world must call it (creating the groups is collective); a mesh
+    smaller than the world leaves the remaining ranks outside it (see docs/dtensor.md).
+    """
     if isinstance(mesh_shape, int):
         mesh_shape = (mesh_shape,)
     mesh_shape = tuple(mesh_shape)
@@ -355,10 +367,11 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     n = 1
     for s in mesh_shape:
         n *= s
-    if n != world:
+    if n > world:
         raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices but the world size is {world}; "
-                         "the product of mesh_shape must equal the number of processes")
-    return DeviceMesh(device_type, _reshape(range(world), mesh_shape), mesh_dim_names=mesh_dim_names)
+                         "a mesh cannot be bigger than the number of processes")
+    # as PyTorch: a smaller mesh spans ranks 0..n-1; the other ranks hold empty shards of its DTensors
+    return DeviceMesh(device_type, _reshape(range(n), mesh_shape), mesh_dim_names=mesh_dim_names)
 
 
 __all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh"]

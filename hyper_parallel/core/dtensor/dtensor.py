@@ -17,6 +17,7 @@ Design (why it is fast):
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
@@ -24,6 +25,7 @@ from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
+from hyper_parallel.core.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -31,6 +33,17 @@ _Tensor = platform.Tensor
 _Size = platform.Size
 _make_wrapper = _Tensor._make_wrapper_subclass
 _STRIDED = platform.strided
+
+_getframe = sys._getframe
+_FRAMEWORK_PKG = platform.framework_package  # "torch"
+_FRAMEWORK_PREFIX = _FRAMEWORK_PKG + "."
+
+
+def _caller_is_framework(frame) -> bool:
+    """Whether ``frame`` runs code of the framework package itself (not user or hyper_parallel code)."""
+    name = frame.f_globals.get("__name__", "")
+    return bool(_FRAMEWORK_PKG) and (name.startswith(_FRAMEWORK_PREFIX) or name == _FRAMEWORK_PKG)
+
 
 # Installed by hyper_parallel.core.shard._op_dispatch (a higher layer) on import.
 _OP_HANDLER = None
@@ -153,6 +166,8 @@ class DTensor(platform.DTensorBase):
         r._layout = layout
         r._gshape = shape = shape if type(shape) is _Size else _Size(shape)
         r._spec = spec_of(layout, shape)
+        if stride is not None:  # an explicit global stride (from_local): what stride() reports
+            r.__dict__["_gstride"] = tuple(stride)
         return r
 
     # ------------------------------------------------------------------ metadata
@@ -166,7 +181,14 @@ class DTensor(platform.DTensorBase):
 
     @property
     def layout(self) -> Layout:
-        """The :class:`Layout` (mesh, placements, aliases, tensor map) of this DTensor."""
+        """The :class:`Layout` (mesh, placements, aliases, tensor map) of this DTensor.
+
+        Read from inside the framework's own Python code (``torch.testing``,
+        serialization...) it is the framework's memory layout (``torch.strided``), as
+        for any dense tensor; see docs/design.md, "DTensor.layout".
+        """
+        if _caller_is_framework(_getframe(1)):
+            return _STRIDED
         return self._layout
 
     @property
@@ -272,13 +294,17 @@ class DTensor(platform.DTensorBase):
     # ------------------------------------------------------------------ construction
     @staticmethod
     def from_local(local_tensor, device_mesh: DeviceMesh = None, placements=None, *, run_check: bool = False,
-                   shape=None, stride=None) -> "DTensor":
+                   shape=None, stride=None, grad_placements: Optional[Sequence[Placement]] = None) -> "DTensor":
         """Wrap this rank's ``local_tensor`` as a DTensor (differentiable).
 
         ``shape``/``stride`` give the global metadata; without them every shard is
-        assumed to be the same size. ``run_check=True`` checks that the local
-        shapes of all ranks agree with the layout and broadcasts replicated data
-        from the first rank of each replicated mesh dim.
+        assumed to be the same size (``stride`` alone is accepted too, unlike
+        PyTorch, which wants both). ``run_check=True`` checks that dtype,
+        requires_grad and the local shapes (and, without ``shape``, strides) of all
+        ranks agree with each other and the layout, and broadcasts replicated data
+        from the first rank of each replicated mesh dim. ``grad_placements`` says
+        how ``local_tensor``'s gradient must be laid out (default: like the result's
+        gradient); the gradient is redistributed to it in the backward pass.
         """
         if not isinstance(local_tensor, _Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"DTensor.from_local: local_tensor must be a plain tensor, got {type(local_tensor).__name__}")
@@ -295,13 +321,24 @@ class DTensor(platform.DTensorBase):
                                  f"has {local_tensor.dim()}")
             # with run_check the shape check is collective (_run_check): a rank raising here
             # alone would leave the others waiting in it
-            expect = layout.local_shape(gshape, coord=mesh.get_coordinate())
-            if not run_check and expect != tuple(local_tensor.shape):
+            expect = layout.local_shape(gshape, coord=mesh.get_coordinate()) if mesh._coord is not None else None
+            if not run_check and expect is not None and expect != tuple(local_tensor.shape):
                 raise ValueError(f"DTensor.from_local: local tensor shape {tuple(local_tensor.shape)} on rank "
                                  f"{mesh.get_rank()} does not match shape={gshape} with placements "
                                  f"{layout.placements} (expected local shape {expect})")
+        if stride is None and shape is None and not local_tensor.is_contiguous():
+            stride = _global_stride(local_tensor, mesh, layout)
+        if mesh._coord is None:
+            # a rank outside the mesh holds nothing (PyTorch semantics): global metadata only
+            return DTensor._wrap(_off_mesh_local(local_tensor), mesh, layout, gshape, stride)
         if run_check:
-            local_tensor = _run_check(local_tensor, mesh, layout, gshape)
+            local_tensor = _run_check(local_tensor, mesh, layout, gshape, check_stride=shape is None)
+        if grad_placements is not None and local_tensor.requires_grad:
+            gl = build_layout(mesh, grad_placements, local_tensor.dim(), "grad_placements")
+            want = _grad_layout(layout)
+            if gl != want:
+                plan = rp.plan(want, gl, tuple(gshape), local_tensor.element_size())
+                local_tensor = GradRedistribute.apply(local_tensor, plan, mesh, mesh._rank_index())
         return DTensor._wrap(local_tensor, mesh, layout, gshape, stride)
 
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None):
@@ -317,28 +354,73 @@ class DTensor(platform.DTensorBase):
         want = _grad_layout(self._layout)
         if gl == want or not self._local_tensor.requires_grad:
             return self._local_tensor
+        if gl.without_partial() == want and all(op in (None, "sum") for op in gl.partial):
+            # only pending sums on top of the gradient layout: sum them where they meet the
+            # producer (a reduce_scatter into an all_gather's source, as PyTorch does)
+            from hyper_parallel.core.dtensor.redistribute import partial_grad_view
+            local = self._local_tensor
+            for d, op in enumerate(gl.partial):
+                if op is not None:
+                    local = partial_grad_view(local, self._mesh.get_comm_group(d))
+            return local
         plan = rp.plan(gl, want, tuple(self._gshape), self._local_tensor.element_size())
         return GradRedistribute.apply(self._local_tensor, plan, self._mesh, self._mesh._rank_index())
 
-    def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False) -> "DTensor":
+    def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False,
+                     forward_dtype=None, backward_dtype=None) -> "DTensor":
         """Return this tensor laid out as ``placements`` (differentiable; cheapest plan).
+
+        ``device_mesh`` may be another mesh (other ranks or another shape): the
+        overlapping pieces then move point to point (see ``docs/dtensor.md``,
+        "Cross-mesh redistribution").
 
         ``async_op`` is accepted for PyTorch compatibility, but the collectives
         always run synchronously: the result is complete when this returns (a
         valid implementation of the asynchronous contract, which only promises
         that the data is ready by the time it is used).
+
+        As in PyTorch, ``forward_dtype`` casts the local data before the forward
+        collectives (the result has that dtype), and ``backward_dtype`` is the dtype
+        the gradient's collectives run in; the gradient reaching this tensor has its
+        dtype either way.
         """
+        if forward_dtype is not None or backward_dtype is not None:
+            return self._redistribute_cast(device_mesh, placements, forward_dtype, backward_dtype)
         mesh = device_mesh if device_mesh is not None else self._mesh
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        dst = build_layout(mesh, placements, self.ndim)
         if mesh is not self._mesh and mesh != self._mesh:
+            # another mesh (other ranks or shape): point-to-point moves of the overlapping pieces
+            return DTensor._wrap(cross_mesh_local(self, mesh, dst), mesh, dst, self._gshape)
+        if dst == self._layout:
+            return self
+        if mesh._coord is None:  # outside the mesh: no data, no collective
+            return DTensor._wrap(self._local_tensor, self._mesh, dst, self._gshape)
+        local = self._redistribute_local(dst)
+        return DTensor._wrap(local, self._mesh, dst, self._gshape)
+
+    def _redistribute_cast(self, device_mesh, placements, forward_dtype, backward_dtype) -> "DTensor":
+        """``redistribute`` with ``forward_dtype``/``backward_dtype`` (see there)."""
+        from hyper_parallel.core.dtensor.redistribute import CastRedistribute
+        mesh = device_mesh if device_mesh is not None else self._mesh
+        if mesh != self._mesh:
             raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
                              "redistributing across meshes is not supported")
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         dst = build_layout(mesh, placements, self.ndim)
-        if dst == self._layout:
-            return self
-        local = self._redistribute_local(dst)
-        return DTensor._wrap(local, self._mesh, dst, self._gshape)
+        local = self._local_tensor
+        in_dtype = local.dtype
+        fwd = forward_dtype if forward_dtype is not None else in_dtype
+        bwd = backward_dtype if backward_dtype is not None else in_dtype
+        if mesh._coord is None:  # outside the mesh: no data, no collective
+            return DTensor._wrap(local.to(fwd), self._mesh, dst, self._gshape)
+        shape = tuple(self._gshape)
+        fplan = rp.plan(self._layout, dst, shape, platform.element_size(fwd))
+        bplan = rp.plan(_grad_layout(dst), _grad_layout(self._layout), shape, platform.element_size(bwd))
+        out = CastRedistribute.apply(local, fplan, bplan, self._mesh, self._mesh._rank_index(), fwd, bwd)
+        return DTensor._wrap(out, self._mesh, dst, self._gshape)
 
     def _redistribute_local(self, dst: Layout):
         """This tensor's local data laid out as ``dst``.
@@ -373,7 +455,12 @@ class DTensor(platform.DTensorBase):
         return self.redistribute(self._mesh, self._layout.without_partial())
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None):
-        """The whole tensor on every rank (differentiable; all-gathers/all-reduces as needed)."""
+        """The whole tensor on every rank (differentiable; all-gathers/all-reduces as needed).
+
+        On a rank outside the mesh it is that rank's empty local tensor (as in PyTorch).
+        """
+        if self._mesh._coord is None:
+            return self._local_tensor
         rep = self._layout.replicated()
         out = self if rep == self._layout else DTensor._wrap(self._redistribute_local(rep), self._mesh, rep,
                                                              self._gshape)
@@ -414,6 +501,11 @@ class DTensor(platform.DTensorBase):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Ops are handled in __torch_function__; reaching here means some code path
         # bypassed it (e.g. a C++ utility receiving the wrapper directly).
+        if platform.functorch_active():
+            raise RuntimeError(
+                f"torch.vmap (or another torch.func transform) over a DTensor is not supported by hyper_parallel: "
+                f"{func} reached the DTensor below __torch_function__. Apply the transform to the local tensors "
+                "instead (e.g. inside local_map, or on dtensor.to_local())")
         raise RuntimeError(
             f"{func} reached a DTensor below __torch_function__; this path is not supported. "
             "Call it on dtensor.to_local() or dtensor.full_tensor() instead")
@@ -428,6 +520,22 @@ class DTensor(platform.DTensorBase):
         return (_rebuild_dtensor, (self._local_tensor, self._mesh, self._layout, tuple(self._gshape),
                                    bool(self.__dict__.get("_is_param", False))))
 
+    # ------------------------------------------------------------------ distributed checkpoint hooks
+    # torch.distributed.checkpoint asks tensor-likes for their boxes through these; the
+    # framework-specific answers live in the platform layer (platform.checkpoint_hooks()).
+    def __create_write_items__(self, fqn, obj):
+        return platform.checkpoint_hooks().create_write_items(fqn, self)
+
+    def __create_chunk_list__(self):
+        return platform.checkpoint_hooks().create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        return platform.checkpoint_hooks().get_tensor_shard(self, index)
+
+    def __hp_stage__(self, copy_local):
+        """This DTensor with its local tensor copied by ``copy_local`` (DCP's async_save staging)."""
+        return DTensor._wrap(copy_local(self._local_tensor), self._mesh, self._layout, self._gshape)
+
     def __deepcopy__(self, memo):
         import copy
         local = copy.deepcopy(self._local_tensor, memo)
@@ -436,6 +544,33 @@ class DTensor(platform.DTensorBase):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _global_stride(local, mesh, layout):
+    """The global stride PyTorch gives a DTensor made from a (possibly non-contiguous) local shard.
+
+    For each mesh dim sharding tensor dim ``d`` over ``n`` ranks, every other dim whose
+    stride is at least ``d``'s is ``n`` times further apart (the shard's memory order is
+    kept); for a contiguous shard this is the contiguous global stride.
+    """
+    stride = list(local.stride())
+    for md, p in enumerate(layout.placements):
+        if p.is_shard():
+            d, n = p.dim, mesh.size(md)
+            ref = stride[d]
+            stride = [s * n if j != d and s >= ref else s for j, s in enumerate(stride)]
+    return tuple(stride)
+
+
+def _off_mesh_local(like, shape=None):
+    """The local tensor of a rank outside a DTensor's mesh: empty (0-d zero for a 0-d DTensor), as PyTorch."""
+    if shape is not None and len(shape) == 0:
+        out = like.new_zeros(())
+    else:
+        out = like.new_empty((0,))
+    if like.requires_grad and out.is_floating_point():
+        out.requires_grad_(True)
+    return out
 
 
 def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):
@@ -467,6 +602,13 @@ def _requires_grad_(self, requires_grad=True):
 
 def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     if gradient is not None:
+        if isinstance(gradient, _Tensor) and not isinstance(gradient, DTensor):
+            # a plain tensor (HyperParallel's ``loss.backward(torch.tensor(1.0 / n))``): the whole
+            # gradient, the same on every rank, i.e. a replicated one
+            if tuple(gradient.shape) != tuple(self._gshape):
+                raise ValueError(f"DTensor.backward: plain gradient of shape {tuple(gradient.shape)} does not match "
+                                 f"the global shape {tuple(self._gshape)}")
+            gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
         if not isinstance(gradient, DTensor):
             raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
         want = _grad_layout(self._layout)
@@ -568,7 +710,9 @@ def _setstate(self, state):
 
 def _compatible_shallow_copy(a, b):
     if isinstance(a, DTensor) and isinstance(b, DTensor):
-        return True
+        # the local tensors decide: a meta local cannot take a CPU local by ``.data =``, so
+        # ``module.to_empty(device=...)`` replaces such a parameter (as for plain tensors)
+        return platform.has_compatible_shallow_copy_type(a._local_tensor, b._local_tensor)
     if isinstance(a, DTensor) or isinstance(b, DTensor):
         return False  # a DTensor and a plain tensor: ``.data =`` would mix the two kinds
     return platform.has_compatible_shallow_copy_type(a, b)
@@ -600,7 +744,15 @@ def _build_special():
 _SPECIAL = _build_special()
 
 
-def _run_check(local, mesh, layout, gshape):
+def _dtype_code(dtype) -> int:
+    """A small integer naming ``dtype`` the same way on every rank (for the run_check table)."""
+    h = 0
+    for c in str(dtype):
+        h = (h * 131 + ord(c)) % 1000003
+    return h
+
+
+def _run_check(local, mesh, layout, gshape, check_stride=True):
     """Validate every rank's local shape against one global layout and sync replicated data (collective).
 
     Every rank's local and global shape is gathered over the mesh (one small
@@ -616,17 +768,21 @@ def _run_check(local, mesh, layout, gshape):
     plat = get_platform()
     coll = plat.collectives
     nd = len(gshape)
-    table = plat.int_tensor((nd,) + tuple(local.shape) + tuple(gshape), device=local.device).reshape(1, -1)
+    # one row per rank: ndim, local shape, global shape, then dtype, requires_grad and local
+    # stride (the metadata PyTorch's run_check compares across ranks)
+    meta = (_dtype_code(local.dtype), int(local.requires_grad)) + tuple(local.stride())
+    table = plat.int_tensor((nd,) + tuple(local.shape) + tuple(gshape) + meta,
+                            device=local.device).reshape(1, -1)
     for d in reversed(range(mesh.ndim)):  # innermost dim first: rows end up in row-major mesh order
         if mesh.size(d) > 1:
             table = coll.all_gather(table, 0, mesh.get_comm_group(d))
     rows = [tuple(r) for r in table.tolist()]
     first = mesh.rank_list[0]
-    ref = rows[0][1 + nd:]
+    ref = rows[0][1 + nd:1 + 2 * nd]
     bad = []
     for i, row in enumerate(rows):
         want = layout.local_shape(ref, coord=coordinate_of(i, mesh.shape))
-        if row[0] != nd or row[1 + nd:] != ref or row[1:1 + nd] != tuple(want):
+        if row[0] != nd or row[1 + nd:1 + 2 * nd] != ref or row[1:1 + nd] != tuple(want):
             bad.append(mesh.rank_list[i])
     me = mesh.get_rank()
     if me in bad:
@@ -639,6 +795,14 @@ def _run_check(local, mesh, layout, gshape):
         raise ValueError(f"DTensor.from_local(run_check=True): the local shapes of rank(s) {bad} do not match "
                          f"placements {layout.placements} with the global shape {ref} of rank {first} "
                          "(see the error raised there)")
+    ref_meta = rows[0][1 + 2 * nd:]
+    odd = [mesh.rank_list[i] for i, row in enumerate(rows)
+           if row[1 + 2 * nd:3 + 2 * nd] != ref_meta[:2] or (check_stride and row[3 + 2 * nd:] != ref_meta[2:])]
+    if odd:
+        raise ValueError(f"DTensor.from_local(run_check=True): inconsistent tensor metadata across ranks: rank(s) "
+                         f"{odd} differ from rank {mesh.rank_list[0]} in dtype, requires_grad"
+                         + (" or stride" if check_stride else "") + f" (this rank: dtype {local.dtype}, "
+                         f"requires_grad={local.requires_grad}, stride {tuple(local.stride())})")
     for d, p in enumerate(layout.placements):
         if p.is_replicate() and mesh.size(d) > 1:
             group = mesh.get_comm_group(d)
@@ -652,6 +816,17 @@ def _run_check(local, mesh, layout, gshape):
 
 __all__ = ["DTensor", "build_layout"]
 
+# names HyperParallel imports from this module (see hyper_parallel.core.dtensor.api)
+_API_NAMES = frozenset({"distribute_tensor", "distribute_module", "ones", "empty", "full", "zeros", "rand", "randn"})
+
+
+def _build_layout(device_mesh: DeviceMesh, placements, tensor_dim: int) -> Layout:
+    """HyperParallel's name: the (cached) layout of a ``tensor_dim``-d tensor from placements or aliases."""
+    return build_layout(device_mesh, placements, tensor_dim)
+
+
+_is_alias_placements = is_alias_spelling  # HyperParallel's name
+
 
 def __getattr__(name):
     # HyperParallel documents ``from hyper_parallel.core.dtensor.dtensor import SkipDTensorDispatch``;
@@ -659,4 +834,8 @@ def __getattr__(name):
     if name == "SkipDTensorDispatch":
         from hyper_parallel.core.shard.skip import SkipDTensorDispatch
         return SkipDTensorDispatch
+    if name in _API_NAMES:
+        # HyperParallel's module layout: these live in api.py here (which imports this module)
+        from hyper_parallel.core.dtensor import api
+        return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.core.dtensor._hp_compat import LayoutCompatMixin, unit_repeat_num  # noqa: F401
 
 NONE_ALIAS = "None"
 
@@ -63,7 +64,7 @@ def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int
 
 
 # --------------------------------------------------------------------- the class
-class Layout:
+class Layout(LayoutCompatMixin):
     """Device matrix plus (optionally) how one tensor is laid out on it.
 
     ``Layout(mesh_shape, alias_names)`` describes the device matrix only; call it
@@ -76,10 +77,17 @@ class Layout:
     Tensor layouts are immutable and hashable, so they serve as cache keys.
     """
 
-    __slots__ = ("mesh_shape", "alias_names", "rank_list", "mesh", "dim_map", "partial", "_key", "_hash")
+    # ``mesh`` is a property (LayoutCompatMixin): a standalone layout creates its mesh lazily
+    __slots__ = ("mesh_shape", "alias_names", "rank_list", "_mesh", "_explicit_ranks", "dim_map", "partial",
+                 "_key", "_hash")
 
     def __init__(self, mesh_shape: Sequence[int], alias_names: Sequence[str] = None,
-                 rank_list: Sequence[int] = None, *, mesh=None, _dim_map=None, _partial=None):
+                 rank_list: Sequence[int] = None, *, alias_name: Sequence[str] = None, mesh=None, _dim_map=None,
+                 _partial=None):
+        if alias_name is not None:  # HyperParallel's keyword: Layout(mesh_shape=..., alias_name=...)
+            if alias_names is not None:
+                raise TypeError("Layout: give alias_names or alias_name (HyperParallel's spelling), not both")
+            alias_names = alias_name
         mesh_shape = tuple(int(s) for s in mesh_shape)
         if not mesh_shape or any(s <= 0 for s in mesh_shape):
             raise ValueError(f"Layout: mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
@@ -97,13 +105,14 @@ class Layout:
         n = 1
         for s in mesh_shape:
             n *= s
+        self._explicit_ranks = rank_list is not None
         rank_list = tuple(range(n)) if rank_list is None else tuple(int(r) for r in rank_list)
         if len(rank_list) != n:
             raise ValueError(f"Layout: rank_list has {len(rank_list)} ranks, mesh_shape {mesh_shape} needs {n}")
         self.mesh_shape = mesh_shape
         self.alias_names = alias_names
         self.rank_list = rank_list
-        self.mesh = mesh
+        self._mesh = mesh
         self.dim_map = None if _dim_map is None else tuple(tuple(m) for m in _dim_map)
         self.partial = tuple(_partial) if _partial is not None else (None,) * len(mesh_shape)
         self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial)
@@ -116,14 +125,22 @@ class Layout:
         return cls(mesh.shape, mesh.mesh_dim_names, mesh.rank_list, mesh=mesh)
 
     def _derive(self, dim_map, partial) -> "Layout":
-        return Layout(self.mesh_shape, self.alias_names, self.rank_list, mesh=self.mesh,
+        return Layout(self.mesh_shape, self.alias_names, self.rank_list if self._explicit_ranks else None,
+                      mesh=self._mesh,
                       _dim_map=dim_map, _partial=partial)
 
     def __call__(self, *aliases) -> "Layout":
-        """Tensor layout from one alias per tensor dim (``"None"`` = not sharded)."""
-        if len(aliases) == 1 and isinstance(aliases[0], (list,)) and aliases[0] and all(
-                isinstance(p, Placement) for p in aliases[0]):
-            raise TypeError("Layout(...): pass placements with Layout.with_placements(placements, ndim)")
+        """Tensor layout from one alias per tensor dim (``"None"`` = not sharded).
+
+        HyperParallel's placement form, ``layout([Shard(0), Replicate()])`` or
+        ``layout(Shard(0), Replicate())``, gives a :class:`PlacementSpec` (placements
+        on this mesh, tensor rank not yet known) that ``distribute_tensor``,
+        ``DTensor.from_local`` and ``redistribute`` accept as placements.
+        """
+        pls = aliases[0] if len(aliases) == 1 and isinstance(aliases[0], (list, tuple)) else aliases
+        if pls and all(isinstance(p, Placement) for p in pls):
+            from hyper_parallel.core.dtensor._hp_compat import PlacementSpec
+            return PlacementSpec(self, tuple(pls))
         return self.with_aliases(aliases)
 
     def with_aliases(self, aliases: Sequence) -> "Layout":
@@ -165,8 +182,7 @@ class Layout:
         """Tensor layout from one placement per mesh dim for an ``ndim``-d tensor."""
         placements = tuple(placements)
         if len(placements) != len(self.mesh_shape):
-            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh "
-                             f"{self.mesh_shape} has {len(self.mesh_shape)} dims; give one placement per mesh dim")
+            placements = _fit_placements(placements, self.mesh_shape)
         dim_map = [[] for _ in range(ndim)]
         partial = []
         for d, p in enumerate(placements):
@@ -241,8 +257,12 @@ class Layout:
 
     @property
     def tensor_map(self) -> Tuple:
-        """MindSpore-style map: per tensor dim, the mesh dim counted from the right (-1 = none)."""
-        self._require_tensor()
+        """MindSpore-style map: per tensor dim, the mesh dim counted from the right (-1 = none).
+
+        ``None`` for a layout that describes only the device matrix (as in HyperParallel).
+        """
+        if self.dim_map is None:
+            return None
         n = len(self.mesh_shape)
         out = []
         for dims in self.dim_map:
@@ -318,7 +338,11 @@ class Layout:
 
     # ---------------------------------------------------------------- dunder
     def __eq__(self, other):
-        return isinstance(other, Layout) and self._key == other._key
+        if isinstance(other, Layout):
+            return self._key == other._key
+        # a DTensor is a strided tensor to the framework: ``dt.layout == torch.strided`` holds
+        # (see docs/design.md, "DTensor.layout"); never equal to sparse layouts or other objects
+        return other is _strided()
 
     def __hash__(self):
         return self._hash
@@ -332,6 +356,37 @@ class Layout:
         pl = ", ".join(str(p) for p in self.placements)
         extra = "" if self.is_mesh_ordered else f", alias={self.alias_placements}"
         return f"Layout(mesh={dict(zip(self.alias_names, self.mesh_shape))}, placements=[{pl}]{extra})"
+
+
+def _strided():
+    """The framework's dense-tensor layout object (``torch.strided``), looked up once."""
+    global _STRIDED_OBJ
+    if _STRIDED_OBJ is None:
+        from hyper_parallel.platform import get_platform
+        _STRIDED_OBJ = get_platform().strided
+    return _STRIDED_OBJ
+
+
+_STRIDED_OBJ = None
+
+
+def _fit_placements(placements, mesh_shape):
+    """Placements of another length than the mesh's ndim, HyperParallel-style.
+
+    Missing trailing entries are ``Replicate()``; extra trailing entries are dropped
+    when they are ``Replicate()`` (they describe no data movement). An extra Shard
+    or Partial entry names a mesh dim that does not exist and raises.
+    """
+    mesh_ndim = len(mesh_shape)
+    if len(placements) < mesh_ndim:
+        return placements + (Replicate(),) * (mesh_ndim - len(placements))
+    extra = placements[mesh_ndim:]
+    for i, p in enumerate(extra):
+        if not isinstance(p, Replicate):
+            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh {mesh_shape} has "
+                             f"{mesh_ndim} dims; the extra entry placements[{mesh_ndim + i}] = {p!r} is not "
+                             "Replicate() (give at most one placement per mesh dim)")
+    return placements[:mesh_ndim]
 
 
 def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial):
@@ -349,6 +404,14 @@ def is_alias_spelling(placements) -> bool:
             continue
         return False
     return True
+
+
+def __getattr__(name):
+    # HyperParallel imports ``DeviceMesh`` from this module; device_mesh.py imports this one, so lazily
+    if name == "DeviceMesh":
+        from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+        return DeviceMesh
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Layout", "chunk_sizes", "chunk_size_and_offset", "local_shape_and_offset", "is_alias_spelling"]

@@ -67,4 +67,13 @@ def random_local(kind: str, global_shape, local_shape, offset, dtype=None, devic
     return plat.narrow_block(full, offs, tuple(local_shape))
 
 
-__all__ = ["manual_seed", "random_local"]
+def is_rng_supported_mesh(device_mesh=None) -> bool:
+    """HyperParallel's / PyTorch's check before using DTensor random ops: always True here.
+
+    The DTensor random stream is computed from (seed, call counter, global position),
+    so it works on every device type, CPU included.
+    """
+    return True
+
+
+__all__ = ["manual_seed", "random_local", "is_rng_supported_mesh"]

@@ -99,3 +99,25 @@ class GradRedistribute(get_platform().Function):
     @staticmethod
     def backward(ctx, g):
         return run_plan(g, ctx.plan, ctx.mesh, ctx.rank_index), None, None, None
+
+
+class CastRedistribute(get_platform().Function):
+    """``redistribute(forward_dtype=, backward_dtype=)``: cast, run ``fplan``; backward: cast, run ``bplan``.
+
+    One autograd node, so the gradient's collectives really run in ``bwd_dtype``
+    (the autograd engine would cast a gradient between separate nodes back to the
+    forward dtype). ``bplan`` redistributes the gradient from the output's gradient
+    layout to the input's, the adjoint of ``fplan`` under the DTensor gradient
+    convention; the result is cast back to the input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fplan, bplan, mesh, rank_index, fwd_dtype, bwd_dtype):
+        ctx.bplan, ctx.mesh, ctx.rank_index, ctx.bwd, ctx.in_dtype = bplan, mesh, rank_index, bwd_dtype, x.dtype
+        out = run_plan(x.to(fwd_dtype), fplan, mesh, rank_index)
+        return out.clone() if out is x else out
+
+    @staticmethod
+    def backward(ctx, g):
+        gi = run_plan(g.to(ctx.bwd), ctx.bplan, ctx.mesh, ctx.rank_index).to(ctx.in_dtype)
+        return gi, None, None, None, None, None, None

@@ -290,7 +290,7 @@ def plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> Plan:
     if src.mesh_shape != dst.mesh_shape or src.rank_list != dst.rank_list:
         raise ValueError(f"redistribute: source and target layouts are on different meshes "
                          f"({src.mesh_shape} ranks {src.rank_list} vs {dst.mesh_shape} ranks {dst.rank_list}); "
-                         "redistributing across meshes is not supported")
+                         "plan cross-mesh moves with cross_mesh_plan.cross_mesh_plan")
     if src.ndim != dst.ndim or len(global_shape) != src.ndim:
         raise ValueError(f"redistribute: layouts describe {src.ndim}-d and {dst.ndim}-d tensors but the tensor "
                          f"shape is {tuple(global_shape)}")

@@ -78,11 +78,12 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn")
+                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
 
     def __init__(self):
         self.fallback = False
         self.set_meta = False
+        self.plain_conv = False  # built after plain tensors were taken as replicated (redo that on a hit)
 
 
 _CACHE: dict = {}
@@ -208,8 +209,13 @@ def _check_plain_tensors(func, args, kwargs, mesh):
     """Plain tensors mixed with DTensors: 0-d ones broadcast; others need implicit replication."""
     index_op = _op_name(func) in _INDEX_OPS
 
+    one_elem = []
+
     def bad(a):
         if not isinstance(a, _Tensor) or isinstance(a, DTensor) or a.dim() == 0:
+            return False
+        if a.numel() == 1:  # as PyTorch: a one-element tensor is taken as replicated
+            one_elem.append(a)
             return False
         # integer index tensors of indexing ops are naturally replicated (bool masks are not:
         # the output shape depends on their values, which the cache key does not hold)
@@ -227,9 +233,13 @@ def _check_plain_tensors(func, args, kwargs, mesh):
     offender = walk(args)
     if offender is None:
         offender = walk(kwargs.values())
-    if offender is None:
+    if offender is None and not one_elem:
         return args, kwargs
-    if not _FLAGS["implicit_replication"]:
+    if offender is None:
+        warnings.warn(f"{platform.op_name(func)}: found a non-scalar tensor with numel=1 and ndim!=0 (shape "
+                      f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
+                      "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
+    elif not _FLAGS["implicit_replication"] and _op_name(func) not in _base.PLAIN_AS_REPLICATED:
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(
             f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
@@ -468,15 +478,25 @@ class OpDispatcher:
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         entry = _CACHE.get(key)
         if entry is None:
+            converted = False
             if not name.startswith("_foreach_"):  # foreach lists may hold plain parameters
+                a0, k0 = args, kwargs
                 args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+                converted = args is not a0 or kwargs is not k0
             dts = []
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and key[1] == tuple(sig(a) for a in args):
+            if entry is not None and converted and name in _base.PLAIN_AS_REPLICATED:
+                # plain index/mask tensors of these ops are always replicated: cache the entry under the
+                # call's own key (not the fast path); a hit converts them again, as here
+                entry.plain_conv = True
                 _bounded_put(_CACHE, key, entry)
-                if _fast_eligible(entry, args, kwargs):
+            # (other plain tensors converted above change the signature: such calls are not cached)
+            elif entry is not None and key[1] == tuple(sig(a) for a in args) and (
+                    not kwargs or key[2] == tuple((k, sig(v)) for k, v in kwargs.items())):
+                _bounded_put(_CACHE, key, entry)
+                if mesh._coord is not None and _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh
                     # DTensor positional args are the DTensors in order: map pgroups to arg positions
                     pos = [i for i, a in enumerate(args) if type(a) is DTensor]
@@ -488,6 +508,11 @@ class OpDispatcher:
                     _bounded_put(_FAST, _fast_key_kw(func, args, kwargs) if kwargs else _fast_key(func, args), entry)
             _STATS["misses"] += 1
         else:
+            if entry.plain_conv:
+                args, kwargs = _check_plain_tensors(func, args, kwargs, mesh)
+                dts = []
+                _collect(args, dts)
+                _collect(kwargs.values(), dts)
             _STATS["hits"] += 1
         return self._execute(entry, func, args, kwargs, dts, mesh)
 
@@ -497,7 +522,7 @@ class OpDispatcher:
         for d in dts[1:]:
             if d._mesh != mesh:
                 raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d._mesh}); "
-                                 "redistributing across meshes is not supported")
+                                 "move one onto the other's mesh first with .redistribute(mesh, placements)")
         rule = _base.get_rule(name)
         call = _base.OpCall(func, name, args, kwargs, dts, mesh)
         entry = _Entry()
@@ -553,6 +578,8 @@ class OpDispatcher:
 
     # ------------------------------------------------------------------ execute (every call)
     def _execute(self, entry, func, args, kwargs, dts, mesh):
+        if mesh._coord is None:
+            return _off_mesh_result(entry, func, args, kwargs, dts, mesh)
         if entry.redistributes and _FLAGS["strict"] and not entry.fallback:
             raise RuntimeError(entry.strict_msg)
         locals_ = []
@@ -576,6 +603,44 @@ class OpDispatcher:
                     _set_metadata(target, entry.out_layouts, entry.out_shapes, out)
                 return target
         return _wrap(out, entry.out_layouts, entry.out_shapes, mesh)
+
+
+def _off_mesh_result(entry, func, args, kwargs, dts, mesh):
+    """An op on DTensors of a mesh this rank is not part of: no computation, no collective (PyTorch semantics).
+
+    Tensor outputs get the right global metadata and an empty local tensor (a 0-d
+    zero for 0-d outputs); in-place ops return their target; an op without tensor
+    outputs runs its rule's local function on the empty shards (``equal`` -> True).
+    """
+    if entry.inplace:
+        target = _inplace_target(args, kwargs, dts)
+        if target is not None:
+            return target
+    if entry.out_layouts is None:
+        it = iter([d._local_tensor for d in dts])
+        largs = _replace(args, it)
+        lkw = dict(zip(kwargs, _replace(list(kwargs.values()), it))) if kwargs else kwargs
+        return (entry.local_fn or func)(*largs, **lkw)
+    meta = _base.meta_run(func, args, kwargs)
+    # keep the autograd graph connected (zero gradients), so a backward() that every rank runs works here too
+    needs = [d._local_tensor for d in dts if d._local_tensor.requires_grad] if platform.grad_enabled() else []
+    anchor = sum(t.sum() for t in needs) * 0 if needs else None
+
+    def empty(m, lay, shape):
+        if lay is None or not isinstance(m, _Tensor):
+            return m
+        base = dts[0]._local_tensor
+        local = base.new_zeros((), dtype=m.dtype) if m.dim() == 0 else base.new_empty((0,), dtype=m.dtype)
+        if anchor is not None and local.is_floating_point():
+            local = local + anchor.to(local.dtype)
+        return DTensor._wrap(local, mesh, lay, shape if shape is not None else platform.Size(m.shape))
+    if isinstance(meta, _Tensor):
+        return empty(meta, entry.out_layouts, entry.out_shapes if isinstance(entry.out_shapes, platform.Size)
+                     else None)
+    shapes = entry.out_shapes if isinstance(entry.out_shapes, (list, tuple)) else [None] * len(meta)
+    items = [empty(m, l, s if isinstance(s, platform.Size) else None)
+             for m, l, s in zip(meta, entry.out_layouts, shapes)]
+    return type(meta)(items) if type(meta) in (list, tuple) else type(meta)(items)
 
 
 def _set_metadata(target, layout, shape, local):
@@ -630,6 +695,8 @@ def _same_data(src, dst) -> bool:
 
 
 def _partial_groups(in_layouts, out_layouts, mesh):
+    if mesh._coord is None:  # outside the mesh nothing runs (see _off_mesh_result)
+        return [None] * len(in_layouts)
     outs = _flat_layouts(out_layouts)
     mesh_ndim = mesh.ndim
     non_rep = [False] * mesh_ndim

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Dict, Optional, Union
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
@@ -23,12 +24,19 @@ def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
         src_data_rank: the rank whose parameter values are scattered (``None``: every rank
             slices its own copy with no communication).
 
+    As in PyTorch: no plan (``None``) warns and does nothing; the key ``""`` names
+    ``module`` itself; a plan entry that matches no submodule warns and is skipped.
+
     Raises:
-        ValueError: for a multi-dimensional mesh, or a plan entry that matches no submodule.
+        ValueError: for a multi-dimensional mesh.
         TypeError: for a plan that is not a style or a dict of them.
         NotImplementedError: from a style applied to a module type it does not support; the
             message names the module's fully qualified path.
     """
+    if parallelize_plan is None:
+        warnings.warn("No parallelize_plan is provided and auto-parallel is not supported at the moment, so this "
+                      "parallelize_module call will do nothing.", UserWarning, stacklevel=2)
+        return module
     mesh = resolve_mesh(device_mesh, "parallelize_module")
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_module: device_mesh must be 1-D, got a {mesh.ndim}-D mesh {mesh}; slice it "
@@ -51,17 +59,22 @@ def _parallelize(module, mesh, plan, src_data_rank, prefix: str):
         raise TypeError(f"parallelize_module: parallelize_plan{at} must be a ParallelStyle or a dict of them, "
                         f"got {type(plan).__name__}")
     for fqn, style in plan.items():
-        full = f"{prefix}.{fqn}" if prefix else fqn
-        if not isinstance(fqn, str) or not fqn:
-            raise TypeError(f"parallelize_module: plan keys must be non-empty module names (str), got {fqn!r}")
+        if not isinstance(fqn, str):
+            raise TypeError(f"parallelize_module: plan keys must be module names (str), got {fqn!r}")
+        full = (f"{prefix}.{fqn}" if fqn else prefix) if prefix else fqn
         if not isinstance(style, (ParallelStyle, dict)):
             raise TypeError(f"parallelize_module: plan entry {full!r} must be a ParallelStyle (or a nested plan "
                             f"dict), got {style!r}")
+        if fqn == "":  # the module itself
+            _parallelize(module, mesh, style, src_data_rank, prefix)
+            continue
         matched = _apply_path(module, fqn.split("."), style, mesh, src_data_rank, prefix)
         if not matched:
             names = [n for n, _ in module.named_modules() if n][:20]
-            raise ValueError(f"parallelize_module: plan entry {full!r} matches no submodule of "
-                             f"{type(module).__name__} (submodules include {names})")
+            token = _unresolved_token(module, fqn.split("."))
+            warnings.warn(f"Parallelize plan key {full!r} could not be resolved: no submodule matching token "
+                          f"{token!r} in module {type(module).__name__}, skipping this plan entry (plan entry "
+                          f"{full!r} matches no submodule; submodules include {names})", UserWarning, stacklevel=3)
     return module
 
 
@@ -77,3 +90,13 @@ def _apply_path(module, atoms, style, mesh, src_data_rank, prefix) -> int:
                 _parallelize(child, mesh, style, src_data_rank, path)
                 n += 1
     return n
+
+
+def _unresolved_token(module, atoms) -> str:
+    """The first path component of a plan key that no submodule matches (for the warning)."""
+    level = [module]
+    for atom in atoms:
+        level = [c for m in level for name, c in m.named_children() if fnmatch.fnmatch(name, atom)]
+        if not level:
+            return atom
+    return atoms[-1]

@@ -116,14 +116,19 @@ def _check_kwarg_layouts(style: str, arg: str, value) -> Optional[dict]:
     return dict(value)
 
 
+class LayoutLengthError(ValueError, AssertionError):
+    """Layout tuples of different lengths: a ValueError, and the AssertionError PyTorch's styles raise."""
+
+
 def _check_pairs(style: str, arg: str, layouts, desired_arg: str, desired):
     """``layouts`` and ``desired`` tuples: same length; a desired layout needs a source layout."""
     if desired is None:
         raise ValueError(f"{style}: {desired_arg} is required when {arg} is given ({arg}={layouts!r}); "
                          f"give one entry per {arg} entry (None: no redistribution)")
     if len(layouts) != len(desired):
-        raise ValueError(f"{style}: {arg} and {desired_arg} must have the same length, got {arg}={layouts!r} "
-                         f"({len(layouts)} entries) and {desired_arg}={desired!r} ({len(desired)} entries)")
+        raise LayoutLengthError(f"{style}: {arg} and {desired_arg} must have the same length, got {arg}={layouts!r} "
+                                f"({len(layouts)} entries) and {desired_arg}={desired!r} ({len(desired)} entries); "
+                                f"{arg} and {desired_arg} should have same length!")
     for i, (lay, want) in enumerate(zip(layouts, desired)):
         if lay is None and want is not None:
             raise ValueError(f"{style}: {desired_arg}[{i}]={want!r} but {arg}[{i}] is None (None means 'leave "
@@ -474,9 +479,11 @@ class PrepareModuleInput(ParallelStyle):
         def pre(mod, args, kwargs):
             new_args = list(args)
             if self.input_layouts is not None:
-                if len(args) < len(self.input_layouts):
+                if len(args) != len(self.input_layouts):  # as PyTorch: one entry per positional input
                     raise ValueError(f"{style} on {where}: the module received {len(args)} positional inputs but "
-                                     f"input_layouts={self.input_layouts!r} has {len(self.input_layouts)} entries")
+                                     f"input_layouts={self.input_layouts!r} has {len(self.input_layouts)} entries "
+                                     "(module inputs and input_layouts should have same length!); give None "
+                                     "for inputs to leave unchanged")
                 for i, lay in enumerate(self.input_layouts):
                     new_args[i] = _prepare(style, where, f"input {i}", args[i], device_mesh, lay,
                                            self.desired_input_layouts[i], self.use_local_output)

@@ -100,9 +100,6 @@ def _is_traced(t) -> bool:
 
 
 def _tensor_flatten(self):
-    local = self._local_tensor
-    if is_compiling() and not _is_traced(local):
-        _bridge_input(self, local)
     return ["_local_tensor"], (self._mesh, self._layout, tuple(self._gshape))
 
 
@@ -113,83 +110,13 @@ def _make_unflatten(DTensor):
     return staticmethod(__tensor_unflatten__)
 
 
-# ----------------------------------------------------------------------------- gradient bridge
-# AOTAutograd differentiates a compiled graph with respect to its *wrapper* inputs (the
-# autograd.Function it builds takes the DTensor objects), while this library keeps autograd
-# history on the local tensors (the wrapper has none). A real leaf DTensor (a parameter) that
-# enters a compiled graph is therefore bridged once: its wrapper is marked as requiring grad,
-# and a post-accumulate-grad hook moves each gradient the compiled backward accumulates on
-# the wrapper into the local tensor's ``.grad`` (where the optimizer and ``DTensor.grad`` read
-# it), then runs the local tensor's own post-accumulate-grad hooks (``replicate``'s dp
-# averaging), as the engine would have.
-def _wrapper_grad(w):
-    with torch._C.DisableTorchFunctionSubclass():
-        return torch.Tensor.grad.__get__(w)
-
-
-def _set_wrapper_grad(w, value):
-    with torch._C.DisableTorchFunctionSubclass():
-        torch.Tensor.grad.__set__(w, value)
-
-
-def _move_grad(w):
-    g = _wrapper_grad(w)
-    if g is None:
-        return
-    _set_wrapper_grad(w, None)
-    local = w._local_tensor
-    gl = g._local_tensor if isinstance(g, _STATE["dtensor"]) else g
-    with torch.no_grad():
-        if local.grad is None:
-            local.grad = gl.detach()
-        else:
-            local.grad = local.grad + gl
-    hooks = getattr(local, "_post_accumulate_grad_hooks", None)
-    if hooks:
-        for hook in tuple(hooks.values()):
-            hook(local)
-
-
-def _make_torch_dispatch(DTensor, orig):
-    """``__torch_dispatch__`` plus the one aten op the autograd engine applies to a bridged wrapper's
-    gradient (``detach``, when it accumulates it); everything else still raises as before."""
-    detach = torch.ops.aten.detach.default
-
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is detach and type(args[0]) is DTensor:
-            x = args[0]
-            return DTensor._wrap(x._local_tensor.detach(), x._mesh, x._layout, x._gshape)
-        return orig(cls, func, types, args, kwargs)
-    return classmethod(__torch_dispatch__)
-
-
-def _wrapper_requires_grad(dt) -> bool:
-    with torch._C.DisableTorchFunctionSubclass():
-        return torch.Tensor.requires_grad.__get__(dt)
-
-
-def _bridge_input(dt, local):
-    if not local.requires_grad:
-        if _wrapper_requires_grad(dt) and not dt.__dict__.get("_hp_compile_bridge"):
-            raise NotImplementedError(
-                "torch.compile: a DTensor returned by another compiled region is passed into this one; its "
-                "gradient history lives on the wrapper and would be lost. Return a plain tensor from the first "
-                "region (to_local(), full_tensor(), use_local_output=True) and rebuild it with DTensor.from_local")
-        return
-    if not local.is_leaf:
-        if not _wrapper_requires_grad(dt):
-            raise NotImplementedError(
-                "torch.compile: a DTensor that requires grad and was computed outside the compiled region is "
-                "passed into it; its gradient cannot cross the region boundary. Compile the code that computes "
-                "it as well, or pass a plain tensor (dtensor.to_local()) and rebuild the DTensor inside with "
-                "DTensor.from_local")
-        return
-    if dt.__dict__.get("_hp_compile_bridge"):
-        return
-    with torch._C.DisableTorchFunctionSubclass():
-        torch.Tensor.requires_grad_(dt, True)
-        torch.Tensor.register_post_accumulate_grad_hook(dt, _move_grad)
-    dt.__dict__["_hp_compile_bridge"] = True
+# ----------------------------------------------------------------------------- gradients
+# AOTAutograd differentiates a compiled graph through an autograd.Function applied to the
+# *wrapper* DTensors, while this library keeps autograd history on the local tensors. The
+# core's function bridge (hyper_parallel/core/dtensor/function_bridge.py) runs any
+# autograd.Function called with DTensors on their local tensors, AOT's included, so gradients
+# reach parameters' local tensors and a DTensor returned by a compiled region carries its
+# history on its local tensor, as in eager.
 
 
 # ----------------------------------------------------------------------------- argument encoding
@@ -391,7 +318,6 @@ def install(DTensor, handler, constant_classes, fast_names):
     _STATE.update(dtensor=DTensor, handler=handler, fast_names=tuple(fast_names))
     DTensor.__tensor_flatten__ = _tensor_flatten
     DTensor.__tensor_unflatten__ = _make_unflatten(DTensor)
-    DTensor.__torch_dispatch__ = _make_torch_dispatch(DTensor, DTensor.__dict__["__torch_dispatch__"].__func__)
     _register_constants(tuple(constant_classes))
     # from_local can be the first DTensor call a compiled region makes (plain inputs), so it carries
     # its dynamo branch always; the methods of an existing DTensor get theirs in compile mode

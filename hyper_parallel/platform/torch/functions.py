@@ -340,3 +340,7 @@ def recv(shape, src, group=None, *, dtype=None, device=None, requires_grad=True)
     """Differentiable receive of a ``shape`` tensor from ``src`` (see :class:`Recv`)."""
     anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=requires_grad)
     return Recv.apply(anchor, src, tuple(shape), group)
+
+
+# Cross-mesh point-to-point exchange (its own file; re-exported so the core reaches it as functions.*).
+from hyper_parallel.platform.torch.p2p import CrossMeshExchange  # noqa: E402,F401

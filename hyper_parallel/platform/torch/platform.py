@@ -10,6 +10,9 @@ import torch.nn as nn
 
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
 from hyper_parallel.platform.torch import collectives, compile_support, deferred_grads, functions
+from hyper_parallel.platform.torch import dcp_staging
+
+dcp_staging.install()  # async_save's stager learns to copy DTensors (see dcp_staging)
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
@@ -29,6 +32,37 @@ class TorchPlatform(Platform):
 
     float32 = torch.float32
     strided = torch.strided
+    framework_package = "torch"  # whose own code reads Tensor.layout as a memory layout
+
+    @staticmethod
+    def functorch_active() -> bool:
+        """Whether a functorch transform (``torch.vmap``, ``torch.func.grad``...) is running.
+
+        Inside a batching rule the transform's level is already popped, but its dispatch
+        keys are still excluded in thread-local state: check both.
+        """
+        keys = torch._C.DispatchKey
+        return (torch._C._functorch.maybe_current_level() is not None
+                or torch._C._dispatch_tls_is_dispatch_key_excluded(keys.FuncTorchBatched)
+                or torch._C._dispatch_tls_is_dispatch_key_excluded(keys.FuncTorchDynamicLayerBackMode))
+
+    @staticmethod
+    def function_hook():
+        """The module that routes ``autograd.Function.apply`` on DTensors (see function_hook.py)."""
+        from hyper_parallel.platform.torch import function_hook
+        return function_hook
+
+    @staticmethod
+    def comm_keys() -> dict:
+        """torch's key objects for collectives -> hyper_parallel collective kind (see comm_keys.py)."""
+        from hyper_parallel.platform.torch.comm_keys import torch_comm_keys
+        return torch_comm_keys()
+
+    @staticmethod
+    def module_tracker():
+        """A tracker of the running modules for per-module collective counts (see comm_keys.py)."""
+        from hyper_parallel.platform.torch.comm_keys import module_tracker
+        return module_tracker()
 
     @staticmethod
     def torch_function_func(method_name: str):
@@ -80,6 +114,18 @@ class TorchPlatform(Platform):
     functions = functions
     deferred_grads = deferred_grads
     compile_support = compile_support  # torch.compile: DTensor ops as opaque nodes
+
+    @staticmethod
+    def checkpoint_hooks():
+        """The ``torch.distributed.checkpoint`` hook implementations for DTensor (imported on first use)."""
+        from hyper_parallel.platform.torch import dcp
+        return dcp
+
+    @staticmethod
+    def checkpoint_state_dict():
+        """The state-dict helpers behind ``hyper_parallel.checkpoint`` (imported on first use)."""
+        from hyper_parallel.platform.torch import state_dict
+        return state_dict
 
     def __init__(self):
         self._groups = {}

@@ -110,6 +110,8 @@ class DistributedOp:
                 layouts.append(None)
                 extra.append(a)
         out = self.infer_layout(tuple(layouts), extra)
+        if isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], Layout):
+            out = out[0]  # HyperParallel rules return a one-element tuple for a single output
         return Strategy(call.layouts, out)
 
 
@@ -212,6 +214,11 @@ def remap(layout: Layout, in_to_out: Dict[int, int], out_ndim: int, partial=None
 
 
 # ----------------------------------------------------------------------------- misc tables
+# Ops whose plain (non-DTensor) tensor arguments are taken as replicated, as if inside
+# ``implicit_replication()``: index tensors, masks and attention masks that programs
+# (HyperParallel's included) pass as plain tensors next to DTensors. Rule modules add to it.
+PLAIN_AS_REPLICATED: set = set()
+
 _DUNDER_INPLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 
@@ -225,6 +232,9 @@ def is_inplace(name: str) -> bool:
 
 
 def _global_stride(self, dim=None):
+    given = self.__dict__.get("_gstride")
+    if given is not None:
+        return given if dim is None else given[dim]
     shape = tuple(self._gshape)
     strides, acc = [], 1
     for s in reversed(shape):

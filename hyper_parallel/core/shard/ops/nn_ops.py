@@ -19,7 +19,11 @@ signature as the op) that makes a sharded computation exact:
   by the global (all-reduced) count / weight sum -> ``Partial(sum)``, exact for
   uneven shards; ``none`` -> sharded like the target.
 * ``scaled_dot_product_attention``: batch and head shards pass through (q, k, v
-  and the mask agree), sequence and feature dims are unsharded.
+  and the mask agree); a query sharded on the sequence dim keeps that shard
+  when K/V are (made) whole: each rank attends its rows, ``is_causal`` masks at
+  the rows' global offsets, an ``attn_mask`` over query rows is sharded alike
+  and a plain-tensor mask is taken as replicated. Otherwise sequence and
+  feature dims are unsharded.
 * ``cumsum`` & co: the scan dim is unsharded (``cumsum`` keeps ``Partial(sum)``).
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Dict, List, Sequence
 
 from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.core.shard.ops.base import (
-    DistributedOp, Strategy, redistribution_cost, reduce_all_partial, unshard_dims)
+    PLAIN_AS_REPLICATED, DistributedOp, Strategy, redistribution_cost, reduce_all_partial, unshard_dims)
 from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind
 from hyper_parallel.platform import get_platform
 
@@ -470,10 +474,68 @@ class SDPARule(DistributedOp):
                 tg[r] = lr.with_dim_map(rdm, None)
             return tg, dm
         cands = [cand(r) for r in qkv]
-        tg, dm = min(cands, key=lambda c: a.cost(c[0]))
+        cands = [(tg, dm, ()) for tg, dm in cands] + _seq_sharded_cands(a, cands, nb)
+        # cheapest; on a tie the sequence-sharded candidate (less work per rank, no gather later)
+        tg, dm, seq = min(cands, key=lambda c: (a.cost(c[0]), 0 if c[2] else 1))
         ql = a.layout["query"]
-        out = ql.with_dim_map(tuple(dm) + ((), ()), None)
-        return Strategy(a.targets(tg), out, local_fn=_sdpa_local)
+        out = ql.with_dim_map(tuple(dm) + (seq, ()), None)
+        if not seq:
+            return Strategy(a.targets(tg), out, local_fn=_sdpa_local)
+        qshape = a.shape["query"]
+        _, off = tg["query"].local_shape_and_offset(qshape, coord=call.mesh.get_coordinate())
+        return Strategy(a.targets(tg), out, local_fn=_seq_sharded_sdpa(off[len(qshape) - 2]))
+
+
+def _seq_sharded_cands(a, cands, nb):
+    """Candidates keeping the query's sequence shard (K/V whole on every rank): no gather of q.
+
+    Each rank attends its own query rows to all keys; the output keeps the
+    sequence shard. An ``attn_mask`` with a query-length dim is sharded alike;
+    ``is_causal`` becomes an explicit mask at the rows' global offset.
+    """
+    ql, qshape = a.layout["query"], a.shape["query"]
+    ld = len(qshape) - 2
+    seq = ql.dim_map[ld]
+    if not seq:
+        return []
+    out = []
+    for tg, dm in cands:
+        used = {d for m in dm for d in m}
+        if used & set(seq):
+            continue
+        tg = dict(tg)
+        q_dm = list(tg["query"].dim_map)
+        q_dm[ld] = seq
+        tg["query"] = tg["query"].with_dim_map(q_dm, None)
+        if "attn_mask" in tg:
+            ms = a.shape["attn_mask"]
+            if len(ms) >= 2 and ms[-2] == qshape[-2] and ms[-2] != 1:
+                m_dm = list(tg["attn_mask"].dim_map)
+                m_dm[len(ms) - 2] = seq
+                tg["attn_mask"] = tg["attn_mask"].with_dim_map(m_dm, None)
+            # (a mask broadcast over the query rows serves every rank's rows as it is)
+        out.append((tg, dm, seq))
+    return out
+
+
+def _seq_sharded_sdpa(row_offset: int):
+    """SDPA on this rank's query rows, which start at global row ``row_offset``."""
+    ops = get_platform().ops
+
+    def fn(*args, **kwargs):
+        v = _bind(args, kwargs, _SDPA_NAMES)
+        q, k, val = v["query"], v["key"], v["value"]
+        mask, causal = v.get("attn_mask"), bool(v.get("is_causal", False))
+        if causal:
+            if mask is not None:
+                raise RuntimeError("scaled_dot_product_attention: attn_mask and is_causal=True cannot both be set")
+            rows = ops.arange(row_offset, row_offset + q.shape[-2], device=q.device).unsqueeze(-1)
+            mask = ops.arange(k.shape[-2], device=q.device).unsqueeze(0) <= rows
+        kw = {"attn_mask": mask, "dropout_p": v.get("dropout_p", 0.0), "is_causal": False, "scale": v.get("scale")}
+        if v.get("enable_gqa"):
+            kw["enable_gqa"] = True
+        return _sdpa_local(q, k, val, **kw)
+    return fn
 
 
 def _sdpa_local(*args, **kwargs):
@@ -505,6 +567,7 @@ def register_all():
     ClassLossRule("cross_entropy", _CE_NAMES)
     ClassLossRule("nll_loss", _NLL_NAMES)
     SDPARule("scaled_dot_product_attention")
+    PLAIN_AS_REPLICATED.add("scaled_dot_product_attention")  # a plain attn_mask is a replicated one
 
 
 __all__ = ["register_all", "SoftmaxRule", "ScanRule", "NormRule", "EmbeddingRule", "DropoutRule", "ClassLossRule",

@@ -17,6 +17,11 @@ FAMILIES = (
     "nn_ops",
     "foreach",
     "init_ops",
+    "compare",
+    "strided",
+    "scatter_ops",
+    "sort_ops",
+    "misc_ops",
 )
 
 _LOADED = False

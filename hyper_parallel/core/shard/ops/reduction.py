@@ -75,6 +75,8 @@ class ReductionRule(DistributedOp):
         lay, shape = call.layouts[0], call.shapes[0]
         dims, keepdim = _parse(call)
         nd = len(shape)
+        if name in ("amax", "amin") or (name in ("max", "min") and len(call.args) == 1 and "dim" not in call.kwargs):
+            return _extremum_strategy(call, lay, dims, keepdim)
         linear = name in LINEAR
         sharded_reduced = [d for d in dims if lay.dim_map[d]]
         partial = list(lay.partial)
@@ -129,6 +131,46 @@ class ReductionRule(DistributedOp):
             out = (out, out)
         ins += [l for l in call.layouts[1:]]
         return Strategy(ins, out, local_fn=local_fn)
+
+
+def _extremum_strategy(call, lay, dims, keepdim):
+    """max()/min() and amax/amin over any dims: reduce locally, ``Partial(max/min)`` over sharded dims.
+
+    As in torch's DTensor: ``x.max()`` of a sharded tensor moves one value per rank
+    (when it is reduced later), not the tensor. ``max(dim)``/``min(dim)`` also return
+    indices, which must be global: those keep the generic rule (the dim is unsharded).
+    """
+    op = "max" if call.name in ("max", "amax") else "min"
+    in_layout = lay
+    if any(p not in (None, op) for p in lay.partial):
+        in_layout = lay.without_partial()
+    partial = list(in_layout.partial)
+    for t in dims:
+        for md in in_layout.dim_map[t]:
+            partial[md] = op
+    out_dm = [() if t in dims else m for t, m in enumerate(in_layout.dim_map) if keepdim or t not in dims]
+    out = in_layout.with_dim_map(out_dm, partial)
+    sharded = any(in_layout.dim_map[t] for t in dims)
+    local_fn = _empty_safe_extremum(call.func, op, list(dims), keepdim) if sharded else None
+    return Strategy([in_layout] + list(call.layouts[1:]), out, local_fn=local_fn)
+
+
+def _empty_safe_extremum(func, op, dims, keepdim):
+    """``func`` on the local shard; an empty shard gives the identity (-inf / +inf, or the integer bound)."""
+    ops = get_platform().ops
+
+    def local_fn(x, *a, **k):
+        if all(x.shape[d] for d in dims) and x.numel():
+            return func(x, *a, **k)
+        shape = [1 if d in dims else s for d, s in enumerate(x.shape) if keepdim or d not in dims]
+        if x.is_floating_point():
+            fill = float("-inf") if op == "max" else float("inf")
+        else:
+            info = ops.iinfo(x.dtype) if x.dtype != ops.bool else None
+            fill = (False if op == "max" else True) if info is None else (info.min if op == "max" else info.max)
+        out = ops.full(shape, fill, dtype=x.dtype, device=x.device)
+        return out + x.sum() * 0 if x.requires_grad else out  # keep the graph connected, as on other ranks
+    return local_fn
 
 
 def _norm_ord(call):

@@ -311,6 +311,13 @@ class SetItemRule(DistributedOp):
         if lay.has_partial():
             raise RuntimeError(f"__setitem__ on a DTensor with placements {lay.placements}: the target is Partial; "
                                "call reduce_partial() first")
+        if _is_dt(idx) and call.shapes[1] == tuple(shape) and not _is_dt(value) and \
+                call.dtensor_args[1].dtype == get_platform().ops.bool:
+            # x[mask] = scalar with a DTensor mask of x's shape: elementwise, the mask laid out like x
+            def local_fn(x, mask, v):
+                x[mask] = v
+                return x  # (the statement ``x[m] = v`` discards it; cached fast calls need a tensor)
+            return Strategy([lay, lay.without_partial()], lay, local_fn=local_fn, out_shapes=get_platform().Size(shape))
         res = _basic_index(idx, shape, lay.dim_map)
         if res is None:
             in_dm, out_dm = [()] * len(shape), None

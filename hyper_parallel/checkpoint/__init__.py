@@ -1,0 +1,36 @@
+"""Distributed checkpoints of hyper_parallel models: state-dict helpers for ``torch.distributed.checkpoint``.
+
+Save and load with DCP itself (its engine and file format), using these helpers to
+get FQN-keyed state dicts that reshard on load::
+
+    import torch.distributed.checkpoint as dcp
+    from hyper_parallel.checkpoint import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # ... later, in any parallel layout / world size:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # or hyper_parallel.checkpoint.load(...): the same after checking keys and shapes on every rank
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+hyper_parallel DTensors work with ``dcp.save``/``load``/``async_save`` directly (see
+``docs/checkpoint.md``); the implementation is framework specific and lives in the
+platform layer.
+"""
+from hyper_parallel.platform import get_platform
+
+_impl = get_platform().checkpoint_state_dict()
+
+StateDictOptions = _impl.StateDictOptions
+IncompatibleKeys = _impl.IncompatibleKeys
+get_state_dict = _impl.get_state_dict
+set_state_dict = _impl.set_state_dict
+get_model_state_dict = _impl.get_model_state_dict
+set_model_state_dict = _impl.set_model_state_dict
+get_optimizer_state_dict = _impl.get_optimizer_state_dict
+set_optimizer_state_dict = _impl.set_optimizer_state_dict
+load = _impl.load
+
+__all__ = ["StateDictOptions", "IncompatibleKeys", "load", "get_state_dict", "set_state_dict", "get_model_state_dict",
+           "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict"]

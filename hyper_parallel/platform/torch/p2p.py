@@ -1,0 +1,100 @@
+"""Batched point-to-point exchange of boxes (cross-mesh redistribution's executor).
+
+A :class:`~hyper_parallel.core.dtensor.cross_mesh_plan.RankProgram` says which
+boxes of this rank's input go to which peer, which boxes of its output come
+from which peer, and which are copied locally. :func:`exchange` packs each
+message into one flat buffer, posts every send and receive at once with
+``torch.distributed.batch_isend_irecv`` (no ordering deadlock, whatever the
+pattern), copies locally while they fly, waits, and unpacks. Every message is
+reported to :mod:`hyper_parallel.platform.comm_record` as one ``send`` (bytes
+of the buffer) or one ``recv``.
+
+:class:`CrossMeshExchange` makes it differentiable: the backward runs the
+reverse program (gradient from the target layout back to the source layout).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform import comm_record as rec
+
+
+def _box(x: torch.Tensor, start, shape) -> torch.Tensor:
+    for d, (s, n) in enumerate(zip(start, shape)):
+        if s != 0 or n != x.shape[d]:
+            x = x.narrow(d, s, n)
+    return x
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def exchange(x: torch.Tensor, prog) -> torch.Tensor:
+    """Run ``prog`` on this rank's ``x``; returns the output local tensor.
+
+    A rank with no output shape (not on the target mesh) gets an empty 1-d
+    tensor; a rank with no input shape (not on the source mesh) never reads ``x``
+    (only its dtype and device).
+    """
+    if prog.in_shape is not None and tuple(x.shape) != tuple(prog.in_shape):
+        raise ValueError(f"cross-mesh redistribute: rank {prog.rank}'s local tensor has shape {tuple(x.shape)} but "
+                         f"the source layout gives it {tuple(prog.in_shape)}; the DTensor's global shape does not "
+                         "match its local data")
+    out = x.new_empty(prog.out_shape) if prog.out_shape is not None else x.new_empty(0)
+    ops, unpack = [], []
+    esz = x.element_size()
+    me = prog.rank
+    for peer, pieces in prog.sends:
+        parts = [_box(x, st, sh).reshape(-1) for st, sh in pieces]
+        buf = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        rec.record(rec.SEND, buf.numel() * esz, (me, peer))
+        ops.append(dist.P2POp(dist.isend, buf, peer))
+    for peer, pieces in prog.recvs:
+        buf = x.new_empty(sum(_numel(sh) for _st, sh in pieces))
+        rec.record(rec.RECV, buf.numel() * esz, (peer, me))
+        ops.append(dist.P2POp(dist.irecv, buf, peer))
+        unpack.append((buf, pieces))
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    for in_start, out_start, shape in prog.copies:
+        _box(out, out_start, shape).copy_(_box(x, in_start, shape))
+    for r in reqs:
+        r.wait()
+    for buf, pieces in unpack:
+        pos = 0
+        for st, sh in pieces:
+            n = _numel(sh)
+            _box(out, st, sh).copy_(buf[pos:pos + n].view(sh))
+            pos += n
+    return out
+
+
+class CrossMeshExchange(torch.autograd.Function):
+    """``exchange(x, fwd)``; backward ``exchange(grad, bwd)`` (the reverse plan's program).
+
+    Ranks not on the source mesh pass a placeholder ``x`` and get a zero gradient
+    of its shape. Every rank that took part in the forward must run the backward
+    (ranks only on the source mesh backpropagate through their empty output), or
+    the ranks waiting for its gradient messages wait forever.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        ctx.x_shape = tuple(x.shape)
+        return exchange(x, fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        bwd = ctx.bwd
+        gx = exchange(g.contiguous(), bwd)
+        if bwd.out_shape is None:
+            gx = g.new_zeros(ctx.x_shape)
+        return gx, None, None
+
+
+__all__ = ["exchange", "CrossMeshExchange"]

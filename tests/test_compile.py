@@ -8,8 +8,8 @@ One distributed task on 2 ranks (compiling is slow: ``aot_eager``, tiny shapes, 
   Replicate, ``full_tensor``) compiled with ``fullgraph=True`` on DTensor leaves: values and grads;
 * the example Llama through ``train.py``'s ``train(..., --compile)`` (per-block compile, TP+SP) for 3
   steps: every loss equals one process; with ``loss_parallel`` (DTensor logits, eager loss) as well;
-* ``replicate`` (dp=2) around compiled blocks: losses equal one process (the dp gradient average
-  runs through the compiled backward's gradient bridge).
+* ``replicate`` (dp=2) around compiled blocks: losses equal one process (the dp averaging
+  hooks on the local tensors see the compiled backward's gradients).
 
 Graph breaks are counted with ``torch._dynamo.utils.counters["graph_break"]`` across everything.
 """

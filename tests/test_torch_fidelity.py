@@ -11,7 +11,8 @@ documented behaviour (values compared with the same computation on one process):
   right global metadata) - see ``_sub_mesh``;
 * ``.layout``: torch code (assert_close, torch.save/load) sees ``torch.strided``,
   our code sees the Layout;
-* ``as_strided`` / ``new_empty_strided`` / ``equal`` / ``allclose``; ``torch.vmap`` errors naming vmap;
+* ``as_strided`` / ``new_empty_strided`` / ``equal`` / ``allclose``; ``torch.vmap`` over simple programs
+  (an error naming vmap otherwise); meta DTensors and ``to_empty``; from_local backward layouts;
 * one-element plain tensors taken as replicated; ``stride()`` is the global stride;
 * parallelize_module: ``None`` plan warns, ``""`` is the root, unmatched entries warn,
   PrepareModuleInput with ``None`` entries;
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import (ColwiseParallel, DTensor, DeviceMesh, Partial, PrepareModuleInput, Replicate,
@@ -262,9 +264,6 @@ def _layout_and_ops(mesh):
     assert torch.equal(a, distribute_tensor(torch.zeros(2 * ws, 3), mesh, [Shard(0)])) is False
     close = torch.isclose(a, b)
     assert close.dtype == torch.bool and bool(close.full_tensor().all())
-    # vmap: a clear error naming vmap
-    with pytest.raises(RuntimeError, match="vmap"):
-        torch.vmap(lambda t: t * 2)(a)
 
     # one-element plain tensors mixed with DTensors are replicated (torch's test_auto_implicit_replication)
     loc = torch.ones(ws, 3)
@@ -492,6 +491,31 @@ def _from_local_backward(mesh):
         assert cm.get_comm_counts()[c10d.all_reduce] == n_all_reduce
 
 
+def _vmap(mesh):
+    # torch.vmap over DTensor programs: simple programs run (values as on the full tensor), the rest
+    # raise an error naming vmap (torch's test_vmap_embedding: vmap(F.embedding) over batch-sharded inputs)
+    ws = mesh.size()
+    full = _global(9, 2 * ws, 3, 4)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    for fn, in_dims in ((lambda t: (t * 2 + 1).sin().sum(), 0), (lambda t: t.softmax(-1) - t.mean(), 0),
+                        (lambda t: t.sum(0), 1), (lambda t: t @ t.t(), 0)):
+        got = torch.vmap(fn, in_dims=in_dims)(x)
+        assert isinstance(got, DTensor)
+        torch.testing.assert_close(got.full_tensor(), torch.vmap(fn, in_dims=in_dims)(full), **TOL)
+    assert torch.vmap(lambda t: t * 2)(x).placements == (Shard(0),)  # the batch dim stays sharded
+    idx = torch.zeros(2 * ws, 6, dtype=torch.int64)
+    idx[0, 1] = idx[1, 3] = idx[-1, 5] = 1
+    emb = _global(10, 2 * ws, 8, 5)
+    got = torch.vmap(F.embedding)(distribute_tensor(idx, mesh, [Shard(0)]), distribute_tensor(emb, mesh, [Shard(0)]))
+    want = torch.stack([F.embedding(idx[i], emb[i]) for i in range(2 * ws)])
+    torch.testing.assert_close(got.full_tensor(), want)
+    # torch.func.grad rides the same path
+    g = torch.func.grad(lambda t: (t.sin() * t).sum())(x)
+    torch.testing.assert_close(g.full_tensor(), torch.func.grad(lambda t: (t.sin() * t).sum())(full), **TOL)
+    with pytest.raises(RuntimeError, match="vmap"):
+        torch.vmap(torch.linalg.det)(distribute_tensor(_global(11, 2 * ws, 3, 3), mesh, [Shard(0)]))
+
+
 def _fidelity():
     hp.manual_seed(0)
     mesh = _mesh()
@@ -504,6 +528,7 @@ def _fidelity():
     _redistribute_rows(mesh)
     _meta_dtensors(mesh)
     _from_local_backward(mesh)
+    _vmap(mesh)
     return True
 
 

@@ -53,6 +53,7 @@ class Platform:
     set_wrapper_data = None   # (wrapper, other): give a wrapper subclass other's dtype/device/sizes
     register_safe_globals = None  # (objs): rebuild functions/classes allowed by a safe (weights-only) load
     bump_version = None       # (t): mark t modified in place (kernels that do not say so themselves)
+    vmap_translate = None     # (op, args): the framework-level (function, args) of a low-level op under vmap
 
     # The per-op fast path (hyper_parallel.core.shard._fast_methods) needs: whether
     # torch-function dispatch is enabled / a torch-function mode is active (cheap

@@ -502,10 +502,22 @@ class DTensor(platform.DTensorBase):
         # Ops are handled in __torch_function__; reaching here means some code path
         # bypassed it (e.g. a C++ utility receiving the wrapper directly).
         if platform.functorch_active():
+            # torch.vmap: a batching rule sends an aten op; run its torch-level twin through the
+            # normal DTensor dispatch (plain tensors the rule makes, e.g. index offsets, are global)
+            twin = platform.vmap_translate(func, args) if platform.vmap_translate is not None else None
+            cause = None
+            if twin is not None and _OP_HANDLER is not None:
+                from hyper_parallel.core.shard._op_dispatch import implicit_replication
+                try:
+                    with implicit_replication():
+                        return _OP_HANDLER(twin[0], types, twin[1], kwargs or {})
+                except (TypeError, NotImplementedError) as e:  # no rule / another signature
+                    cause = e
             raise RuntimeError(
-                f"torch.vmap (or another torch.func transform) over a DTensor is not supported by hyper_parallel: "
-                f"{func} reached the DTensor below __torch_function__. Apply the transform to the local tensors "
-                "instead (e.g. inside local_map, or on dtensor.to_local())")
+                f"torch.vmap (or another torch.func transform) over a DTensor: hyper_parallel cannot run {func} "
+                f"on DTensors under the transform ({cause or 'no DTensor rule for it'}). Simple programs "
+                "(elementwise ops, reductions, views, embedding) work; otherwise apply the transform to the local "
+                "tensors (e.g. inside local_map, or on dtensor.to_local())") from cause
         raise RuntimeError(
             f"{func} reached a DTensor below __torch_function__; this path is not supported. "
             "Call it on dtensor.to_local() or dtensor.full_tensor() instead")

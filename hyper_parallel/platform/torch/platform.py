@@ -47,6 +47,12 @@ class TorchPlatform(Platform):
                 or torch._C._dispatch_tls_is_dispatch_key_excluded(keys.FuncTorchDynamicLayerBackMode))
 
     @staticmethod
+    def vmap_translate(aten_op, args):
+        """``(torch_function, args)`` for an aten op that a vmap batching rule sends to a DTensor, or None."""
+        from hyper_parallel.platform.torch.vmap_bridge import translate
+        return translate(aten_op, args)
+
+    @staticmethod
     def function_hook():
         """The module that routes ``autograd.Function.apply`` on DTensors (see function_hook.py)."""
         from hyper_parallel.platform.torch import function_hook

@@ -274,7 +274,7 @@ METADATA_OPS = {
     "storage_offset": lambda self: 0,
     "untyped_storage": _on_local("untyped_storage"),
     "data_ptr": _on_local("data_ptr"),
-    "is_meta": lambda self: False,
+    "is_meta": lambda self: self._local_tensor.is_meta,  # a meta DTensor (deferred init) says so
 }
 
 

@@ -1,20 +1,24 @@
 """Resharding checkpoints of the example Llama: save in one parallel layout, resume in another.
 
-Layouts: one process (plain model), TP 2, TP 4, ``replicate`` dp 2 x TP 2 (small
-config, fp32, AdamW with clipping). Each source layout trains 2 steps, saves with
-``examples/llama/checkpoint.py`` (DCP + ``hyper_parallel.checkpoint``), records its
-full state dict and then trains 3 more steps (the uninterrupted run). Each target
-layout resumes from another layout's checkpoint, at a different world size:
+Layouts: one process (plain model), TP 2, TP 4, ``replicate`` dp 2 x TP 2, and the
+``fully_shard`` ones FSDP 4, FSDP 2 x TP 2, HSDP 2 x 2 (small config, fp32, AdamW with
+clipping). Each source layout trains 2 steps, saves with ``examples/llama/checkpoint.py``
+(DCP + ``hyper_parallel.checkpoint``), records its full state dict and then trains 3
+more steps (the uninterrupted run). Each target layout resumes from another layout's
+checkpoint, at a different world size (sampled: every FSDP layout once as source, once
+as target):
 
-    single -> tp4    tp2 -> dp2tp2    tp4 -> single    dp2tp2 -> tp2    dp2tp2 -> dp2tp2
+    single -> tp4, fsdp4         tp2 -> dp2tp2, fsdp2tp2, hsdp     tp4 -> single
+    dp2tp2 -> tp2, dp2tp2        fsdp4 -> tp2    fsdp2tp2 -> single    hsdp -> tp2
 
 Parameters and optimizer states must come back bit-exact (full tensors compared
 with ``torch.equal``) and 3 further steps must equal the uninterrupted run (bit-exact
 in the same layout; to fp32 rounding across layouts, whose reductions differ).
 Each source also ``async_save``s the same step and keeps training while it is written;
 the targets load that checkpoint too and must get the values at the call.
-Also: full and rank-0-broadcast state dicts loaded into a TP model, and the offline
-``dcp_to_torch_save`` file loaded in a process without torch.distributed.
+Also: full and rank-0-broadcast state dicts loaded into TP 2, FSDP 2 x TP 2 and HSDP
+2 x 2 models, state dicts taken in the middle of an FSDP step (root group unsharded),
+and the offline ``dcp_to_torch_save`` file loaded in a process without torch.distributed.
 """
 import os
 import subprocess
@@ -199,6 +203,8 @@ def _fsdp_full_and_midstep_body(root, layouts):
 
         def mid_step(module, args, out):
             if not seen:   # once, in the first step's forward (after fully_shard's own post-forward hook)
+                stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+                assert any(id(p) not in stepped for p in module.parameters()), "root group is not unsharded"
                 osd = get_optimizer_state_dict(module, opt, options=FULL)
                 msd = get_model_state_dict(module, options=FULL)
                 seen.append({"model": msd, "optim": osd})
@@ -270,11 +276,11 @@ def _train_cli(tmp_path, nproc, *args):
 
 
 def test_train_cli_resume_other_layout(tmp_path):
-    """train.py --checkpoint-dir/--save-every under TP 2, then --resume in one process from step 2."""
+    """train.py --checkpoint-dir/--save-every under FSDP 2 x TP 2, then --resume in one process from step 2."""
     from examples.llama.plot import read_loss_csv
     d = tmp_path / "ck"
-    _train_cli(tmp_path, 2, "--tp", "2", "--steps", "4", "--save-every", "2", "--checkpoint-dir", d,
-               "--out", tmp_path / "a")
+    _train_cli(tmp_path, 4, "--dp-shard", "2", "--tp", "2", "--steps", "4", "--save-every", "2",
+               "--checkpoint-dir", d, "--out", tmp_path / "a")
     assert sorted(os.listdir(d)) == ["latest", "step-000002", "step-000004"]
     assert (d / "latest").read_text().strip() == "step-000004"
     (d / "latest").write_text("step-000002\n")        # resume from the middle

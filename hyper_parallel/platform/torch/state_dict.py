@@ -92,11 +92,33 @@ def _model_entries(model) -> Dict[str, Any]:
     return {_canonical(k): v for k, v in model.state_dict(keep_vars=True).items()}
 
 
+def _fsdp_sharded_params(model):
+    """(canonical FQN, sharded DTensor) of every ``fully_shard``-managed parameter of ``model``.
+
+    While a ``fully_shard`` group is unsharded (the root between forward and backward,
+    or any group with ``reshard_after_forward=False``), its modules hold the unsharded
+    tensors, but the optimizer steps the sharded DTensors: those are the parameters the
+    state dicts are about. Found by duck typing (``module._hp_fsdp_state.group.params``)
+    so nothing is resharded or gathered just to name them.
+    """
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for m in model.modules():
+        group = getattr(m.__dict__.get("_hp_fsdp_state"), "group", None)
+        for fp in getattr(group, "params", None) or ():
+            for owner, attr in fp.owners:
+                prefix = names.get(id(owner))
+                if prefix is not None:
+                    yield _canonical(f"{prefix}.{attr}" if prefix else attr), fp.sharded
+
+
 def _param_fqns(model) -> Dict[int, str]:
-    """id(parameter) -> canonical FQN (the first name of a shared parameter)."""
+    """id(parameter) -> canonical FQN (the first name of a shared parameter; for a ``fully_shard``-ed
+    parameter its sharded DTensor's, whether or not its group is unsharded right now)."""
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), _canonical(name))
+    for name, p in _fsdp_sharded_params(model):
+        out.setdefault(id(p), name)
     return out
 
 
@@ -361,6 +383,17 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=Non
                         elif isinstance(v, torch.Tensor) and isinstance(t, torch.Tensor) and t.dim() == v.dim() \
                                 and tuple(t.shape) != tuple(v.shape):
                             raise _shape_error(f"state.{name}.{k}", v.shape, t.shape)
+                        elif isinstance(v, torch.Tensor) and not _is_dtensor(v) and v is not t:
+                            # Optimizer.load_state_dict keeps a plain tensor it need not cast (Adam's
+                            # "step" always) by reference and then steps it in place: copy into the live
+                            # state, or clone, so the caller's dict (a full one, rank 0's) stays unchanged
+                            if isinstance(t, torch.Tensor) and t.dtype == v.dtype and t.device == v.device \
+                                    and tuple(t.shape) == tuple(v.shape):
+                                with torch.no_grad():
+                                    t.copy_(v)
+                                v = t
+                            else:
+                                v = v.detach().clone()
                         entry[k] = v
                     id_state[idx] = entry
                 ids.append(idx)

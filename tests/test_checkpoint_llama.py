@@ -38,6 +38,7 @@ from examples.llama.data import TokenBatches, dp_shard
 from examples.llama.model import build_model, loss_fn
 from examples.llama.parallelize import parallelize_llama, train_loss
 from examples.llama.reference import build_optimizer
+from tests._launch import run_launch
 
 # (dp replicate, dp_shard (fully_shard), tp)
 LAYOUTS = {"single": (1, 1, 1), "tp2": (1, 1, 2), "tp4": (1, 1, 4), "dp2tp2": (2, 1, 2),
@@ -270,7 +271,7 @@ def _train_cli(tmp_path, nproc, *args):
         if nproc > 1 else [sys.executable]
     cmd = launcher + [os.path.join(ROOT, "examples", "llama", "train.py"), "--config", "tiny", "--no-compare",
                       *map(str, args)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = run_launch(cmd, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, " ".join(cmd) + "\n" + (r.stdout + r.stderr)[-5000:]
     return r.stdout
 

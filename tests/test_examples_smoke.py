@@ -18,6 +18,8 @@ import pytest
 
 from examples.llama.plot import read_loss_csv
 
+from tests._launch import run_launch
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # generous: 4 processes on a loaded 2-core machine; ~10 s each when idle
 
@@ -29,7 +31,7 @@ def _torchrun(script, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            str(ROOT / script), *map(str, args)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        proc = run_launch(cmd, cwd=ROOT, env=env, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{script} did not finish within {TIMEOUT}s; output so far:\n{exc.stdout}\n{exc.stderr}")
     out = proc.stdout + proc.stderr

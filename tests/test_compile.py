@@ -4,6 +4,8 @@ One distributed task on 2 ranks (compiling is slow: ``aot_eager``, tiny shapes, 
 
 * a TP MLP (Colwise -> GELU -> Rowwise -> LayerNorm) compiled with ``fullgraph=True``: output and
   parameter gradients equal eager and one process for 3 SGD steps; no recompilation after step 1;
+* an eagerly computed non-leaf DTensor that requires grad fed into a compiled block (per-block
+  compile's embedding -> block boundary): values and gradients back to the leaf;
 * a plain DTensor program (matmul, sum/mean/amax, redistribute Shard -> Replicate and Partial ->
   Replicate, ``full_tensor``) compiled with ``fullgraph=True`` on DTensor leaves: values and grads;
 * the example Llama through ``train.py``'s ``train(..., --compile)`` (per-block compile, TP+SP) for 3
@@ -107,6 +109,20 @@ def _program_case(mesh):
     assert isinstance(out, hp.DTensor) and out.placements == (Shard(0),)
     (out * 2).full_tensor().sum().backward()
     torch.testing.assert_close(a.grad.full_tensor(), 6 * torch.cos(3 * a_full), **TOL)
+    # an eagerly computed DTensor that requires grad (non-leaf: an embedding/activation) fed to a
+    # compiled block, as in per-block compile: gradients flow through the region back to the leaf
+    w = hp.distribute_tensor(a_full, mesh, [Shard(0)]).requires_grad_()
+    blk = torch.compile(lambda t, u: (t * 3).sin() @ u, backend=BACKEND, fullgraph=True)
+    for step in range(2):  # the second call reuses the graph (no recompile for non-leaf inputs)
+        act = w * 2
+        assert not act.is_leaf and act.requires_grad
+        out = blk(act, b)
+        out.full_tensor().pow(2).sum().backward()
+    w_ref, b_ref2 = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()
+    for step in range(2):
+        ((w_ref * 2 * 3).sin() @ b_ref2).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad, **TOL)
+    torch.testing.assert_close(b.grad.full_tensor(), b_ref2.grad + b_ref.grad, **TOL)
     # Partial input made inside the region, reduced by full_tensor
     f = torch.compile(lambda x: hp.DTensor.from_local(x, mesh, [Partial()]).full_tensor() * 3,
                       backend=BACKEND, fullgraph=True)

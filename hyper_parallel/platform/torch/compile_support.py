@@ -103,10 +103,52 @@ def _tensor_flatten(self):
     return ["_local_tensor"], (self._mesh, self._layout, tuple(self._gshape))
 
 
+def _is_example_history(t) -> bool:
+    """True for the fake history the meta converter gives a non-leaf example input.
+
+    When dynamo fakeifies a DTensor whose local tensor is a non-leaf that requires
+    grad (an eagerly computed activation fed to a compiled block), the inner fake
+    local tensor gets a ``DelayedError`` grad_fn. Our wrapper reports the local
+    tensor's autograd state, so the converter would then see a non-leaf wrapper
+    and refuse it ("the callback you passed in doesn't detach"); it gives the
+    *wrapper* its fake history itself afterwards.
+    """
+    fn = t.grad_fn
+    return fn is not None and type(fn).__name__ == "Error" and _is_traced(t)
+
+
+def _make_dispatch(DTensor, orig):
+    """``__torch_dispatch__`` that also serves the meta converter's fake history (see above).
+
+    After fakeifying a non-leaf DTensor input, the converter gives the wrapper an
+    error-raising history with ``DelayedError``, which calls ``aten.detach`` below
+    ``__torch_function__``. For a fake local tensor that detach is answered here
+    on a fake local tensor that requires grad is answered here: a new wrapper whose
+    local tensor carries the same error-raising history (this library keeps autograd
+    state on the local tensor, so that is where the converter's check looks); every
+    other op keeps the original error.
+    """
+    detach = torch.ops.aten.detach.default
+
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is detach and len(args) == 1 and isinstance(args[0], DTensor) and _is_traced(args[0]._local_tensor):
+            a = args[0]
+            local = a._local_tensor.detach()
+            if a._local_tensor.requires_grad:
+                local = torch._C._functions.DelayedError(
+                    "Internal error: Tried to backward() through example input", 1)(local.requires_grad_(True))
+            return DTensor._wrap(local, a._mesh, a._layout, a._gshape)
+        return orig(func, types, args, kwargs)
+    return classmethod(__torch_dispatch__)
+
+
 def _make_unflatten(DTensor):
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         mesh, layout, shape = meta
-        return DTensor._wrap(inner_tensors["_local_tensor"], mesh, layout, shape)
+        local = inner_tensors["_local_tensor"]
+        if local.requires_grad and _is_example_history(local):
+            local = local.detach().requires_grad_(True)  # a leaf; see _is_example_history
+        return DTensor._wrap(local, mesh, layout, shape)
     return staticmethod(__tensor_unflatten__)
 
 
@@ -318,6 +360,7 @@ def install(DTensor, handler, constant_classes, fast_names):
     _STATE.update(dtensor=DTensor, handler=handler, fast_names=tuple(fast_names))
     DTensor.__tensor_flatten__ = _tensor_flatten
     DTensor.__tensor_unflatten__ = _make_unflatten(DTensor)
+    DTensor.__torch_dispatch__ = _make_dispatch(DTensor, DTensor.__torch_dispatch__)
     _register_constants(tuple(constant_classes))
     # from_local can be the first DTensor call a compiled region makes (plain inputs), so it carries
     # its dynamo branch always; the methods of an existing DTensor get theirs in compile mode

@@ -11,7 +11,9 @@ One distributed task on 2 ranks (compiling is slow: ``aot_eager``, tiny shapes, 
 * the example Llama through ``train.py``'s ``train(..., --compile)`` (per-block compile, TP+SP) for 3
   steps: every loss equals one process; with ``loss_parallel`` (DTensor logits, eager loss) as well;
 * ``replicate`` (dp=2) around compiled blocks: losses equal one process (the dp averaging
-  hooks on the local tensors see the compiled backward's gradients).
+  hooks on the local tensors see the compiled backward's gradients);
+* ``fully_shard`` (dp_shard=2) per block and root, then per-block compile: FSDP's hooks run
+  eagerly (``eager_hook``), losses equal one process for 3 steps, one graph per block (no recompile).
 
 Graph breaks are counted with ``torch._dynamo.utils.counters["graph_break"]`` across everything.
 """
@@ -138,11 +140,14 @@ def _program_ref(a, b):
     return c.sum(dim=0) * ((c * 2).mean() + c.amax()) + c[0]
 
 
-def _llama_case(dp, tp, sp, loss_parallel, cfg):
+def _llama_case(dp, tp, sp, loss_parallel, cfg, dp_shard=1):
     from examples.llama.reference import train_reference
     from examples.llama.train import train
-    mesh = hp.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    args = argparse.Namespace(sp=sp, loss_parallel=loss_parallel, compile=BACKEND)
+    if dp_shard > 1:
+        mesh = hp.init_device_mesh("cpu", (dp, dp_shard, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+    else:
+        mesh = hp.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    args = argparse.Namespace(sp=sp, loss_parallel=loss_parallel, compile=BACKEND, dp_shard=dp_shard)
     losses = train(args, 3, cfg, mesh, log=lambda *a: None)
     ref, _ = train_reference(cfg.model, 3, seed=cfg.seed, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                              optim=cfg.optim)
@@ -166,6 +171,12 @@ def _task():
         _llama_case(1, 2, True, False, cfg)     # TP+SP, per-block compile (the example's --compile)
         _llama_case(1, 2, True, True, cfg)      # + loss_parallel
         _llama_case(2, 1, False, False, cfg)    # replicate (dp=2) around compiled blocks
+        # fully_shard each block and the root, then compile each block (torchtitan order): FSDP's
+        # hooks stay eager, the block bodies compile with fullgraph=True; no recompile after step 1
+        graphs = counters["stats"]["unique_graphs"]
+        _llama_case(1, 1, False, False, cfg, dp_shard=2)
+        fsdp_graphs = counters["stats"]["unique_graphs"] - graphs
+        assert 1 <= fsdp_graphs <= 2, f"FSDP blocks compiled {fsdp_graphs} graphs for 2 blocks (recompiles)"
         breaks = dict(counters["graph_break"])
         assert not breaks, f"graph breaks: {breaks}"
         return dict(counters["stats"])

@@ -264,8 +264,40 @@ def _traceable_method(orig, name, static=False):
     return staticmethod(method) if static else method
 
 
+# ----------------------------------------------------------------------------- eager hooks
+def eager_hook(fn):
+    """``fn`` (a module hook) that always runs eagerly, also when its module is compiled.
+
+    ``torch.compile(module)`` runs the module's hooks as frames of their own, which
+    dynamo would trace. FSDP's pre/post-forward hooks keep Python state (unshard,
+    reshard, prefetch order, backward hooks), so they must stay eager while the block
+    body compiles, as torch's FSDP2 does with ``torch._dynamo.disable``. Without
+    dynamo loaded the hook is a plain call (no ``torch._dynamo`` import for eager
+    programs); once it is loaded, this wrapper's frame is skipped by dynamo and the
+    hook runs under ``torch._dynamo.disable``.
+    """
+    import functools
+
+    disabled = []
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if not _STATE["dynamo_loaded"]:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch._dynamo.disable(fn, recursive=True))
+        return disabled[0](*args, **kwargs)
+    return hook
+
+
+_HOOK_CODE = eager_hook(lambda: None).__code__  # shared by every eager_hook wrapper: skipped by dynamo
+
+
 def _on_dynamo_loaded():
     from torch._dynamo import assume_constant_result, nonstrict_trace
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(_HOOK_CODE)
 
     _STATE["dynamo_loaded"] = True
     _NODES["index"] = assume_constant_result(_func_index)

@@ -203,9 +203,50 @@ def _func_index(func) -> int:
     return i
 
 
+def _symbolic_shape(x):
+    """The first shape with a symbolic (dynamic) size among the tensors in ``x``, else None."""
+    if isinstance(x, torch.Tensor):
+        local = getattr(x, "_local_tensor", None)
+        for t in (x,) if local is None else (x, local):
+            if any(isinstance(d, torch.SymInt) for d in t.shape):
+                return tuple(t.shape)
+        return None
+    if isinstance(x, dict):
+        x = x.values()
+    elif not isinstance(x, (tuple, list)):
+        return None
+    for v in x:
+        s = _symbolic_shape(v)
+        if s is not None:
+            return s
+    return None
+
+
+def _require_static(what, args, kwargs):
+    """Refuse dynamic shapes with an error that names ``dynamic=False``.
+
+    A layout's global shape is a compile-time constant (flatten context, sharding
+    rules evaluated at trace time), so DTensor ops cannot be traced with symbolic
+    sizes; dynamo makes shapes dynamic on its own when a compiled function meets a
+    second input shape. Dynamo turns an exception raised here into a graph break
+    ("Unsupported output type for nonstrict_trace-ed function"); the graph-break
+    log (``TORCH_LOGS=graph_breaks``) quotes this message. Raising it from the code
+    dynamo inlines instead did not stop the compile with it either (torch 2.13), so
+    the user-facing error is still dynamo's; docs/performance.md says to compile
+    with ``dynamic=False`` (as ``examples/llama/train.py --compile`` does).
+    """
+    shape = _symbolic_shape((args, kwargs))
+    if shape is not None:
+        raise ValueError(
+            f"hyper_parallel: {what} got a tensor with dynamic shape {shape} inside torch.compile; DTensor "
+            "programs compile with static shapes only. Pass dynamic=False to torch.compile (e.g. "
+            "torch.compile(block, dynamic=False)): a new input shape then recompiles instead")
+
+
 def _op_node(index, args, kwargs):
     """Body of the opaque node of one DTensor op: the ordinary dispatcher, run natively."""
     _enter_compile_mode()
+    _require_static(getattr(_FUNCS[index], "__name__", "a DTensor op"), args, kwargs)
     DTensor = _STATE["dtensor"]
     return _STATE["handler"](DTensor, _FUNCS[index], (DTensor,), _dec(args), _dec(kwargs))
 
@@ -245,6 +286,7 @@ def _api_node(name):
 
     def node(args, kwargs):
         _enter_compile_mode()
+        _require_static(f"DTensor.{name}", args, kwargs)
         return orig(*_dec(args), **_dec(kwargs))
     node.__name__ = f"hp_dtensor_{name}"
     return node

@@ -13,7 +13,8 @@ One distributed task on 2 ranks (compiling is slow: ``aot_eager``, tiny shapes, 
 * ``replicate`` (dp=2) around compiled blocks: losses equal one process (the dp averaging
   hooks on the local tensors see the compiled backward's gradients);
 * ``fully_shard`` (dp_shard=2) per block and root, then per-block compile: FSDP's hooks run
-  eagerly (``eager_hook``), losses equal one process for 3 steps, one graph per block (no recompile).
+  eagerly (``eager_hook``), losses equal one process for 3 steps, one graph per block (no recompile);
+  on 4 ranks the same with TP+SP inside (FSDP x TP).
 
 Graph breaks are counted with ``torch._dynamo.utils.counters["graph_break"]`` across everything.
 """
@@ -182,6 +183,29 @@ def _task():
         return dict(counters["stats"])
     finally:
         hp.get_platform().compile_support.restore_eager_fast_paths()  # leave the pool's worker as found
+
+
+def _task_fsdp_tp():
+    """FSDP x TP (dp_shard=2, tp=2, SP) with per-block compile: losses equal one process, no breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from examples.llama.configs import get_config
+    from examples.llama.model import ModelArgs
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        small = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=260, multiple_of=32,
+                          max_seq_len=16)
+        cfg = dataclasses.replace(get_config("tiny"), model=small, global_batch=4, seq_len=16)
+        _llama_case(1, 2, True, False, cfg, dp_shard=2)
+        assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+        assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    finally:
+        hp.get_platform().compile_support.restore_eager_fast_paths()
+
+
+def test_compile_fsdp_tp_four_ranks(dist_runner):
+    dist_runner.run(4, _task_fsdp_tp, timeout=400)
 
 
 def test_compile_parity_two_ranks(dist_runner):

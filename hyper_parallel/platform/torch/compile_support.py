@@ -25,6 +25,10 @@ Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher
   rest of the process: outside compiled regions those calls then take the
   ordinary ``__torch_function__`` path (same results, ~1 us slower per call).
 
+* **Eagerly computed non-leaf DTensors can enter a region** (``_is_example_history``,
+  ``_make_dispatch``), and **module hooks that must stay eager** (FSDP's) are wrapped by
+  :func:`eager_hook`. Shapes are static: DTensor nodes refuse symbolic sizes (``_require_static``).
+
 Everything torch-specific about compilation lives here; the core only calls
 :func:`traced_op` / :func:`native_query` through the platform.
 """

@@ -4,12 +4,17 @@ One distributed task on 2 ranks (compiling is slow: ``aot_eager``, tiny shapes, 
 
 * a TP MLP (Colwise -> GELU -> Rowwise -> LayerNorm) compiled with ``fullgraph=True``: output and
   parameter gradients equal eager and one process for 3 SGD steps; no recompilation after step 1;
+* an eagerly computed non-leaf DTensor that requires grad fed into a compiled block (per-block
+  compile's embedding -> block boundary): values and gradients back to the leaf;
 * a plain DTensor program (matmul, sum/mean/amax, redistribute Shard -> Replicate and Partial ->
   Replicate, ``full_tensor``) compiled with ``fullgraph=True`` on DTensor leaves: values and grads;
 * the example Llama through ``train.py``'s ``train(..., --compile)`` (per-block compile, TP+SP) for 3
   steps: every loss equals one process; with ``loss_parallel`` (DTensor logits, eager loss) as well;
 * ``replicate`` (dp=2) around compiled blocks: losses equal one process (the dp averaging
-  hooks on the local tensors see the compiled backward's gradients).
+  hooks on the local tensors see the compiled backward's gradients);
+* ``fully_shard`` (dp_shard=2) per block and root, then per-block compile: FSDP's hooks run
+  eagerly (``eager_hook``), losses equal one process for 3 steps, one graph per block (no recompile);
+  on 4 ranks the same with TP+SP inside (FSDP x TP).
 
 Graph breaks are counted with ``torch._dynamo.utils.counters["graph_break"]`` across everything.
 """
@@ -107,6 +112,20 @@ def _program_case(mesh):
     assert isinstance(out, hp.DTensor) and out.placements == (Shard(0),)
     (out * 2).full_tensor().sum().backward()
     torch.testing.assert_close(a.grad.full_tensor(), 6 * torch.cos(3 * a_full), **TOL)
+    # an eagerly computed DTensor that requires grad (non-leaf: an embedding/activation) fed to a
+    # compiled block, as in per-block compile: gradients flow through the region back to the leaf
+    w = hp.distribute_tensor(a_full, mesh, [Shard(0)]).requires_grad_()
+    blk = torch.compile(lambda t, u: (t * 3).sin() @ u, backend=BACKEND, fullgraph=True)
+    for step in range(2):  # the second call reuses the graph (no recompile for non-leaf inputs)
+        act = w * 2
+        assert not act.is_leaf and act.requires_grad
+        out = blk(act, b)
+        out.full_tensor().pow(2).sum().backward()
+    w_ref, b_ref2 = a_full.clone().requires_grad_(), b_full.clone().requires_grad_()
+    for step in range(2):
+        ((w_ref * 2 * 3).sin() @ b_ref2).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad, **TOL)
+    torch.testing.assert_close(b.grad.full_tensor(), b_ref2.grad + b_ref.grad, **TOL)
     # Partial input made inside the region, reduced by full_tensor
     f = torch.compile(lambda x: hp.DTensor.from_local(x, mesh, [Partial()]).full_tensor() * 3,
                       backend=BACKEND, fullgraph=True)
@@ -122,11 +141,14 @@ def _program_ref(a, b):
     return c.sum(dim=0) * ((c * 2).mean() + c.amax()) + c[0]
 
 
-def _llama_case(dp, tp, sp, loss_parallel, cfg):
+def _llama_case(dp, tp, sp, loss_parallel, cfg, dp_shard=1):
     from examples.llama.reference import train_reference
     from examples.llama.train import train
-    mesh = hp.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    args = argparse.Namespace(sp=sp, loss_parallel=loss_parallel, compile=BACKEND)
+    if dp_shard > 1:
+        mesh = hp.init_device_mesh("cpu", (dp, dp_shard, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+    else:
+        mesh = hp.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    args = argparse.Namespace(sp=sp, loss_parallel=loss_parallel, compile=BACKEND, dp_shard=dp_shard)
     losses = train(args, 3, cfg, mesh, log=lambda *a: None)
     ref, _ = train_reference(cfg.model, 3, seed=cfg.seed, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                              optim=cfg.optim)
@@ -150,11 +172,40 @@ def _task():
         _llama_case(1, 2, True, False, cfg)     # TP+SP, per-block compile (the example's --compile)
         _llama_case(1, 2, True, True, cfg)      # + loss_parallel
         _llama_case(2, 1, False, False, cfg)    # replicate (dp=2) around compiled blocks
+        # fully_shard each block and the root, then compile each block (torchtitan order): FSDP's
+        # hooks stay eager, the block bodies compile with fullgraph=True; no recompile after step 1
+        graphs = counters["stats"]["unique_graphs"]
+        _llama_case(1, 1, False, False, cfg, dp_shard=2)
+        fsdp_graphs = counters["stats"]["unique_graphs"] - graphs
+        assert 1 <= fsdp_graphs <= 2, f"FSDP blocks compiled {fsdp_graphs} graphs for 2 blocks (recompiles)"
         breaks = dict(counters["graph_break"])
         assert not breaks, f"graph breaks: {breaks}"
         return dict(counters["stats"])
     finally:
         hp.get_platform().compile_support.restore_eager_fast_paths()  # leave the pool's worker as found
+
+
+def _task_fsdp_tp():
+    """FSDP x TP (dp_shard=2, tp=2, SP) with per-block compile: losses equal one process, no breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from examples.llama.configs import get_config
+    from examples.llama.model import ModelArgs
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        small = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=260, multiple_of=32,
+                          max_seq_len=16)
+        cfg = dataclasses.replace(get_config("tiny"), model=small, global_batch=4, seq_len=16)
+        _llama_case(1, 2, True, False, cfg, dp_shard=2)
+        assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+        assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    finally:
+        hp.get_platform().compile_support.restore_eager_fast_paths()
+
+
+def test_compile_fsdp_tp_four_ranks(dist_runner):
+    dist_runner.run(4, _task_fsdp_tp, timeout=400)
 
 
 def test_compile_parity_two_ranks(dist_runner):

@@ -25,6 +25,10 @@ Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher
   rest of the process: outside compiled regions those calls then take the
   ordinary ``__torch_function__`` path (same results, ~1 us slower per call).
 
+* **Eagerly computed non-leaf DTensors can enter a region** (``_is_example_history``,
+  ``_make_dispatch``), and **module hooks that must stay eager** (FSDP's) are wrapped by
+  :func:`eager_hook`. Shapes are static: DTensor nodes refuse symbolic sizes (``_require_static``).
+
 Everything torch-specific about compilation lives here; the core only calls
 :func:`traced_op` / :func:`native_query` through the platform.
 """
@@ -103,10 +107,52 @@ def _tensor_flatten(self):
     return ["_local_tensor"], (self._mesh, self._layout, tuple(self._gshape))
 
 
+def _is_example_history(t) -> bool:
+    """True for the fake history the meta converter gives a non-leaf example input.
+
+    When dynamo fakeifies a DTensor whose local tensor is a non-leaf that requires
+    grad (an eagerly computed activation fed to a compiled block), the inner fake
+    local tensor gets a ``DelayedError`` grad_fn. Our wrapper reports the local
+    tensor's autograd state, so the converter would then see a non-leaf wrapper
+    and refuse it ("the callback you passed in doesn't detach"); it gives the
+    *wrapper* its fake history itself afterwards.
+    """
+    fn = t.grad_fn
+    return fn is not None and type(fn).__name__ == "Error" and _is_traced(t)
+
+
+def _make_dispatch(DTensor, orig):
+    """``__torch_dispatch__`` that also serves the meta converter's fake history (see above).
+
+    After fakeifying a non-leaf DTensor input, the converter gives the wrapper an
+    error-raising history with ``DelayedError``, which calls ``aten.detach`` below
+    ``__torch_function__``. For a fake local tensor that detach is answered here
+    on a fake local tensor that requires grad is answered here: a new wrapper whose
+    local tensor carries the same error-raising history (this library keeps autograd
+    state on the local tensor, so that is where the converter's check looks); every
+    other op keeps the original error.
+    """
+    detach = torch.ops.aten.detach.default
+
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is detach and len(args) == 1 and isinstance(args[0], DTensor) and _is_traced(args[0]._local_tensor):
+            a = args[0]
+            local = a._local_tensor.detach()
+            if a._local_tensor.requires_grad:
+                local = torch._C._functions.DelayedError(
+                    "Internal error: Tried to backward() through example input", 1)(local.requires_grad_(True))
+            return DTensor._wrap(local, a._mesh, a._layout, a._gshape)
+        return orig(func, types, args, kwargs)
+    return classmethod(__torch_dispatch__)
+
+
 def _make_unflatten(DTensor):
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
         mesh, layout, shape = meta
-        return DTensor._wrap(inner_tensors["_local_tensor"], mesh, layout, shape)
+        local = inner_tensors["_local_tensor"]
+        if local.requires_grad and _is_example_history(local):
+            local = local.detach().requires_grad_(True)  # a leaf; see _is_example_history
+        return DTensor._wrap(local, mesh, layout, shape)
     return staticmethod(__tensor_unflatten__)
 
 
@@ -161,9 +207,50 @@ def _func_index(func) -> int:
     return i
 
 
+def _symbolic_shape(x):
+    """The first shape with a symbolic (dynamic) size among the tensors in ``x``, else None."""
+    if isinstance(x, torch.Tensor):
+        local = getattr(x, "_local_tensor", None)
+        for t in (x,) if local is None else (x, local):
+            if any(isinstance(d, torch.SymInt) for d in t.shape):
+                return tuple(t.shape)
+        return None
+    if isinstance(x, dict):
+        x = x.values()
+    elif not isinstance(x, (tuple, list)):
+        return None
+    for v in x:
+        s = _symbolic_shape(v)
+        if s is not None:
+            return s
+    return None
+
+
+def _require_static(what, args, kwargs):
+    """Refuse dynamic shapes with an error that names ``dynamic=False``.
+
+    A layout's global shape is a compile-time constant (flatten context, sharding
+    rules evaluated at trace time), so DTensor ops cannot be traced with symbolic
+    sizes; dynamo makes shapes dynamic on its own when a compiled function meets a
+    second input shape. Dynamo turns an exception raised here into a graph break
+    ("Unsupported output type for nonstrict_trace-ed function"); the graph-break
+    log (``TORCH_LOGS=graph_breaks``) quotes this message. Raising it from the code
+    dynamo inlines instead did not stop the compile with it either (torch 2.13), so
+    the user-facing error is still dynamo's; docs/performance.md says to compile
+    with ``dynamic=False`` (as ``examples/llama/train.py --compile`` does).
+    """
+    shape = _symbolic_shape((args, kwargs))
+    if shape is not None:
+        raise ValueError(
+            f"hyper_parallel: {what} got a tensor with dynamic shape {shape} inside torch.compile; DTensor "
+            "programs compile with static shapes only. Pass dynamic=False to torch.compile (e.g. "
+            "torch.compile(block, dynamic=False)): a new input shape then recompiles instead")
+
+
 def _op_node(index, args, kwargs):
     """Body of the opaque node of one DTensor op: the ordinary dispatcher, run natively."""
     _enter_compile_mode()
+    _require_static(getattr(_FUNCS[index], "__name__", "a DTensor op"), args, kwargs)
     DTensor = _STATE["dtensor"]
     return _STATE["handler"](DTensor, _FUNCS[index], (DTensor,), _dec(args), _dec(kwargs))
 
@@ -203,6 +290,7 @@ def _api_node(name):
 
     def node(args, kwargs):
         _enter_compile_mode()
+        _require_static(f"DTensor.{name}", args, kwargs)
         return orig(*_dec(args), **_dec(kwargs))
     node.__name__ = f"hp_dtensor_{name}"
     return node
@@ -222,8 +310,40 @@ def _traceable_method(orig, name, static=False):
     return staticmethod(method) if static else method
 
 
+# ----------------------------------------------------------------------------- eager hooks
+def eager_hook(fn):
+    """``fn`` (a module hook) that always runs eagerly, also when its module is compiled.
+
+    ``torch.compile(module)`` runs the module's hooks as frames of their own, which
+    dynamo would trace. FSDP's pre/post-forward hooks keep Python state (unshard,
+    reshard, prefetch order, backward hooks), so they must stay eager while the block
+    body compiles, as torch's FSDP2 does with ``torch._dynamo.disable``. Without
+    dynamo loaded the hook is a plain call (no ``torch._dynamo`` import for eager
+    programs); once it is loaded, this wrapper's frame is skipped by dynamo and the
+    hook runs under ``torch._dynamo.disable``.
+    """
+    import functools
+
+    disabled = []
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if not _STATE["dynamo_loaded"]:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch._dynamo.disable(fn, recursive=True))
+        return disabled[0](*args, **kwargs)
+    return hook
+
+
+_HOOK_CODE = eager_hook(lambda: None).__code__  # shared by every eager_hook wrapper: skipped by dynamo
+
+
 def _on_dynamo_loaded():
     from torch._dynamo import assume_constant_result, nonstrict_trace
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(_HOOK_CODE)
 
     _STATE["dynamo_loaded"] = True
     _NODES["index"] = assume_constant_result(_func_index)
@@ -318,6 +438,7 @@ def install(DTensor, handler, constant_classes, fast_names):
     _STATE.update(dtensor=DTensor, handler=handler, fast_names=tuple(fast_names))
     DTensor.__tensor_flatten__ = _tensor_flatten
     DTensor.__tensor_unflatten__ = _make_unflatten(DTensor)
+    DTensor.__torch_dispatch__ = _make_dispatch(DTensor, DTensor.__torch_dispatch__)
     _register_constants(tuple(constant_classes))
     # from_local can be the first DTensor call a compiled region makes (plain inputs), so it carries
     # its dynamo branch always; the methods of an existing DTensor get theirs in compile mode

@@ -349,8 +349,10 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
             owner._register_load_state_dict_pre_hook(hook)
     state = FSDPState(module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where)
     module.__dict__["_hp_fsdp_state"] = state
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward, with_kwargs=True)
+    # the hooks stay eager when the module is compiled (per-block torch.compile): see eager_hook
+    from hyper_parallel.platform.torch.compile_support import eager_hook
+    module.register_forward_pre_hook(eager_hook(state.pre_forward), prepend=True, with_kwargs=True)
+    module.register_forward_hook(eager_hook(state.post_forward), with_kwargs=True)
     cls = type(module)
     new_cls = _CLASS_CACHE.get((cls, module_cls))
     if new_cls is None:

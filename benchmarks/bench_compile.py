@@ -22,38 +22,12 @@ import argparse
 import copy
 import time
 
+from tp_plans import TorchLib, llama_block_plan
 from common import bench_interleaved, launch, table
 
 
 def _mlp_plan(lib):
     return {"w1": lib.ColwiseParallel(), "w2": lib.RowwiseParallel()}
-
-
-def _block_plan(lib, sp):
-    P = lib
-    seq = P.Shard(1) if sp else P.Replicate()
-    plan = {
-        "attention.wq": P.ColwiseParallel(), "attention.wk": P.ColwiseParallel(), "attention.wv": P.ColwiseParallel(),
-        "attention.wo": P.RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": P.ColwiseParallel(), "feed_forward.w3": P.ColwiseParallel(),
-        "feed_forward.w2": P.RowwiseParallel(output_layouts=seq),
-    }
-    if sp:
-        plan.update({
-            "attention_norm": P.SequenceParallel(), "ffn_norm": P.SequenceParallel(),
-            "attention": P.PrepareModuleInput(input_layouts=(P.Shard(1), None, None),
-                                              desired_input_layouts=(P.Replicate(), None, None),
-                                              use_local_output=True),
-            "feed_forward": P.PrepareModuleInput(input_layouts=(P.Shard(1),), desired_input_layouts=(P.Replicate(),),
-                                                 use_local_output=True),
-        })
-    return plan
-
-
-class _TorchLib:
-    from torch.distributed.tensor import Replicate, Shard  # noqa: F401
-    from torch.distributed.tensor.parallel import (  # noqa: F401
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
 
 
 def worker(iters, backend):
@@ -81,14 +55,14 @@ def worker(iters, backend):
     cos, sin = precompute_rope(args.head_dim, 128, args.rope_theta)
     torch.manual_seed(0)
     cases = [("MLP", MLP(), lambda lib: _mlp_plan(lib), torch.randn(16, 128), False),
-             ("block TP", TransformerBlock(args), lambda lib: _block_plan(lib, False), torch.randn(4, 128, 256), False),
-             ("block TP+SP", TransformerBlock(args), lambda lib: _block_plan(lib, True), torch.randn(4, 128, 256), True)]
+             ("block TP", TransformerBlock(args), lambda lib: llama_block_plan(lib, False), torch.randn(4, 128, 256), False),
+             ("block TP+SP", TransformerBlock(args), lambda lib: llama_block_plan(lib, True), torch.randn(4, 128, 256), True)]
     rows = []
     for name, ref, plan, x, sp in cases:
         extra = (cos, sin) if "block" in name else ()
         inp = x.chunk(ws, dim=1)[rank].contiguous() if sp else x
         mods = {"plain": copy.deepcopy(ref)}
-        for lib_name, lib, m in (("torch", _TorchLib, tmesh), ("ours", hp, mesh)):
+        for lib_name, lib, m in (("torch", TorchLib, tmesh), ("ours", hp, mesh)):
             mods[lib_name] = lib.parallelize_module(copy.deepcopy(ref), m, plan(lib))
         inputs = {"plain": x, "torch": inp, "ours": inp}
 

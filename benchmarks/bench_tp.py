@@ -15,36 +15,10 @@ from __future__ import annotations
 import argparse
 import copy
 
+from tp_plans import TorchLib, llama_block_plan
 from common import bench, bench_interleaved, launch, table
 
 CONFIGS = {"A": dict(dim=256, n_layers=2, seq=128, batch=4), "B": dict(dim=1024, n_layers=1, seq=256, batch=4)}
-
-
-def _plan(lib, sp):
-    P = lib
-    seq = P.Shard(1) if sp else P.Replicate()
-    plan = {
-        "attention.wq": P.ColwiseParallel(), "attention.wk": P.ColwiseParallel(), "attention.wv": P.ColwiseParallel(),
-        "attention.wo": P.RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": P.ColwiseParallel(), "feed_forward.w3": P.ColwiseParallel(),
-        "feed_forward.w2": P.RowwiseParallel(output_layouts=seq),
-    }
-    if sp:
-        plan.update({
-            "attention_norm": P.SequenceParallel(), "ffn_norm": P.SequenceParallel(),
-            "attention": P.PrepareModuleInput(input_layouts=(P.Shard(1), None, None),
-                                              desired_input_layouts=(P.Replicate(), None, None),
-                                              use_local_output=True),
-            "feed_forward": P.PrepareModuleInput(input_layouts=(P.Shard(1),), desired_input_layouts=(P.Replicate(),),
-                                                 use_local_output=True),
-        })
-    return plan
-
-
-class _TorchLib:
-    from torch.distributed.tensor import Replicate, Shard  # noqa: F401
-    from torch.distributed.tensor.parallel import (  # noqa: F401
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
 
 
 def worker(iters, cfg_name):
@@ -79,10 +53,10 @@ def worker(iters, cfg_name):
     mesh, tmesh = hp.init_device_mesh("cpu", (ws,)), t_mesh("cpu", (ws,))
     for sp in (False, True):
         res, built = {}, {}
-        for name, lib, m, Comm in (("torch", _TorchLib, tmesh, TComm), ("ours", hp, mesh, hp.CommDebugMode)):
+        for name, lib, m, Comm in (("torch", TorchLib, tmesh, TComm), ("ours", hp, mesh, hp.CommDebugMode)):
             blocks = copy.deepcopy(ref)
             for b in blocks:
-                lib.parallelize_module(b, m, _plan(lib, sp))
+                lib.parallelize_module(b, m, llama_block_plan(lib, sp))
             inp = x.chunk(ws, dim=1)[rank].contiguous() if sp else x
             with torch.no_grad():
                 out = run(blocks, inp)

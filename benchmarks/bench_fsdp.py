@@ -150,9 +150,13 @@ def worker(iters, repeats, case):
     step(ours_m, opt_o)
     step(torch_m, opt_t)
     mem = {"ours": persistent(ours_m, opt_o), "torch": persistent(torch_m, opt_t)}
-    # ---- peak bytes during one (untimed) step, default prefetch of each library
-    peak = {"ours": _peak_step_bytes(ours_m, opt_o, step, persistent, dist.barrier),
-            "torch": _peak_step_bytes(torch_m, opt_t, step, persistent, dist.barrier)}
+    # ---- peak bytes during one (untimed) step per library, prefetch off and on (as timed below)
+    peak = {}
+    for lib, model, opt in (("torch", torch_m, opt_t), ("ours", ours_m, opt_o)):
+        peak[lib] = []
+        for on in (False, True):
+            prefetch(model, on, lib)
+            peak[lib].append(_peak_step_bytes(model, opt, step, persistent, dist.barrier))
     # ---- step times, interleaved
     fns = []
     for lib, model, opt in (("torch", torch_m, opt_t), ("ours", ours_m, opt_o)):
@@ -224,15 +228,15 @@ def main():
             c = r["counts"][lib]
             fsdp_bytes = c[1].get("all_gather", 0) + c[1].get("reduce_scatter", 0)
             rows.append([label, lib, f"{off:.1f}", f"{on:.1f}", f"{min(off, on) / min(t_off, t_on):.2f}", fmt(c),
-                         f"{fsdp_bytes:,}", f"{r['mem'][lib]:,}", f"{r['peak'][lib]:,}"])
+                         f"{fsdp_bytes:,}", f"{r['mem'][lib]:,}", " / ".join(f"{b / 2**20:.1f}" for b in r["peak"][lib])])
     print(table(["case", "impl", "step ms (no prefetch)", "step ms (prefetch)", "best vs torch",
                  "collectives per step", "FSDP bytes sent per step", "persistent bytes/rank",
-                 "peak bytes/rank in a step"], rows))
+                 "peak MiB/rank in a step (no prefetch / prefetch)"], rows))
     print("torch's counts cover its torch.distributed calls (FSDP2's all_gather/reduce_scatter); its TP "
           "collectives go through functional collectives and are not counted. Ours count everything "
           "(with TP: the Megatron all_reduces). FSDP bytes = all_gather + reduce_scatter bytes one rank sends. "
           "Peak = parameter shards + optimizer states + the highest rise of live CPU-allocator bytes during "
-          "one untimed step (torch profiler, profile_memory=True), rank 0, each library's default prefetch.")
+          "one untimed step (torch profiler, profile_memory=True), rank 0, prefetch off / on as in the timings.")
 
 
 if __name__ == "__main__":

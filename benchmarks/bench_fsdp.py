@@ -14,9 +14,9 @@ by counting its ``torch.distributed`` calls (FSDP2's; torch TP's functional coll
 seen); FSDP bytes = what one rank puts on the wire for all_gather + reduce_scatter
 (hyper_parallel.platform.comm_record.bytes_sent). Persistent memory: bytes of the local
 parameter, gradient and optimizer-state shards per rank after a step. Peak memory: CPU tensors have
-no allocator statistics, so one extra, untimed step per library runs under the torch profiler with
+no allocator statistics, so two extra, untimed steps per library run under the torch profiler with
 ``profile_memory=True``, which records every storage allocation and free of the CPU allocator (see
-``_peak_step_bytes``); both libraries' tensors, DTensor local tensors included, go through that same
+``_peak_step_bytes``: the second step is measured); both libraries' tensors, DTensor local tensors included, go through that same
 allocator, so they are counted alike.
 """
 from __future__ import annotations
@@ -174,25 +174,32 @@ def _peak_step_bytes(model, opt, step, persistent, barrier):
 
     What is counted: the gradients are dropped first (``zero_grad(set_to_none=True)``), so the
     step starts from the parameter shards plus optimizer states; their bytes (``persistent``, now
-    without gradients) are the baseline. The step then runs under ``torch.profiler`` with
+    without gradients) are the baseline. Two steps then run under ``torch.profiler`` with
     ``profile_memory=True``: the CPU allocator reports every storage allocation (+size) and free
     (-size) with a timestamp, whoever asked for it -- plain tensors, the local tensors of our
     DTensor and of torch's DTensor, all-gather outputs and unsharded parameters, gradients,
-    autograd-saved activations, optimizer temporaries, reduce-scatter buffers. The running sum of
-    those events, in time order, has a maximum; peak = baseline + that maximum. Not counted:
-    buffers the model held before the step (rotary tables, inputs: the same for both libraries)
-    and memory gloo allocates outside torch storages. A storage allocated before the profiler
-    started and freed during the step is not subtracted (the allocator did not record its size),
-    which can only overstate the peak, for both libraries alike.
+    autograd-saved activations, optimizer temporaries, reduce-scatter buffers. Only the second
+    step is measured: peak = baseline + the maximum, over the second step's events, of the running
+    sum of all events in time order. So whatever a library keeps alive from one step into the
+    next (buffers, the first step's gradients until ``zero_grad``) is counted, and the second
+    step's frees of storages allocated in the first step are known sizes. Not counted: buffers
+    the model held before profiling (rotary tables, inputs: the same for both libraries) and
+    memory gloo allocates outside torch storages. A storage allocated before the profiler started
+    and freed during the second step is not subtracted (the allocator never saw its size); it
+    would have to survive a whole step, and can only overstate the peak, for both libraries alike.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
     from torch._C._profiler import _EventType
 
+    marker = 1_234_567  # bytes of a marker allocation that separates the two steps
     opt.zero_grad(set_to_none=True)
     base = persistent(model, opt)
     barrier()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, opt)
+        m = torch.empty(marker, dtype=torch.uint8)
+        del m
         step(model, opt)
     barrier()
     events = []
@@ -204,10 +211,19 @@ def _peak_step_bytes(model, opt, step, persistent, barrier):
             walk(c)
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
-    live = rise = 0
-    for _, nbytes in sorted(events):
+    events.sort()
+    live, rise, second = 0, 0, False
+    for _, nbytes in events:
+        if nbytes == -marker and not second:
+            second = True
+            continue
+        if nbytes == marker and not second:
+            continue
         live += nbytes
-        rise = max(rise, live)
+        if second:
+            rise = max(rise, live)
+    if not second:
+        raise RuntimeError("bench_fsdp: the marker allocation between the two profiled steps was not seen")
     return base + rise
 
 
@@ -236,7 +252,7 @@ def main():
           "collectives go through functional collectives and are not counted. Ours count everything "
           "(with TP: the Megatron all_reduces). FSDP bytes = all_gather + reduce_scatter bytes one rank sends. "
           "Peak = parameter shards + optimizer states + the highest rise of live CPU-allocator bytes during "
-          "one untimed step (torch profiler, profile_memory=True), rank 0, prefetch off / on as in the timings.")
+          "the second of two untimed steps (torch profiler, profile_memory=True), rank 0, prefetch off / on as in the timings.")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ block), in alternating blocks. Collectives per step: ours from hyper_parallel.Co
 by counting its ``torch.distributed`` calls (FSDP2's; torch TP's functional collectives are not
 seen); FSDP bytes = what one rank puts on the wire for all_gather + reduce_scatter
 (hyper_parallel.platform.comm_record.bytes_sent). Persistent memory: bytes of the local
-parameter, gradient and optimizer-state shards per rank after a step. Peak memory is not reported:
-CPU tensors have no allocator statistics.
+parameter, gradient and optimizer-state shards per rank after a step. Peak memory: CPU tensors have
+no allocator statistics, so two extra, untimed steps per library run under the torch profiler with
+``profile_memory=True``, which records every storage allocation and free of the CPU allocator (see
+``_peak_step_bytes``: the second step is measured); both libraries' tensors, DTensor local tensors included, go through that same
+allocator, so they are counted alike.
 """
 from __future__ import annotations
 
@@ -147,6 +150,13 @@ def worker(iters, repeats, case):
     step(ours_m, opt_o)
     step(torch_m, opt_t)
     mem = {"ours": persistent(ours_m, opt_o), "torch": persistent(torch_m, opt_t)}
+    # ---- peak bytes during one (untimed) step per library, prefetch off and on (as timed below)
+    peak = {}
+    for lib, model, opt in (("torch", torch_m, opt_t), ("ours", ours_m, opt_o)):
+        peak[lib] = []
+        for on in (False, True):
+            prefetch(model, on, lib)
+            peak[lib].append(_peak_step_bytes(model, opt, step, persistent, dist.barrier))
     # ---- step times, interleaved
     fns = []
     for lib, model, opt in (("torch", torch_m, opt_t), ("ours", ours_m, opt_o)):
@@ -156,7 +166,65 @@ def worker(iters, repeats, case):
                 step(model, opt)
             fns.append(fn)
     times = bench_interleaved(fns, iters, repeats, sync=dist.barrier, warmup=2)
-    return {"times": times, "counts": counts, "mem": mem}
+    return {"times": times, "counts": counts, "mem": mem, "peak": peak}
+
+
+def _peak_step_bytes(model, opt, step, persistent, barrier):
+    """Peak live bytes on this rank during one training step (forward, backward, optimizer step).
+
+    What is counted: the gradients are dropped first (``zero_grad(set_to_none=True)``), so the
+    step starts from the parameter shards plus optimizer states; their bytes (``persistent``, now
+    without gradients) are the baseline. Two steps then run under ``torch.profiler`` with
+    ``profile_memory=True``: the CPU allocator reports every storage allocation (+size) and free
+    (-size) with a timestamp, whoever asked for it -- plain tensors, the local tensors of our
+    DTensor and of torch's DTensor, all-gather outputs and unsharded parameters, gradients,
+    autograd-saved activations, optimizer temporaries, reduce-scatter buffers. Only the second
+    step is measured: peak = baseline + the maximum, over the second step's events, of the running
+    sum of all events in time order. So whatever a library keeps alive from one step into the
+    next (buffers, the first step's gradients until ``zero_grad``) is counted, and the second
+    step's frees of storages allocated in the first step are known sizes. Not counted: buffers
+    the model held before profiling (rotary tables, inputs: the same for both libraries) and
+    memory gloo allocates outside torch storages. A storage allocated before the profiler started
+    and freed during the second step is not subtracted (the allocator never saw its size); it
+    would have to survive a whole step, and can only overstate the peak, for both libraries alike.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch._C._profiler import _EventType
+
+    marker = 1_234_567  # bytes of a marker allocation that separates the two steps
+    opt.zero_grad(set_to_none=True)
+    base = persistent(model, opt)
+    barrier()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model, opt)
+        m = torch.empty(marker, dtype=torch.uint8)
+        del m
+        step(model, opt)
+    barrier()
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for c in node.children:
+            walk(c)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    events.sort()
+    live, rise, second = 0, 0, False
+    for _, nbytes in events:
+        if nbytes == -marker and not second:
+            second = True
+            continue
+        if nbytes == marker and not second:
+            continue
+        live += nbytes
+        if second:
+            rise = max(rise, live)
+    if not second:
+        raise RuntimeError("bench_fsdp: the marker allocation between the two profiled steps was not seen")
+    return base + rise
 
 
 def main():
@@ -176,12 +244,15 @@ def main():
             c = r["counts"][lib]
             fsdp_bytes = c[1].get("all_gather", 0) + c[1].get("reduce_scatter", 0)
             rows.append([label, lib, f"{off:.1f}", f"{on:.1f}", f"{min(off, on) / min(t_off, t_on):.2f}", fmt(c),
-                         f"{fsdp_bytes:,}", f"{r['mem'][lib]:,}"])
+                         f"{fsdp_bytes:,}", f"{r['mem'][lib]:,}", " / ".join(f"{b / 2**20:.1f}" for b in r["peak"][lib])])
     print(table(["case", "impl", "step ms (no prefetch)", "step ms (prefetch)", "best vs torch",
-                 "collectives per step", "FSDP bytes sent per step", "persistent bytes/rank"], rows))
+                 "collectives per step", "FSDP bytes sent per step", "persistent bytes/rank",
+                 "peak MiB/rank in a step (no prefetch / prefetch)"], rows))
     print("torch's counts cover its torch.distributed calls (FSDP2's all_gather/reduce_scatter); its TP "
           "collectives go through functional collectives and are not counted. Ours count everything "
-          "(with TP: the Megatron all_reduces). FSDP bytes = all_gather + reduce_scatter bytes one rank sends.")
+          "(with TP: the Megatron all_reduces). FSDP bytes = all_gather + reduce_scatter bytes one rank sends. "
+          "Peak = parameter shards + optimizer states + the highest rise of live CPU-allocator bytes during "
+          "the second of two untimed steps (torch profiler, profile_memory=True), rank 0, prefetch off / on as in the timings.")
 
 
 if __name__ == "__main__":

@@ -207,6 +207,20 @@ class FSDPParamGroup:
                                       async_op=True)
         self._rs = (work, out, have)
 
+    def release_send_buffer(self):
+        """Wait for the in-flight reduce_scatter and drop its flat input (the full-size packed gradients).
+
+        The asynchronous work keeps its input alive until the handle is dropped; without this every
+        group's packed input would live until the root's end-of-backward callback (one unsharded
+        gradient per group at the peak). The next group's post-backward calls it before packing its
+        own input, so at most one group's packed input is alive at a time, as in FSDP2.
+        """
+        if self._rs is None or len(self._rs) != 3 or self._rs[0] is None:
+            return
+        work, out, have = self._rs
+        work.wait()
+        self._rs = (None, out, have)
+
     def _all_reduce_grads(self, have):
         """One all_reduce of the flat full gradients (the shard group's; HSDP adds the replicate group's)."""
         pieces = []

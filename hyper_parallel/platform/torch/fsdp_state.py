@@ -46,6 +46,7 @@ class _Ctx:
         self.recording = True
         self.callback_queued = False
         self.is_last_backward = True
+        self.inflight_rs = None  # the group whose reduce_scatter was issued last (its input is still alive)
 
 
 class FSDPState:
@@ -223,7 +224,14 @@ class FSDPState:
             return
         g.expected = None
         if self.requires_gradient_sync:
+            ctx = self.ctx
+            prev = ctx.inflight_rs if ctx is not None else None
+            if prev is not None and prev is not g:
+                with torch.no_grad():
+                    prev.release_send_buffer()  # free its packed input before packing ours
             g.reduce_grads()
+            if ctx is not None:
+                ctx.inflight_rs = g
         if self.reshard_after_backward:
             g.reshard()
 
@@ -243,6 +251,7 @@ class FSDPState:
         for st in order:
             st._pre_bw_done = st._post_bw_done = False
         ctx.callback_queued = False
+        ctx.inflight_rs = None
 
     # --------------------------------------------------------------- public
     def reshard(self):

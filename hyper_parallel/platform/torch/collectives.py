@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hyper_parallel.platform import comm_record as rec
 from hyper_parallel.platform.torch import compile_collectives as _traced
+from hyper_parallel.platform.torch import wire_layout as wire
 
 # True while torch.compile traces (dynamo, fake propagation, AOTAutograd): collectives must then be
 # the traceable functional ones (see compile_collectives); never true in eager code
@@ -110,28 +111,16 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None
     k = group.size
     if k == 1:
         return x
-    if sizes is None:
-        n = x.shape[dim]
-        if n % k:
-            raise ValueError(f"reduce_scatter: dim {dim} of size {n} is not divisible by the group size {k}; pass sizes")
-        sizes = [n // k] * k
-    m = max(sizes)
-    xt = x.movedim(dim, 0) if dim != 0 else x
-    if all(s == m for s in sizes):
-        inp = xt.contiguous()
-    else:
-        inp = torch.cat([_pad_dim0(p, m) for p in torch.split(xt, list(sizes), dim=0)], dim=0).contiguous()
-    out = inp.new_empty((m,) + tuple(inp.shape[1:]))
+    sizes = wire.reduce_scatter_sizes(x, dim, k, sizes)
+    inp = wire.reduce_scatter_input(x, dim, sizes)
+    out = inp.new_empty((max(sizes),) + tuple(inp.shape[1:]))
     rec.record(rec.REDUCE_SCATTER, _nbytes(inp), group.ranks)
     if op == "avg":
         _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
         out = out / k
     else:
         _reduce_scatter_single(out, inp, op=reduce_op(op), group=group.handle)
-    out = out[: sizes[group.rank]]
-    if dim != 0:
-        out = out.movedim(0, dim).contiguous()
-    return out
+    return wire.reduce_scatter_output(out, dim, sizes[group.rank])
 
 
 def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
@@ -149,26 +138,12 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
     if k == 1:
         return x
     me = group.rank
-    pieces = torch.split(x, list(split_sizes), dim=split_dim)
-    send = torch.cat([p.contiguous().view(-1) for p in pieces]) if x.numel() else x.new_empty(0)
-    in_splits = [p.numel() for p in pieces]
-    # The piece from rank r has cat_sizes[r] along cat_dim and split_sizes[me] along split_dim.
-    inner = 1
-    for d, s in enumerate(x.shape):
-        if d not in (split_dim, cat_dim):
-            inner *= s
-    out_splits = [cat_sizes[r] * split_sizes[me] * inner for r in range(k)]
+    send, in_splits, out_splits = wire.all_to_all_pack(x, split_dim, cat_dim, split_sizes, cat_sizes, me)
     recv = x.new_empty(sum(out_splits))
     esz = x.element_size()
     rec.record(rec.ALL_TO_ALL, _nbytes(send), group.ranks, sent=(sum(in_splits) - in_splits[me]) * esz)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.handle)
-    shape = list(x.shape)
-    shape[split_dim] = split_sizes[me]
-    outs = []
-    for r, chunk in enumerate(torch.split(recv, out_splits)):
-        shape[cat_dim] = cat_sizes[r]
-        outs.append(chunk.view(shape))
-    return torch.cat(outs, dim=cat_dim)
+    return wire.all_to_all_unpack(recv, x.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)
 
 
 def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:

@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from hyper_parallel.platform.torch import wire_layout as wire
+
 _OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "product"}
 
 
@@ -57,39 +59,15 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:
-    k = group.size
-    if sizes is None:
-        n = x.shape[dim]
-        if n % k:
-            raise ValueError(f"reduce_scatter: dim {dim} of size {n} is not divisible by the group size {k}; pass sizes")
-        sizes = [n // k] * k
-    m = max(sizes)
-    xt = x.movedim(dim, 0) if dim != 0 else x
-    if any(s != m for s in sizes):
-        xt = torch.cat([_pad(p, 0, m) for p in torch.split(xt, list(sizes), dim=0)], dim=0)
-    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(xt.contiguous(), _op(op), 0, group.handle))
-    out = out[: sizes[group.rank]]
-    if dim != 0:
-        out = out.movedim(0, dim).contiguous()
-    return out
+    sizes = wire.reduce_scatter_sizes(x, dim, group.size, sizes)
+    inp = wire.reduce_scatter_input(x, dim, sizes)
+    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(inp, _op(op), 0, group.handle))
+    return wire.reduce_scatter_output(out, dim, sizes[group.rank])
 
 
 def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
                split_sizes: Sequence[int], cat_sizes: Sequence[int]) -> torch.Tensor:
-    k, me = group.size, group.rank
-    pieces = torch.split(x, list(split_sizes), dim=split_dim)
-    send = torch.cat([p.contiguous().view(-1) for p in pieces])
-    inner = 1
-    for d, s in enumerate(x.shape):
-        if d not in (split_dim, cat_dim):
-            inner *= s
-    in_splits = [p.numel() for p in pieces]
-    out_splits = [cat_sizes[r] * split_sizes[me] * inner for r in range(k)]
+    me = group.rank
+    send, in_splits, out_splits = wire.all_to_all_pack(x, split_dim, cat_dim, split_sizes, cat_sizes, me)
     recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, group.handle))
-    shape = list(x.shape)
-    shape[split_dim] = split_sizes[me]
-    outs = []
-    for r, chunk in enumerate(torch.split(recv, out_splits)):
-        shape[cat_dim] = cat_sizes[r]
-        outs.append(chunk.view(shape))
-    return torch.cat(outs, dim=cat_dim)
+    return wire.all_to_all_unpack(recv, x.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)

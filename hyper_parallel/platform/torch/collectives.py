@@ -45,13 +45,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _pad_dim0(x: torch.Tensor, size: int) -> torch.Tensor:
-    if x.shape[0] == size:
-        return x
-    pad = x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))
-    return torch.cat([x, pad], dim=0)
-
-
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """Return the reduction of ``x`` over ``group`` (``x`` itself is not modified)."""
     if _tracing() and group.size > 1:
@@ -82,7 +75,7 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     m = max(sizes)
     even = all(s == m for s in sizes)
     if dim == 0:
-        xt = _pad_dim0(x, m).contiguous()
+        xt = wire.pad_dim(x, 0, m).contiguous()
         buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
         rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
         _all_gather_single(buf, xt, group=group.handle)
@@ -171,14 +164,6 @@ def scatter(out: torch.Tensor, chunks, group, src: int) -> torch.Tensor:
     return out
 
 
-def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if x.shape[dim] == size:
-        return x
-    shape = list(x.shape)
-    shape[dim] = size - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
 def split_scatter(x: torch.Tensor, dim: int, group, src: int, sizes: Sequence[int]) -> torch.Tensor:
     """Cut ``x`` (read on global rank ``src`` only) along ``dim`` into ``sizes`` and give piece i to group rank i.
 
@@ -199,7 +184,7 @@ def split_scatter(x: torch.Tensor, dim: int, group, src: int, sizes: Sequence[in
     if dist.get_rank() == src:
         chunks, start = [], 0
         for s in sizes:
-            chunks.append(_pad_dim(x.narrow(dim, start, s), dim, m).contiguous())
+            chunks.append(wire.pad_dim(x.narrow(dim, start, s), dim, m).contiguous())
             start += s
     scatter(out, chunks, group, src)
     return out if sizes[me] == m else out.narrow(dim, 0, sizes[me]).contiguous()
@@ -214,7 +199,7 @@ def gather(x: torch.Tensor, dim: int, group, dst: int, sizes: Sequence[int]):
     if k == 1:
         return x
     m = max(sizes)
-    xt = _pad_dim(x, dim, m).contiguous()
+    xt = wire.pad_dim(x, dim, m).contiguous()
     me_dst = dist.get_rank() == dst
     if xt.numel() == 0:
         shape = list(x.shape)

@@ -29,14 +29,6 @@ def _op(name: str) -> str:
         raise ValueError(f"reduce_op={name!r} is not supported; expected one of {sorted(_OPS)}") from None
 
 
-def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    if x.shape[dim] == size:
-        return x
-    shape = list(x.shape)
-    shape[dim] = size - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     if op == "avg" and not x.is_floating_point():
         raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}")
@@ -48,7 +40,7 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     if sizes is None:
         sizes = [x.shape[dim]] * k
     m = max(sizes)
-    xt = _pad(x, dim, m)
+    xt = wire.pad_dim(x, dim, m)
     if dim != 0:
         xt = xt.movedim(dim, 0)
     buf = funcol.wait_tensor(funcol.all_gather_tensor(xt.contiguous(), 0, group.handle))

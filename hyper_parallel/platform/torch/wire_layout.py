@@ -12,11 +12,13 @@ from typing import List, Sequence, Tuple
 import torch
 
 
-def pad_dim0(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` extended with zeros along dim 0 to ``size`` rows (itself when already that long)."""
-    if x.shape[0] == size:
+def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` extended with zeros along ``dim`` to ``size`` (itself when already that long)."""
+    if x.shape[dim] == size:
         return x
-    return torch.cat([x, x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))], dim=0)
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def reduce_scatter_sizes(x: torch.Tensor, dim: int, k: int, sizes) -> List[int]:
@@ -34,7 +36,7 @@ def reduce_scatter_input(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> tor
     m = max(sizes)
     xt = x.movedim(dim, 0) if dim != 0 else x
     if any(s != m for s in sizes):
-        xt = torch.cat([pad_dim0(p, m) for p in torch.split(xt, list(sizes), dim=0)], dim=0)
+        xt = torch.cat([pad_dim(p, 0, m) for p in torch.split(xt, list(sizes), dim=0)], dim=0)
     return xt.contiguous()
 
 

@@ -29,6 +29,11 @@ from hyper_parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel
                             SequenceParallel, parallelize_module)
 """
 
+# Only the ``torch.distributed.tensor`` imports swapped: the mesh stays torch's own
+# (``torch.distributed.device_mesh`` is not part of ``torch.distributed.tensor``).
+HP_IMPORTS_TORCH_MESH = HP_IMPORTS.replace(
+    "from hyper_parallel import init_device_mesh", "from torch.distributed.device_mesh import init_device_mesh")
+
 PROGRAM = """
 import torch
 import torch.distributed as dist
@@ -140,16 +145,18 @@ def _both():
     ws = dist.get_world_size()
     res_torch = _run(TORCH_IMPORTS)
     res_hp = _run(HP_IMPORTS)
+    res_hp_torch_mesh = _run(HP_IMPORTS_TORCH_MESH)
     ref_losses, ref_weights = _reference(ws)
-    for res in (res_torch, res_hp):
+    for res in (res_torch, res_hp, res_hp_torch_mesh):
         torch.testing.assert_close(res["losses"], ref_losses, rtol=1e-5, atol=1e-6)
         for n, w in ref_weights.items():
             torch.testing.assert_close(res["weights"][n], w, rtol=1e-5, atol=1e-6, msg=n)
-    for key in ("stitched", "stride", "sum", "gather_count"):
-        assert res_hp[key] == res_torch[key] if not isinstance(res_hp[key], torch.Tensor) else \
-            torch.equal(res_hp[key], res_torch[key]), (key, res_hp[key], res_torch[key])
-    # the same collectives counted under both (hyper_parallel may fuse some: never more)
-    assert 0 < res_hp["counts"] <= res_torch["counts"], (res_hp["counts"], res_torch["counts"])
+    for res in (res_hp, res_hp_torch_mesh):
+        for key in ("stitched", "stride", "sum", "gather_count"):
+            assert res[key] == res_torch[key] if not isinstance(res[key], torch.Tensor) else \
+                torch.equal(res[key], res_torch[key]), (key, res[key], res_torch[key])
+        # the same collectives counted under both (hyper_parallel may fuse some: never more)
+        assert 0 < res["counts"] <= res_torch["counts"], (res["counts"], res_torch["counts"])
     return True
 
 

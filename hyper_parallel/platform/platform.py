@@ -55,6 +55,11 @@ class Platform:
     bump_version = None       # (t): mark t modified in place (kernels that do not say so themselves)
     vmap_translate = None     # (op, args): the framework-level (function, args) of a low-level op under vmap
 
+    @staticmethod
+    def describe_foreign_mesh(obj):
+        """The framework's own device-mesh object described as (device_type, nested ranks, names, {dim: group}); None if ``obj`` is not one."""
+        return None
+
     # The per-op fast path (hyper_parallel.core.shard._fast_methods) needs: whether
     # torch-function dispatch is enabled / a torch-function mode is active (cheap
     # checks), and torch_function_func(method_name), the function object that

@@ -8,6 +8,7 @@ reuse them.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.dtensor.layout import coordinate_of
@@ -277,6 +278,8 @@ class DeviceMesh(DeviceMeshCompatMixin):
 
     # ------------------------------------------------------------------ dunder
     def __eq__(self, other):
+        if not isinstance(other, DeviceMesh):
+            other = adopt_foreign_mesh(other)
         return isinstance(other, DeviceMesh) and self._key == other._key
 
     def __hash__(self):
@@ -308,10 +311,43 @@ def get_current_mesh() -> Optional[DeviceMesh]:
     return stack[-1] if stack else None
 
 
+_ADOPTED = weakref.WeakKeyDictionary()
+
+
+def adopt_foreign_mesh(obj) -> Optional[DeviceMesh]:
+    """The hyper_parallel mesh for a framework's own mesh object (``torch.distributed``'s DeviceMesh), else None.
+
+    The result is cached per mesh object and reuses that mesh's process groups, so
+    passing a torch mesh to ``distribute_tensor``, ``parallelize_module``,
+    ``fully_shard`` ... runs no collective and works on ranks outside the mesh too.
+    """
+    if isinstance(obj, DeviceMesh) or obj is None:
+        return obj
+    try:
+        cached = _ADOPTED.get(obj)
+    except TypeError:  # not weak-referenceable / not hashable: not a mesh either
+        return None
+    if cached is not None:
+        return cached
+    desc = get_platform().describe_foreign_mesh(obj)
+    if desc is None:
+        return None
+    device_type, ranks, names, groups = desc
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_groups=False)
+    for d, grp in groups.items():
+        mesh._groups[d] = grp
+    _ADOPTED[obj] = mesh
+    return mesh
+
+
 def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{what}: device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+            adopted = adopt_foreign_mesh(mesh)
+            if adopted is None:
+                raise TypeError(f"{what}: device_mesh must be a hyper_parallel or torch.distributed DeviceMesh, "
+                                f"got {type(mesh).__module__}.{type(mesh).__qualname__}: {mesh!r}")
+            return adopted
         return mesh
     cur = get_current_mesh()
     if cur is None:
@@ -374,6 +410,6 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     return DeviceMesh(device_type, _reshape(range(n), mesh_shape), mesh_dim_names=mesh_dim_names)
 
 
-__all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh", "adopt_foreign_mesh"]
 
 get_platform().register_safe_globals([_rebuild_mesh])

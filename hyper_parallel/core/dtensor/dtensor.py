@@ -386,7 +386,7 @@ class DTensor(platform.DTensorBase):
         """
         if forward_dtype is not None or backward_dtype is not None:
             return self._redistribute_cast(device_mesh, placements, forward_dtype, backward_dtype)
-        mesh = device_mesh if device_mesh is not None else self._mesh
+        mesh = resolve_mesh(device_mesh, "redistribute") if device_mesh is not None else self._mesh
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         dst = build_layout(mesh, placements, self.ndim)
@@ -403,7 +403,7 @@ class DTensor(platform.DTensorBase):
     def _redistribute_cast(self, device_mesh, placements, forward_dtype, backward_dtype) -> "DTensor":
         """``redistribute`` with ``forward_dtype``/``backward_dtype`` (see there)."""
         from hyper_parallel.core.dtensor.redistribute import CastRedistribute
-        mesh = device_mesh if device_mesh is not None else self._mesh
+        mesh = resolve_mesh(device_mesh, "redistribute") if device_mesh is not None else self._mesh
         if mesh != self._mesh:
             raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
                              "redistributing across meshes is not supported")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional, Sequence
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, get_current_mesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, adopt_foreign_mesh, get_current_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
 from hyper_parallel.core.dtensor.placement_types import Placement
 from hyper_parallel.core.dtensor.redistribute import partial_grad_view
@@ -66,7 +66,7 @@ def local_map(func: Callable, out_placements, in_placements: Optional[Sequence] 
     """
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
-        mesh = device_mesh
+        mesh = adopt_foreign_mesh(device_mesh)
         local_args = []
         for i, a in enumerate(args):
             if isinstance(a, DTensor):

@@ -12,7 +12,7 @@ parallelism is a later feature.
 """
 from __future__ import annotations
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
@@ -24,6 +24,7 @@ def replicate(module, device_mesh: DeviceMesh):
     (true after ``parallelize_module`` with ``src_data_rank=0`` or when every rank
     builds the model from the same seed).
     """
+    device_mesh = resolve_mesh(device_mesh, "replicate")
     if device_mesh.ndim != 1:
         raise ValueError(f"replicate: device_mesh must be the 1-D data-parallel mesh, got {device_mesh}")
     if getattr(module, "_hp_replicated", False):

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from typing import Optional, Tuple
 
 from hyper_parallel.core.dtensor.api import distribute_tensor
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
@@ -205,7 +205,7 @@ class ParallelStyle(ABC):
 
     # PyTorch spells it _apply
     def _apply(self, module, device_mesh):
-        return self.apply(module, device_mesh)
+        return self.apply(module, resolve_mesh(device_mesh, f"{type(self).__name__}._apply"))
 
     def __repr__(self):
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -304,6 +304,9 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
         raise RuntimeError(f"fully_shard was already applied to this {where} module; apply it once per module")
     if mesh is None:
         mesh = _default_mesh()
+    else:
+        from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
+        mesh = resolve_mesh(mesh, f"fully_shard({where})")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard({where}): mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "
                          f"got a {mesh.ndim}-D mesh {mesh}; pass mesh['dp'] or mesh['dp_replicate', 'dp_shard']")

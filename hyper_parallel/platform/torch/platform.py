@@ -177,6 +177,36 @@ class TorchPlatform(Platform):
             self._groups[ranks] = grp
         return grp
 
+    def describe_foreign_mesh(self, obj):
+        """``(device_type, nested ranks, dim names, {dim: CommGroup})`` for a ``torch.distributed`` DeviceMesh, else None.
+
+        A PyTorch user keeps ``torch.distributed.device_mesh.init_device_mesh`` when swapping
+        the DTensor imports; that mesh already owns one process group per dim, so they
+        are reused (registered in the group cache) instead of created again, which would
+        be a collective that only the ranks meeting this mesh first might reach.
+        """
+        try:
+            from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+        except ImportError:  # pragma: no cover - torch without distributed
+            return None
+        if not isinstance(obj, TorchMesh):
+            return None
+        ranks = obj.mesh.tolist()
+        names = tuple(obj.mesh_dim_names) if obj.mesh_dim_names else None
+        groups = {}
+        if obj.get_coordinate() is not None and self.is_initialized():
+            me = self.get_rank()
+            coord = obj.get_coordinate()
+            for d in range(obj.mesh.ndim):
+                index = [slice(None) if i == d else c for i, c in enumerate(coord)]
+                line = tuple(int(r) for r in obj.mesh[tuple(index)].tolist())
+                grp = self._groups.get(line)
+                if grp is None:
+                    grp = CommGroup(line, obj.get_group(d), me)
+                    self._groups[line] = grp
+                groups[d] = grp
+        return obj.device_type, ranks, names, groups
+
     def has_group(self, ranks) -> bool:
         """Whether the group over ``ranks`` was already created (creating one is collective)."""
         ranks = tuple(int(r) for r in ranks)

@@ -16,6 +16,7 @@ import argparse
 from common import bench, launch, table
 
 SHAPE = (1024, 1024)
+STRIDE = (SHAPE[1], 1)
 MESHES = {"2x4": [[0, 1, 2, 3], [4, 5, 6, 7]], "4x2": [[0, 1], [2, 3], [4, 5], [6, 7]], "8": list(range(8)),
           "a4": [0, 1, 2, 3], "b4": [4, 5, 6, 7]}
 
@@ -56,7 +57,7 @@ def worker(iters):
 
         def make(x_local):
             if in_a:
-                return hp.DTensor.from_local(x_local, ma, pa, shape=SHAPE)
+                return hp.DTensor.from_local(x_local, ma, pa, shape=SHAPE, stride=STRIDE)
             return hp.DTensor._wrap(x_local, ma, src, SHAPE)  # a rank off the source mesh: empty shard
 
         fwd = lambda: make(local).redistribute(mb, pb)  # noqa: E731

@@ -60,7 +60,7 @@ def worker(iters):
         else:
             local = hp.distribute_tensor(full, mesh, src).to_local()
             tlocal = t_dist(full, tmesh, _to_torch(src)).to_local()
-        ours = lambda: hp.DTensor.from_local(local, mesh, src, shape=SHAPE).redistribute(mesh, dst)
+        ours = lambda: hp.DTensor.from_local(local, mesh, src, shape=SHAPE, stride=(SHAPE[1], 1)).redistribute(mesh, dst)
         theirs = lambda: TDT.from_local(tlocal, tmesh, _to_torch(src), run_check=False, shape=SHAPE,
                                         stride=(SHAPE[1], 1)).redistribute(tmesh, _to_torch(dst))
         expect = full if not src[0].is_partial() else full

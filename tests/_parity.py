@@ -49,7 +49,7 @@ def _make(full, mesh, placements, requires_grad):
         if isinstance(p, Partial):
             k = mesh.size(d)
             local = local * ((coord[d] + 1) * 2.0 / (k * (k + 1)))
-    d = hp.DTensor.from_local(local, mesh, placements, shape=tuple(full.shape))
+    d = hp.DTensor.from_local(local, mesh, placements, shape=tuple(full.shape), stride=full.stride())
     return d.requires_grad_() if requires_grad else d
 
 

@@ -97,7 +97,7 @@ def _make_source(full, mesh, placements):
         leaf = torch.empty(0, dtype=full.dtype, requires_grad=True)
         return DTensor._wrap(leaf, mesh, layout, tuple(full.shape)), leaf, layout
     leaf = (_piece(full, layout, mesh) * _partial_weight(layout, mesh)).clone().requires_grad_(True)
-    return DTensor.from_local(leaf, mesh, list(placements), shape=tuple(full.shape)), leaf, layout
+    return DTensor.from_local(leaf, mesh, list(placements), shape=tuple(full.shape), stride=full.stride()), leaf, layout
 
 
 def _counts(cm):

@@ -26,7 +26,7 @@ def _api():
     assert dt.to(torch.float64).dtype == torch.float64 and dt.to(torch.float64).placements == dt.placements
     assert dt.to(torch.float64).float().dtype == torch.float32
     # alias spelling
-    assert hp.DTensor.from_local(local, mesh, ("x", "None"), shape=(5, 3)).placements == (Shard(0),)
+    assert hp.DTensor.from_local(local, mesh, ("x", "None"), shape=(5, 3), stride=(3, 1)).placements == (Shard(0),)
     if ws > 1:
         _run_check_1d(mesh, ws, rank)
     # to_local(grad_placements=[Partial()]) on a Replicate tensor all-reduces the gradient
@@ -68,7 +68,7 @@ def _run_check_1d(mesh, ws, rank):
         hp.DTensor.from_local(bad, mesh, [Shard(0)], run_check=True)
     # uneven shards pass with shape= (torch.chunk: 5 rows)
     rows = [c.shape[0] for c in torch.arange(5).chunk(ws)] + [0] * ws
-    ok = hp.DTensor.from_local(torch.zeros(rows[rank], 3), mesh, [Shard(0)], run_check=True, shape=(5, 3))
+    ok = hp.DTensor.from_local(torch.zeros(rows[rank], 3), mesh, [Shard(0)], run_check=True, shape=(5, 3), stride=(3, 1))
     assert ok.shape == (5, 3)
     # replicated data is broadcast from rank 0: every rank passes different data
     mine = torch.full((2, 3), float(rank))
@@ -230,10 +230,21 @@ def _mesh():
     assert "DeviceMesh('cpu', [0, 1," in repr(other) and "mesh_dim_names=('dp', 'tp')" in repr(mesh)
     with pytest.raises(ValueError, match="different meshes"):
         x + hp.ones(4, 4, device_mesh=hp.init_device_mesh("cpu", (ws // 2, 2)), placements=[Replicate()] * 2)
-    # HyperParallel-style short placements are padded with Replicate; an extra Shard raises
-    assert hp.distribute_tensor(torch.ones(2), mesh, [Shard(0)]).placements == (Shard(0), Replicate())
+    # distribute_tensor wants one placement per mesh dim (PyTorch); other APIs pad short lists (HyperParallel)
+    with pytest.raises(ValueError, match=r"`placements` must have the same length as `device_mesh.ndim`! "
+                                         r"Found placements length: 1 \(\(Shard\(dim=0\),\)\), and device_mesh.ndim: 2"):
+        hp.distribute_tensor(torch.ones(2), mesh, [Shard(0)])
+    assert hp.DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).placements == (Shard(0), Replicate())
     with pytest.raises(ValueError, match=r"has 3 entries but the mesh \(2, \d\) has 2 dims; the extra entry"):
-        hp.distribute_tensor(torch.ones(2), mesh, [Shard(0), Replicate(), Shard(0)])
+        hp.DTensor.from_local(torch.ones(2), mesh, [Shard(0), Replicate(), Shard(0)])
+    with pytest.raises(RuntimeError, match="should be used to distribute leaf tensors"):
+        hp.distribute_tensor(torch.ones(2, requires_grad=True) * 2, mesh, [Shard(0), Replicate()])
+    d2 = hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+    assert hp.distribute_tensor(d2, mesh, [Shard(0), Shard(1)]) is d2
+    with pytest.raises(ValueError, match="to a different placements"):
+        hp.distribute_tensor(d2, mesh, [Shard(0), Replicate()])
+    with pytest.raises(ValueError, match="to a different device mesh"):
+        hp.distribute_tensor(d2, hp.init_device_mesh("cpu", (ws,)), [Shard(0)])
     with pytest.raises(ValueError, match="out of range"):
         hp.distribute_tensor(torch.ones(2), mesh, [Shard(1), Replicate()])
     with pytest.raises(ValueError, match="unknown alias 'pp'"):

@@ -259,7 +259,7 @@ def _compat_8_ranks():
     e = empty((4, 4), mesh, [Replicate(), Shard(0), Replicate()])        # extra trailing Replicate accepted
     assert e.placements == (Replicate(), Shard(0)) and e.to_local().shape == (1, 4)
     with pytest.raises(ValueError, match=r"extra entry placements\[2\] = Shard"):
-        distribute_tensor(g, mesh, [Shard(0), Replicate(), Shard(1)])
+        empty((4, 4), mesh, [Shard(0), Replicate(), Shard(1)])
     assert _build_layout(mesh, ("dp", "None"), 2) == x_layout.with_placements([Shard(0), Replicate()], 2)
     # DFunction with the HyperParallel-style rule
     assert get_distributed_op("HPCompatScaleByTwo") is not None

@@ -62,7 +62,7 @@ def test_repr_and_str():
     assert repr(Partial("avg")) == "Partial(avg)"
     assert str(Shard(0)) == "S(0)"
     assert str(Replicate()) == "R"
-    assert str(Partial()) == "P"
+    assert str(Partial()) == "P(sum)"  # as PyTorch
     assert str(Partial("max")) == "P(max)"
 
 
@@ -101,3 +101,18 @@ def test_constructor_validation():
         Shard(1.0)
     with pytest.raises(ValueError, match="'mean'"):
         Partial("mean")
+
+
+def test_shard_split_tensor_matches_torch():
+    """``Shard._split_tensor`` (used by PyTorch's tests and user code) gives torch's pieces and pad sizes."""
+    import torch
+    from torch.distributed.tensor import Shard as TorchShard
+    for shape, dim in (((5, 2), 0), ((3, 7), 1), ((1, 4), 0), ((0, 3), 0)):
+        t = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+        for n in (1, 2, 3, 4, 8):
+            for pad in (True, False):
+                ours, our_pads = Shard(dim)._split_tensor(t, n, with_padding=pad, contiguous=True)
+                theirs, their_pads = TorchShard(dim)._split_tensor(t, n, with_padding=pad, contiguous=True)
+                assert our_pads == their_pads and len(ours) == len(theirs) == n
+                for a, b in zip(ours, theirs):
+                    assert a.shape == b.shape and torch.equal(a, b)

@@ -28,7 +28,8 @@ def _full(y, mesh, placement, shape=None):
     """The global value of a style's output (a DTensor, or a local tensor laid out as ``placement``)."""
     if isinstance(y, hp.DTensor):
         return y.full_tensor()
-    return hp.DTensor.from_local(y, mesh, [placement], shape=shape).full_tensor()
+    stride = None if shape is None else torch.empty(shape, device="meta").stride()
+    return hp.DTensor.from_local(y, mesh, [placement], shape=shape, stride=stride).full_tensor()
 
 
 def _check_grads(ref_mod, mod, reduce_plain=False):

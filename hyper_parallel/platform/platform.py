@@ -56,6 +56,11 @@ class Platform:
     vmap_translate = None     # (op, args): the framework-level (function, args) of a low-level op under vmap
 
     @staticmethod
+    def framework_current_mesh():
+        """The framework's own current device mesh (``with mesh:``), or None."""
+        return None
+
+    @staticmethod
     def describe_foreign_mesh(obj):
         """The framework's own device-mesh object described as (device_type, nested ranks, names, {dim: group}); None if ``obj`` is not one."""
         return None

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
+from hyper_parallel.core.dtensor.layout import is_alias_spelling
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor import random as dt_random
 from hyper_parallel.core.dtensor import redistribute_plan as rp
@@ -83,14 +84,25 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
     mesh = resolve_mesh(device_mesh, "distribute_tensor")
     if not isinstance(tensor, platform.Tensor):
         raise TypeError(f"distribute_tensor: tensor must be a tensor, got {type(tensor).__name__}")
+    if not tensor.is_leaf:
+        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf tensor "
+                           f"(grad_fn={type(tensor.grad_fn).__name__}); distribute the leaf and run the ops on the "
+                           "DTensor, or pass tensor.detach()")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
+    if isinstance(placements, (list, tuple)) and not is_alias_spelling(placements) and len(placements) != mesh.ndim:
+        # as PyTorch (alias names are per tensor dim and checked against the tensor's rank instead)
+        raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
+                         f"{len(placements)} ({tuple(placements)}), and device_mesh.ndim: {mesh.ndim} ({mesh}).")
     layout = build_layout(mesh, placements, tensor.dim())
     if isinstance(tensor, DTensor):
-        if tensor.device_mesh == mesh and tensor.layout == layout:
-            return tensor
-        raise ValueError(f"distribute_tensor: tensor is already a DTensor with placements {tensor.placements}; "
-                         "use .redistribute() to change its layout")
+        if tensor.device_mesh != mesh:
+            raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} "
+                             f"to a different device mesh {mesh}.")
+        if tensor.layout != layout:
+            raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to a different "
+                             f"placements {tuple(layout.placements)}. do you want to call `redistribute` instead?")
+        return tensor
     if mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing (PyTorch semantics)
         from hyper_parallel.core.dtensor.dtensor import _off_mesh_local
         local = _off_mesh_local(tensor.detach())

@@ -350,6 +350,8 @@ def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
             return adopted
         return mesh
     cur = get_current_mesh()
+    if cur is None:  # a torch.distributed DeviceMesh used as a context manager
+        cur = adopt_foreign_mesh(get_platform().framework_current_mesh())
     if cur is None:
         raise ValueError(f"{what}: no device_mesh given and no current mesh; pass device_mesh or use `with mesh:`")
     return cur

@@ -249,7 +249,8 @@ class DTensor(platform.DTensorBase):
         cached = self.__dict__.get("_grad_wrapper")
         if cached is not None and cached._local_tensor is g:
             return cached
-        w = DTensor._wrap(g, self._mesh, _grad_layout(self._layout), self._gshape)
+        lay = self._layout if self.__dict__.get("_hp_partial_grad") else _grad_layout(self._layout)
+        w = DTensor._wrap(g, self._mesh, lay, self._gshape)
         self.__dict__["_grad_wrapper"] = w
         return w
 
@@ -257,9 +258,14 @@ class DTensor(platform.DTensorBase):
     def grad(self, value):
         if value is None:
             self._local_tensor.grad = None
+            self.__dict__.pop("_hp_partial_grad", None)
             return
         if not isinstance(value, DTensor):
             raise TypeError(f"DTensor.grad must be a DTensor (or None), got {type(value).__name__}")
+        if self._layout.has_partial() and value._layout == self._layout:
+            _set_partial_grad(self, value._local_tensor)
+            return
+        self.__dict__.pop("_hp_partial_grad", None)
         want = _grad_layout(self._layout)
         if value._layout != want:
             value = value.redistribute(self._mesh, want)
@@ -297,17 +303,26 @@ class DTensor(platform.DTensorBase):
                    shape=None, stride=None, grad_placements: Optional[Sequence[Placement]] = None) -> "DTensor":
         """Wrap this rank's ``local_tensor`` as a DTensor (differentiable).
 
-        ``shape``/``stride`` give the global metadata; without them every shard is
-        assumed to be the same size (``stride`` alone is accepted too, unlike
-        PyTorch, which wants both). ``run_check=True`` checks that dtype,
+        ``shape``/``stride`` give the global metadata (both or neither, as in
+        PyTorch); without them every shard is assumed to be the same size. ``run_check=True`` checks that dtype,
         requires_grad and the local shapes (and, without ``shape``, strides) of all
         ranks agree with each other and the layout, and broadcasts replicated data
         from the first rank of each replicated mesh dim. ``grad_placements`` says
         how ``local_tensor``'s gradient must be laid out (default: like the result's
         gradient); the gradient is redistributed to it in the backward pass.
         """
-        if not isinstance(local_tensor, _Tensor) or isinstance(local_tensor, DTensor):
-            raise TypeError(f"DTensor.from_local: local_tensor must be a plain tensor, got {type(local_tensor).__name__}")
+        if not isinstance(local_tensor, _Tensor):
+            raise TypeError(f"DTensor.from_local: local_tensor must be a tensor, got {type(local_tensor).__name__}")
+        if isinstance(local_tensor, DTensor):
+            raise RuntimeError("DTensor.from_local: the local_tensor argument only accepts torch.Tensor (a plain "
+                               f"tensor, each rank's piece), got {type(local_tensor).__name__}; a DTensor is already "
+                               "distributed: use it directly, or .redistribute() / .to_local()")
+        if (shape is None) != (stride is None):
+            # as PyTorch: the global metadata comes whole or is derived whole from even shards
+            raise RuntimeError(f"DTensor.from_local: found shape={None if shape is None else tuple(shape)}, "
+                               f"stride={None if stride is None else tuple(stride)}. Please pass both shape and "
+                               "stride at the same time (for a contiguous global tensor of shape s, stride is "
+                               "torch.empty(s, device='meta').stride()).")
         mesh = resolve_mesh(device_mesh, "DTensor.from_local")
         if placements is None:
             placements = [Replicate()] * mesh.ndim
@@ -383,6 +398,28 @@ class DTensor(platform.DTensorBase):
         collectives (the result has that dtype), and ``backward_dtype`` is the dtype
         the gradient's collectives run in; the gradient reaching this tensor has its
         dtype either way.
+        """
+        same_mesh = device_mesh is None or device_mesh is self._mesh or device_mesh == self._mesh
+        if same_mesh and isinstance(placements, (list, tuple)) and not is_alias_spelling(placements):
+            # as PyTorch: a Partial target only where the tensor already has that Partial (moving to
+            # another mesh, our extension, may create one)
+            src = self.placements
+            for d, p in enumerate(placements):
+                if isinstance(p, Partial) and (d >= len(src) or src[d] != p):
+                    have = src[d] if d < len(src) else None
+                    raise RuntimeError(f"Can not redistribute from {have} to {p}, redistributing to Partial is for "
+                                       f"internal use only! (placements[{d}] = {p!r} on mesh dim {d}; a Partial "
+                                       "value comes from an op, e.g. a matmul of sharded inputs)")
+        return self._redistribute(device_mesh, placements, forward_dtype=forward_dtype,
+                                  backward_dtype=backward_dtype)
+
+    def _redistribute(self, device_mesh=None, placements=None, *, forward_dtype=None,
+                      backward_dtype=None) -> "DTensor":
+        """``redistribute`` without the public check on Partial targets.
+
+        Any target works, ``Partial`` included (the value is kept: the first rank of
+        each partial mesh dim holds it, the others the reduction's identity); the
+        library's own code and the exhaustive parity tests use it.
         """
         if forward_dtype is not None or backward_dtype is not None:
             return self._redistribute_cast(device_mesh, placements, forward_dtype, backward_dtype)
@@ -612,6 +649,34 @@ def _requires_grad_(self, requires_grad=True):
     return self
 
 
+def _set_partial_grad(dt, piece):
+    """Accumulate ``piece`` (this rank's part of a Partial gradient) into the Partial leaf ``dt``'s ``.grad``.
+
+    The library's gradient convention keeps full gradients in local ``.grad``
+    (docs/design.md); a Partial leaf given a Partial gradient directly
+    (``x.backward(g)`` or ``x.grad = g`` with ``g`` laid out like ``x``) keeps the
+    pieces instead, as PyTorch does, with no collective, and ``.grad`` reports the
+    Partial layout. If autograd later accumulates an ordinary (full) gradient into
+    the leaf, a hook first reduces the pieces, so the sum stays right.
+    """
+    local = dt._local_tensor
+    if dt.__dict__.get("_hp_partial_grad") and local.grad is not None:
+        local.grad = local.grad + piece
+    else:
+        local.grad = piece.clone()
+    dt.__dict__["_hp_partial_grad"] = True
+    dt.__dict__.pop("_grad_wrapper", None)
+    if not dt.__dict__.get("_hp_partial_grad_hook"):
+        def reduce_first(grad, dt=dt):
+            if dt.__dict__.pop("_hp_partial_grad", None) and dt._local_tensor.grad is not None:
+                full = DTensor._wrap(dt._local_tensor.grad, dt._mesh, dt._layout, dt._gshape)
+                dt._local_tensor.grad = full.redistribute(dt._mesh, _grad_layout(dt._layout))._local_tensor
+                dt.__dict__.pop("_grad_wrapper", None)
+            return grad
+        local.register_hook(reduce_first)
+        dt.__dict__["_hp_partial_grad_hook"] = True
+
+
 def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     if gradient is not None:
         if isinstance(gradient, _Tensor) and not isinstance(gradient, DTensor):
@@ -623,6 +688,14 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
             gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
         if not isinstance(gradient, DTensor):
             raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
+        local = self._local_tensor
+        if (gradient._layout == self._layout and self._layout.has_partial() and local.is_leaf
+                and local.requires_grad and inputs is None and not create_graph
+                and (local.grad is None or self.__dict__.get("_hp_partial_grad"))):
+            # a Partial leaf given a gradient of its own layout keeps it as is (PyTorch: no
+            # collective, ``.grad`` is that Partial); see _set_partial_grad
+            _set_partial_grad(self, gradient._local_tensor.detach())
+            return
         want = _grad_layout(self._layout)
         if gradient._layout != want:
             gradient = gradient.redistribute(self._mesh, want)

@@ -63,6 +63,37 @@ class Shard(Placement):
     def __reduce__(self):
         return (Shard, (self.dim,))
 
+    def _split_tensor(self, tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True):
+        """``(pieces, pad_sizes)``: ``tensor`` split into ``num_chunks`` pieces along ``self.dim`` (PyTorch's helper).
+
+        ``torch.chunk`` sizes, with empty pieces at the end when there are fewer
+        chunks than ranks; with ``with_padding`` every piece is zero-padded to the
+        first one's size and ``pad_sizes`` says by how much (else it is empty).
+        """
+        if not isinstance(num_chunks, int) or num_chunks <= 0:
+            raise ValueError(f"Shard._split_tensor: num_chunks must be a positive int, got {num_chunks!r}")
+        dim = self.dim + tensor.dim() if self.dim < 0 else self.dim
+        if not 0 <= dim < tensor.dim():
+            raise ValueError(f"Shard._split_tensor: Shard({self.dim}) is out of range for a {tensor.dim()}-d tensor")
+        pieces = list(tensor.chunk(num_chunks, dim))
+        while len(pieces) < num_chunks:
+            pieces.append(tensor.narrow(dim, tensor.shape[dim], 0))
+        full = -(-tensor.shape[dim] // num_chunks)
+        pads = []
+        if with_padding:
+            from hyper_parallel.platform import get_platform
+            cat = get_platform().cat
+            for i, p in enumerate(pieces):
+                pad = full - p.shape[dim]
+                pads.append(pad)
+                if pad:
+                    shape = list(p.shape)
+                    shape[dim] = pad
+                    pieces[i] = cat([p, p.new_zeros(shape)], dim)
+        if contiguous:
+            pieces = [p.contiguous() for p in pieces]
+        return pieces, pads
+
 
 class Replicate(Placement):
     __slots__ = ()
@@ -107,7 +138,7 @@ class Partial(Placement):
         return f"Partial({self.reduce_op})"
 
     def __str__(self):
-        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
+        return f"P({self.reduce_op})"  # as PyTorch
 
     def __reduce__(self):
         return (Partial, (self.reduce_op,))

@@ -177,6 +177,16 @@ class TorchPlatform(Platform):
             self._groups[ranks] = grp
         return grp
 
+    @staticmethod
+    def framework_current_mesh():
+        """The mesh of the innermost ``with torch_mesh:`` block, or None (torch keeps the stack privately)."""
+        try:
+            from torch.distributed.device_mesh import _mesh_resources
+            stack = _mesh_resources.mesh_stack
+        except (ImportError, AttributeError):  # pragma: no cover - another torch layout
+            return None
+        return stack[-1] if stack else None
+
     def describe_foreign_mesh(self, obj):
         """``(device_type, nested ranks, dim names, {dim: CommGroup})`` for a ``torch.distributed`` DeviceMesh, else None.
 

@@ -69,9 +69,14 @@ class _Args:
         self.roles = _roles(call, names)
         self.layout = {}
         self.shape = {}
-        for r, lay, shp in zip(self.roles, call.layouts, call.shapes):
+        self._itemsize = {}
+        for r, lay, shp, isz in zip(self.roles, call.layouts, call.shapes, call.itemsizes):
             self.layout.setdefault(r, lay)
             self.shape.setdefault(r, shp)
+            self._itemsize.setdefault(r, isz)
+
+    def itemsize(self, name):
+        return self._itemsize[name]
 
     def get(self, name, default=None):
         return self.v.get(name, default)
@@ -221,14 +226,29 @@ class EmbeddingRule(DistributedOp):
         idims = set(ids.sharded_mesh_dims())
         if idims & wdims:
             cands.append({"input": ids, "weight": _drop_mesh_dims(w, idims)})
-        best = min(cands, key=a.cost)
-        ti, tw = best["input"], best["weight"]
-        rows_dims, cols_dims = tw.dim_map[0], tw.dim_map[1]
-        partial = [None] * tw.mesh_ndim
-        for d in rows_dims:
-            partial[d] = "sum"
-        out = ti.with_dim_map(tuple(ti.dim_map) + (tuple(cols_dims),), partial)
         out_shape = plat.Size(tuple(a.shape["input"]) + (wshape[1],))
+
+        def output(cand):
+            ti, tw = cand["input"], cand["weight"]
+            partial = [None] * tw.mesh_ndim
+            for d in tw.dim_map[0]:
+                partial[d] = "sum"
+            return ti.with_dim_map(tuple(ti.dim_map) + (tuple(tw.dim_map[1]),), partial)
+
+        def cost(cand):
+            # a vocab-sharded weight leaves a Partial output that will be reduced: when the ids
+            # and the weight are sharded on the same mesh dim, gathering the (small) weight can
+            # beat gathering the ids and then reducing the output (vmap'd embeddings, torch's
+            # choice there); the reduction is priced as an all_reduce of the output
+            out = output(cand)
+            later = redistribution_cost(out, out.without_partial(), out_shape, a.itemsize("weight")) \
+                if len(cands) > 1 and out.has_partial() else 0
+            return a.cost(cand) + later
+
+        best = min(cands, key=cost)
+        ti, tw = best["input"], best["weight"]
+        rows_dims = tw.dim_map[0]
+        out = output(best)
         local_fn = None
         if rows_dims:
             lshape, off = tw.local_shape_and_offset(wshape, coord=_coord(call))

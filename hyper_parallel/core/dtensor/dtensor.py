@@ -399,6 +399,8 @@ class DTensor(platform.DTensorBase):
         the gradient's collectives run in; the gradient reaching this tensor has its
         dtype either way.
         """
+        if device_mesh is not None:
+            device_mesh = resolve_mesh(device_mesh, "redistribute")  # a torch mesh is adopted first
         same_mesh = device_mesh is None or device_mesh is self._mesh or device_mesh == self._mesh
         if same_mesh and isinstance(placements, (list, tuple)) and not is_alias_spelling(placements):
             # as PyTorch: a Partial target only where the tensor already has that Partial (moving to

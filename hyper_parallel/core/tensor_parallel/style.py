@@ -298,14 +298,13 @@ def _builtin_sequence_parallel_types():
 class SequenceParallel(ParallelStyle):
     """Run a per-token module on activations sharded along ``sequence_dim``; parameters replicated.
 
-    Supported modules: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout`` (and their
-    subclasses). These compute each token independently, so running them on a
-    sequence shard is exact. Any other module type raises ``NotImplementedError``:
-    e.g. ``nn.BatchNorm1d`` would compute its statistics over the local shard only.
-    A user module that is per-token (normalises over trailing feature dims only, such
-    as a hand-written RMSNorm) is allowed once its class is registered::
-
-        SequenceParallel.register_module_type(MyRMSNorm)   # also works as a class decorator
+    Meant for per-token modules (``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout``, a
+    hand-written RMSNorm...), which then run on the local sequence shard with no
+    communication. As in PyTorch any module is accepted: the module runs on a
+    sequence-sharded DTensor, so a module that mixes positions (``nn.BatchNorm1d``
+    statistics, attention) still computes the right values through the DTensor op
+    rules, with the collectives they need. ``register_module_type`` is kept for
+    compatibility with earlier releases (registering is no longer required).
 
     Args:
         sequence_dim: the sharded dimension of the input (default 1).
@@ -324,11 +323,11 @@ class SequenceParallel(ParallelStyle):
 
     @classmethod
     def register_module_type(cls, module_type):
-        """Allow ``SequenceParallel`` on ``module_type`` (and its subclasses); returns ``module_type``.
+        """Record ``module_type`` as a per-token module; returns ``module_type`` (kept for compatibility).
 
-        Only register modules whose forward treats every position along the sequence
-        dimension independently (per-token norms, elementwise ops); their parameters are
-        replicated and their gradients summed over the mesh.
+        ``SequenceParallel`` accepts every module (as PyTorch's does); the registry only
+        feeds :meth:`supported_module_types`, the list of modules known to run on a
+        sequence shard with no communication.
         """
         if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
             raise TypeError(f"SequenceParallel.register_module_type: module_type must be an nn.Module subclass, "
@@ -343,11 +342,8 @@ class SequenceParallel(ParallelStyle):
         return tuple(_builtin_sequence_parallel_types()) + tuple(SequenceParallel._registered_types)
 
     def apply(self, module, device_mesh):
-        if not isinstance(module, self.supported_module_types()):
-            names = ", ".join(f"nn.{t.__name__}" for t in _builtin_sequence_parallel_types())
-            reg = [t.__qualname__ for t in SequenceParallel._registered_types]
-            _unsupported(self, module, f"{names} and module classes registered with "
-                                       f"SequenceParallel.register_module_type (registered: {reg})")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"SequenceParallel: module must be an nn.Module, got {type(module).__name__}")
         for name, _ in list(module.named_parameters(recurse=False)):
             _distribute_param(module, name, device_mesh, [Replicate()], self.src_data_rank)
         seq_dim = self.sequence_dim

@@ -18,6 +18,7 @@ Design (why it is fast):
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Optional, Sequence
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
@@ -304,8 +305,8 @@ class DTensor(platform.DTensorBase):
         """Wrap this rank's ``local_tensor`` as a DTensor (differentiable).
 
         ``shape``/``stride`` give the global metadata (both or neither, as in
-        PyTorch); without them every shard is assumed to be the same size. ``run_check=True`` checks that dtype,
-        requires_grad and the local shapes (and, without ``shape``, strides) of all
+        PyTorch); without them every shard is assumed to be the same size.
+        ``run_check=True`` checks that dtype, requires_grad and the local shapes (and, without ``shape``, strides) of all
         ranks agree with each other and the layout, and broadcasts replicated data
         from the first rank of each replicated mesh dim. ``grad_placements`` says
         how ``local_tensor``'s gradient must be laid out (default: like the result's
@@ -669,8 +670,11 @@ def _set_partial_grad(dt, piece):
     dt.__dict__["_hp_partial_grad"] = True
     dt.__dict__.pop("_grad_wrapper", None)
     if not dt.__dict__.get("_hp_partial_grad_hook"):
-        def reduce_first(grad, dt=dt):
-            if dt.__dict__.pop("_hp_partial_grad", None) and dt._local_tensor.grad is not None:
+        ref = weakref.ref(dt)  # the local tensor's hook must not keep its wrapper alive
+
+        def reduce_first(grad):
+            dt = ref()
+            if dt is not None and dt.__dict__.pop("_hp_partial_grad", None) and dt._local_tensor.grad is not None:
                 full = DTensor._wrap(dt._local_tensor.grad, dt._mesh, dt._layout, dt._gshape)
                 dt._local_tensor.grad = full.redistribute(dt._mesh, _grad_layout(dt._layout))._local_tensor
                 dt.__dict__.pop("_grad_wrapper", None)

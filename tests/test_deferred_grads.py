@@ -1,17 +1,20 @@
-"""Gradient reductions deferred to the end of backward: partial sums of replicated parameters, dp averages.
+"""Deferred gradient reductions: partial sums of replicated parameters, dp averages.
 
-A replicated parameter applied to sharded activations (a norm weight under
-sequence parallelism) has a partial gradient; ``replicate`` parameters need a dp
-average. Both are done once per backward in one flat all_reduce per group
-instead of once per parameter. Every case compares ``.grad`` with the same
-computation on full tensors in one process, and counts the collectives.
+A replicated DTensor parameter applied to sharded activations (a norm weight
+under sequence parallelism) has a partial gradient. As in PyTorch, backward
+leaves it ``Partial`` with no collective; its first redistribution (optimizer
+step, ``clip_grad_norm_``, ``full_tensor``) sums every pending partial gradient
+in one flat all_reduce per group. ``replicate`` parameters need a dp average,
+done once per backward in one flat all_reduce. Every case compares the
+gradients with the same computation on full tensors in one process, and counts
+the collectives.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel import Replicate, Shard
+from hyper_parallel import Partial, Replicate, Shard
 from hyper_parallel.core.tensor_parallel import replicate
 from hyper_parallel.platform import get_platform
 
@@ -44,28 +47,73 @@ def _partial_cases():
     dx = hp.distribute_tensor(x, mesh, [Shard(0)])
     dy = hp.distribute_tensor(y, mesh, [Replicate()])
 
-    # 1. two parameters with partial grads: one all_reduce for both, at the end of backward
+    # 1. two parameters with partial grads: backward leaves both Partial with no collective;
+    #    the first full_tensor() sums both in one flat all_reduce, the second costs nothing
     p1, p2 = _params(mesh, w1, w2)
     r1, r2 = _ref(w1, w2)
     with hp.CommDebugMode() as comm:
         _loss(dx, p1, p2).backward()
+    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    assert p1.grad.placements == (Partial(),) and p2.grad.placements == (Partial(),)
+    _loss(x, r1, r2).backward()
+    # the local pieces sum to the gradient
+    pieces = [torch.empty_like(r1.grad) for _ in range(ws)]
+    dist.all_gather(pieces, p1.grad.to_local())
+    torch.testing.assert_close(sum(pieces), r1.grad, **TOL)
+    g1 = p1.grad
+    with hp.CommDebugMode() as comm:
+        full1 = p1.grad.full_tensor()
     assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()
     # both weights in one flat fp64 buffer (bytes sent by a ring all_reduce: 2 (k-1)/k of it)
     assert comm.get_total_bytes() == 2 * (ws - 1) * (2 * 5 * 8) // ws, comm.get_total_bytes()
-    _loss(x, r1, r2).backward()
-    torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
-    torch.testing.assert_close(p2.grad.full_tensor(), r2.grad, **TOL)
+    with hp.CommDebugMode() as comm:
+        full2 = p2.grad.full_tensor()
+    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    torch.testing.assert_close(full1, r1.grad, **TOL)
+    torch.testing.assert_close(full2, r2.grad, **TOL)
+    # a view handed out before the sum now says Replicate and holds the sum
+    assert g1.placements == (Replicate(),) and p2.grad.placements == (Replicate(),)
+    torch.testing.assert_close(g1.to_local(), r1.grad, **TOL)
     assert get_platform().deferred_grads.pending_tasks() == 0
 
     # 2. accumulation over two backward passes (microbatches) and a mixed use of w1
-    #    (partial through x, ordinary through the replicated y)
+    #    (partial through x, ordinary through the replicated y): still no collective, still Partial
     p1, p2 = _params(mesh, w1, w2)
     r1, r2 = _ref(w1, w2)
-    for scale in (1.0, 0.5):
-        _loss(dx * scale, p1, p2, dy).backward()
-        _loss(x * scale, r1, r2, y).backward()
+    with hp.CommDebugMode() as comm:
+        for scale in (1.0, 0.5):
+            _loss(dx * scale, p1, p2, dy).backward()
+            _loss(x * scale, r1, r2, y).backward()
+    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    assert p1.grad.placements == (Partial(),)
     torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
     torch.testing.assert_close(p2.grad.full_tensor(), r2.grad, **TOL)
+
+    # 2b. pieces, then a backward where w1 has only an ordinary use; then a backward on
+    #     summed (full) gradients: summed at the end of that backward, the grad stays Replicate
+    p1, p2 = _params(mesh, w1, w2)
+    r1, r2 = _ref(w1, w2)
+    _loss(dx, p1, p2).backward()
+    _loss(x, r1, r2).backward()
+    (dy * p1).sum().backward()
+    (y * r1).sum().backward()
+    assert p1.grad.placements == (Partial(),)
+    torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
+    with hp.CommDebugMode() as comm:
+        _loss(dx, p1, p2).backward()
+    # full_tensor() above summed both; on full gradients both new parts are summed at the end, in one buffer
+    assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()
+    _loss(x, r1, r2).backward()
+    assert p1.grad.placements == (Replicate(),) and p2.grad.placements == (Replicate(),)
+    torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
+    torch.testing.assert_close(p2.grad.full_tensor(), r2.grad, **TOL)
+    # zero_grad (set to None) forgets the pieces: the next backward starts Partial again
+    p1.grad = p2.grad = None
+    _loss(dx, p1, p2).backward()
+    assert p1.grad.placements == (Partial(),)
+    q1, q2 = _ref(w1, w2)
+    _loss(x, q1, q2).backward()
+    torch.testing.assert_close(p1.grad.full_tensor(), q1.grad, **TOL)
 
     # 3. autograd.grad accumulates nothing: the reduction happens immediately and is returned
     p1, p2 = _params(mesh, w1, w2)
@@ -92,6 +140,52 @@ def _partial_cases():
     torch.autograd.backward([(x * r1).tanh() * r2], [gy])
     torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
     torch.testing.assert_close(p2.grad.full_tensor(), r2.grad, **TOL)
+    # 6. an optimizer step sums the pending gradients in one all_reduce, then updates as on one process
+    p1, p2 = _params(mesh, w1, w2)
+    r1, r2 = _ref(w1, w2)
+    opt, ropt = torch.optim.SGD([p1, p2], lr=0.1), torch.optim.SGD([r1, r2], lr=0.1)
+    _loss(dx, p1, p2).backward()
+    _loss(x, r1, r2).backward()
+    with hp.CommDebugMode() as comm:
+        opt.step()
+    assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()
+    ropt.step()
+    torch.testing.assert_close(p1.full_tensor(), r1.detach(), **TOL)
+    torch.testing.assert_close(p2.full_tensor(), r2.detach(), **TOL)
+    # HyperParallel's pattern: the optimizer on local tensors under SkipDTensorDispatch (entering sums)
+    opt.zero_grad(), ropt.zero_grad()
+    _loss(dx, p1, p2).backward()
+    _loss(x, r1, r2).backward()
+    with hp.CommDebugMode() as comm:
+        with hp.SkipDTensorDispatch():
+            torch.testing.assert_close(p1.grad._local_tensor, r1.grad, **TOL)
+            opt.step()
+    assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()
+    ropt.step()
+    torch.testing.assert_close(p2.full_tensor(), r2.detach(), **TOL)
+
+    # 7. clip_grad_norm_ holds the grads it read before they were summed, then scales them
+    p1, p2 = _params(mesh, w1, w2)
+    r1, r2 = _ref(w1, w2)
+    _loss(dx * 3, p1, p2).backward()
+    _loss(x * 3, r1, r2).backward()
+    norm = torch.nn.utils.clip_grad_norm_([p1, p2], 0.5)
+    rnorm = torch.nn.utils.clip_grad_norm_([r1, r2], 0.5)
+    torch.testing.assert_close(norm.full_tensor(), rnorm, **TOL)
+    torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
+    torch.testing.assert_close(p2.grad.full_tensor(), r2.grad, **TOL)
+
+    # 8. a plain tensor leaf (implicitly replicated scalar) and the plain leaf under from_local get
+    #    their whole gradient: only DTensor leaves keep pieces
+    s_plain = torch.tensor(0.7, dtype=DT, requires_grad=True)
+    w_plain = w1.clone().requires_grad_(True)
+    w_dt = hp.DTensor.from_local(w_plain, mesh, [Replicate()])
+    ((dx * s_plain).sum() + (dx * w_dt).tanh().sum()).backward()
+    s_ref, w_ref = torch.tensor(0.7, dtype=DT, requires_grad=True), w1.clone().requires_grad_(True)
+    ((x * s_ref).sum() + (x * w_ref).tanh().sum()).backward()
+    torch.testing.assert_close(s_plain.grad, s_ref.grad, **TOL)
+    torch.testing.assert_close(w_plain.grad, w_ref.grad, **TOL)
+
     with pytest.raises(RuntimeError, match=r"torch.autograd.backward: grad can be implicitly created only for "
                                            r"scalar outputs; output 0 is a DTensor of global shape \(6, 5\)"):
         torch.autograd.backward([dx * p1])
@@ -129,8 +223,9 @@ def _dp_tp_cases():
         loss = _loss(dx, module.w1, module.w2) + (module.b ** 2).sum() * (dp_rank + 1)
         with hp.CommDebugMode() as comm:
             loss.backward()
-        # one partial-sum all_reduce (tp) + one dp average for all three parameters (one dtype)
-        assert comm.get_comm_counts() == {"all_reduce": 2}, comm.get_comm_counts()
+        # one dp average for all three parameters (one dtype); the tp sums stay pending
+        assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()
+        assert module.w1.grad.placements == (Partial(),)
         # reference: the mean over dp ranks of each rank's loss
         ref = sum(_loss(xs[i] * step_scale, r1, r2) + (rb ** 2).sum() * (i + 1) for i in range(2)) / 2
         ref.backward()

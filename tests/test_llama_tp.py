@@ -211,7 +211,10 @@ def _layer_counts():
                     out = block(out, cos, sin)
             with hp.CommDebugMode() as bwd:
                 out.sum().backward()
-            counts += [fwd.get_comm_counts(), bwd.get_comm_counts()]
+            with hp.CommDebugMode() as settle:  # the first use of the pending partial gradients
+                hp.core.dtensor.dtensor.settle_pending_grads()
+            counts += [fwd.get_comm_counts(), bwd.get_comm_counts(), settle.get_comm_counts()]
+            model.zero_grad()
         res[sp] = counts
     return res
 
@@ -219,14 +222,17 @@ def _layer_counts():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layer_collective_counts(dist_runner, tp):
     res = dist_runner.run(tp, _layer_counts)[0]
-    fwd, bwd, fwd2, bwd2 = res[False]
+    fwd, bwd, settle, fwd2, bwd2, settle2 = res[False]
     assert fwd == {"all_reduce": 2}, fwd
     assert bwd == {"all_reduce": 2}, bwd
     assert fwd2 == {"all_reduce": 4} and bwd2 == {"all_reduce": 4}, (fwd2, bwd2)
-    fwd, bwd, fwd2, bwd2 = res[True]
+    assert settle == settle2 == {}, (settle, settle2)  # nothing left pending without SP
+    fwd, bwd, settle, fwd2, bwd2, settle2 = res[True]
     assert fwd == {"all_gather": 2, "reduce_scatter": 2}, fwd
     # per layer 2 all_gather + 2 reduce_scatter; the replicated RMSNorm weights' gradients (partial over
-    # the sequence shards) are summed once per backward for all layers, in one flat all_reduce
-    assert bwd == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}, bwd
+    # the sequence shards) are left Partial by backward, as in PyTorch, and summed at their first use
+    # for all layers at once, in one flat all_reduce
+    assert bwd == {"all_gather": 2, "reduce_scatter": 2}, bwd
     assert fwd2 == {"all_gather": 4, "reduce_scatter": 4}, fwd2
-    assert bwd2 == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}, bwd2
+    assert bwd2 == {"all_gather": 4, "reduce_scatter": 4}, bwd2
+    assert settle == settle2 == {"all_reduce": 1}, (settle, settle2)

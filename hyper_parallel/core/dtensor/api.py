@@ -15,6 +15,7 @@ from hyper_parallel.core.dtensor.redistribute import run_plan
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
+_mark_leaf = platform.deferred_grads.mark_dtensor_leaf  # its partial gradients may stay Partial
 
 
 def _slice_local(tensor, layout, mesh, gshape):
@@ -116,6 +117,7 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
         plan = rp.plan(rep._layout, layout, tuple(rep.shape), rep._local_tensor.element_size())
         local = run_plan(rep._local_tensor, plan, mesh, mesh._rank_index())
         local.requires_grad_(tensor.requires_grad)
+        _mark_leaf(local)
         return DTensor._wrap(local, mesh, layout, rep._gshape)
     if src_data_rank is not None:
         if not isinstance(src_data_rank, int) or not all(0 <= src_data_rank < s for s in mesh.shape):
@@ -134,6 +136,7 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
     if local is tensor or local.data_ptr() == tensor.data_ptr():
         local = local.clone()
     local.requires_grad_(requires_grad)
+    _mark_leaf(local)
     return DTensor._wrap(local, mesh, layout, gshape)
 
 
@@ -241,6 +244,7 @@ def _factory(fn_name, make_local, size, device_mesh, placements, dtype, requires
     local = make_local(lshape, offset, shape, mesh)
     if requires_grad:
         local.requires_grad_(True)
+        _mark_leaf(local)
     return DTensor._wrap(local, mesh, layout, shape)
 
 

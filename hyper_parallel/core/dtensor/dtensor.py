@@ -34,6 +34,7 @@ _Tensor = platform.Tensor
 _Size = platform.Size
 _make_wrapper = _Tensor._make_wrapper_subclass
 _STRIDED = platform.strided
+_DG = platform.deferred_grads  # partial gradients left pending after backward (see DTensor.grad)
 
 _getframe = sys._getframe
 _FRAMEWORK_PKG = platform.framework_package  # "torch"
@@ -233,6 +234,7 @@ class DTensor(platform.DTensorBase):
     @requires_grad.setter
     def requires_grad(self, value: bool):
         self._local_tensor.requires_grad_(value)
+        _DG.mark_dtensor_leaf(self._local_tensor)
 
     @property
     def is_leaf(self) -> bool:
@@ -244,19 +246,50 @@ class DTensor(platform.DTensorBase):
 
     @property
     def grad(self):
-        g = self._local_tensor.grad
+        """The gradient, a DTensor.
+
+        As in PyTorch, a gradient that backward left partial (a replicated
+        parameter applied to sharded activations, e.g. a norm weight under
+        sequence parallelism) reports ``Partial`` on that mesh dim; no collective
+        has run yet. Its first redistribution (the optimizer step,
+        ``clip_grad_norm_``, ``full_tensor()``) sums all such gradients at once.
+        """
+        local = self._local_tensor
+        g = local.grad
         if g is None:
             return None
         cached = self.__dict__.get("_grad_wrapper")
         if cached is not None and cached._local_tensor is g:
             return cached
         lay = self._layout if self.__dict__.get("_hp_partial_grad") else _grad_layout(self._layout)
+        group = _DG.partial_group(local) if _DG.has_pending() else None
+        if group is not None:
+            lay = _with_partial_over(lay, self._mesh, group)
+            if lay is None:  # the group is not a dim of this mesh: sum now
+                _DG.flush_pending()
+                lay = _grad_layout(self._layout)
         w = DTensor._wrap(g, self._mesh, lay, self._gshape)
+        if group is not None and lay.has_partial():
+            w.__dict__["_hp_pending_grad"] = True
+            _DG.note_view(local, w)
         self.__dict__["_grad_wrapper"] = w
         return w
 
+    def _hp_grad_reduced(self):
+        """Called on a ``.grad`` view once its pending partial pieces were summed in place."""
+        self.__dict__.pop("_hp_pending_grad", None)
+        self.__dict__.pop("_redist_cache", None)
+        self._layout = self._layout.without_partial()
+        self._spec = spec_of(self._layout, self._gshape)
+
+    def _settle_grad(self):
+        """A pending partial ``.grad`` view about to be redistributed: sum all pending gradients first."""
+        if self.__dict__.get("_hp_pending_grad"):
+            _DG.flush_pending()
+
     @grad.setter
     def grad(self, value):
+        _DG.forget(self._local_tensor)
         if value is None:
             self._local_tensor.grad = None
             self.__dict__.pop("_hp_partial_grad", None)
@@ -424,6 +457,8 @@ class DTensor(platform.DTensorBase):
         each partial mesh dim holds it, the others the reduction's identity); the
         library's own code and the exhaustive parity tests use it.
         """
+        if self._layout.has_partial():
+            self._settle_grad()
         if forward_dtype is not None or backward_dtype is not None:
             return self._redistribute_cast(device_mesh, placements, forward_dtype, backward_dtype)
         mesh = resolve_mesh(device_mesh, "redistribute") if device_mesh is not None else self._mesh
@@ -469,6 +504,10 @@ class DTensor(platform.DTensorBase):
         the local tensor's version counter), so sibling consumers of one activation
         (wq/wk/wv, w1/w3) share one collective forward and one in backward.
         """
+        if self._layout.has_partial():
+            self._settle_grad()
+            if dst == self._layout:
+                return self._local_tensor
         local = self._local_tensor
         # inference tensors have no version counter: an in-place change would go unseen, so no memo
         memo = not local.is_inference()
@@ -508,6 +547,8 @@ class DTensor(platform.DTensorBase):
 
     # ------------------------------------------------------------------ conversions
     def to(self, *args, **kwargs) -> "DTensor":
+        if self._layout.has_partial():
+            self._settle_grad()
         if self._layout.has_partial() and _OP_HANDLER is not None:
             # casting each pending partial piece is not casting their sum (int/bool targets): let the
             # op rule decide whether the partial must be reduced first
@@ -591,6 +632,7 @@ class DTensor(platform.DTensorBase):
     def __deepcopy__(self, memo):
         import copy
         local = copy.deepcopy(self._local_tensor, memo)
+        _DG.mark_dtensor_leaf(local)
         out = DTensor._wrap(local, self._mesh, self._layout, self._gshape)
         if getattr(self, "_is_param", False):
             out._is_param = True
@@ -633,6 +675,7 @@ def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):
     if layout.rank_list != mesh.rank_list or tuple(layout.mesh_shape) != tuple(mesh.shape):
         raise ValueError(f"loading a DTensor: its layout {layout} does not match its mesh {mesh}")
     out = DTensor._wrap(local, mesh, layout, platform.Size(shape))
+    _DG.mark_dtensor_leaf(local)
     if is_param:
         out._is_param = True
     return out
@@ -649,7 +692,29 @@ def _detach(self):
 
 def _requires_grad_(self, requires_grad=True):
     self._local_tensor.requires_grad_(requires_grad)
+    _DG.mark_dtensor_leaf(self._local_tensor)
     return self
+
+
+def settle_pending_grads() -> None:
+    """Sum every parameter gradient that backward left ``Partial`` (collective; all ranks call it alike).
+
+    Done automatically the first time such a gradient is redistributed and on
+    entering ``SkipDTensorDispatch``; call it before reading local gradients
+    (``p.grad.to_local()``, ``p._local_tensor.grad``) that must be complete.
+    """
+    if _DG.has_pending():
+        _DG.flush_pending()
+
+
+def _with_partial_over(layout, mesh, group):
+    """``layout`` with a pending sum on the mesh dim whose group is ``group`` (None if there is none)."""
+    for d in range(mesh.ndim):
+        if layout.partial[d] is None and d not in layout.sharded_mesh_dims() \
+                and mesh.get_comm_group(d).ranks == group.ranks:
+            partial = tuple("sum" if i == d else p for i, p in enumerate(layout.partial))
+            return layout._derive(layout.dim_map, partial)
+    return None
 
 
 def _set_partial_grad(dt, piece):

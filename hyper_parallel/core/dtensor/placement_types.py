@@ -144,4 +144,7 @@ class Partial(Placement):
         return (Partial, (self.reduce_op,))
 
 
+# PyTorch's older private name for Partial (still importable from its placement_types)
+_Partial = Partial
+
 __all__ = ["Placement", "Shard", "Replicate", "Partial"]

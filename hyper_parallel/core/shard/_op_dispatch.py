@@ -129,7 +129,7 @@ def _sig(a):
     if isinstance(a, DTensor):
         return (a._layout, a._gshape)
     if isinstance(a, _Tensor):
-        return ("T", tuple(a.shape), a.dtype)
+        return ("T", tuple(a.shape), a.dtype, a.requires_grad)
     if isinstance(a, (list, tuple)):
         return (type(a).__name__,) + tuple(_sig(x) for x in a)
     if isinstance(a, slice):
@@ -206,13 +206,22 @@ def _replace(args, it):
 
 
 def _check_plain_tensors(func, args, kwargs, mesh):
-    """Plain tensors mixed with DTensors: 0-d ones broadcast; others need implicit replication."""
+    """Plain tensors mixed with DTensors: 0-d ones broadcast; others need implicit replication.
+
+    A 0-d tensor that requires grad is taken as replicated too (not passed through
+    as a number): its gradient may be partial over the mesh and must be summed.
+    """
     index_op = _op_name(func) in _INDEX_OPS
 
     one_elem = []
+    scalar_grad = []
 
     def bad(a):
-        if not isinstance(a, _Tensor) or isinstance(a, DTensor) or a.dim() == 0:
+        if not isinstance(a, _Tensor) or isinstance(a, DTensor):
+            return False
+        if a.dim() == 0:
+            if a.requires_grad:
+                scalar_grad.append(a)
             return False
         if a.numel() == 1:  # as PyTorch: a one-element tensor is taken as replicated
             one_elem.append(a)
@@ -233,13 +242,14 @@ def _check_plain_tensors(func, args, kwargs, mesh):
     offender = walk(args)
     if offender is None:
         offender = walk(kwargs.values())
-    if offender is None and not one_elem:
+    if offender is None and not one_elem and not scalar_grad:
         return args, kwargs
-    if offender is None:
+    if offender is None and one_elem:
         warnings.warn(f"{platform.op_name(func)}: found a non-scalar tensor with numel=1 and ndim!=0 (shape "
                       f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
                       "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
-    elif not _FLAGS["implicit_replication"] and _op_name(func) not in _base.PLAIN_AS_REPLICATED:
+    elif offender is not None and not _FLAGS["implicit_replication"] and \
+            _op_name(func) not in _base.PLAIN_AS_REPLICATED:
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(
             f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
@@ -248,7 +258,7 @@ def _check_plain_tensors(func, args, kwargs, mesh):
     from hyper_parallel.core.dtensor.placement_types import Replicate
 
     def conv(a):
-        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and a.dim() > 0:
+        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and (a.dim() > 0 or a.requires_grad):
             return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
         if isinstance(a, (list, tuple)):
             return type(a)(conv(x) for x in a) if type(a) in (list, tuple) else a

@@ -14,6 +14,12 @@ class SkipDTensorDispatch:
     such as ``"zeros_like"``) still go through DTensor dispatch. Contexts nest;
     the state is per thread.
 
+    Entering sums the parameter gradients that backward left ``Partial`` (SP norm
+    weights, see ``docs/tensor_parallel.md``; one flat all_reduce for all of them),
+    so code that reads local gradients here — HyperParallel's
+    ``with SkipDTensorDispatch(): optimizer.step()`` — sees complete ones. Every
+    rank must enter it at the same point when such gradients are pending.
+
     Example::
 
         with SkipDTensorDispatch(no_skip={torch.zeros_like}):
@@ -34,6 +40,10 @@ class SkipDTensorDispatch:
         self._no_skip = frozenset(entries)
 
     def __enter__(self):
+        dg = get_platform().deferred_grads
+        if dg is not None and dg.has_pending():
+            from hyper_parallel.core.dtensor.dtensor import settle_pending_grads
+            settle_pending_grads()
         disable_dtensor_dispatch(self._no_skip)
         return self
 

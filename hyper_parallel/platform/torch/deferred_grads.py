@@ -24,18 +24,33 @@ and when gradients accumulate over several backward passes, and it leaves
 Between the end of the graph and the callback, tensor hooks and
 post-accumulate-grad hooks of such a parameter see the partial gradient; after
 ``backward()`` returns, ``.grad`` is the full one.
+
+A DTensor parameter (a leaf marked by :func:`mark_dtensor_leaf`) goes further,
+as in PyTorch: its gradient is left *partial* after ``backward()``, with no
+collective at all (``.grad`` reports ``Partial`` on that mesh dim). The sum is
+taken the first time any such gradient is redistributed (the optimizer step,
+``clip_grad_norm_``, ``full_tensor()``), for all of them at once in one flat
+all_reduce per group (:func:`flush_pending`). A tensor hook on the leaf keeps
+the pieces right when the same backward also brings an ordinary (full)
+contribution: it adds ``1/n`` of it to each rank's piece. Parameters that
+cannot stay partial (a plain tensor leaf, FSDP's unsharded parameters, a
+gradient already holding full values, several partial groups) take the
+end-of-backward reduction above.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 from hyper_parallel.platform.torch import collectives as C
 
 _lock = threading.Lock()
-_tasks = {}  # graph task id -> {"sum": {...}, "avg": {...}}
+_tasks = {}  # graph task id -> {"sum": {...}, "avg": {...}, "partial": {...}}
 _seq = [0]
+# gradients left partial after backward: id(leaf) -> [weakref(leaf), group, [weakref(grad view), ...]]
+_pending = {}
 
 
 def _order(t):
@@ -51,7 +66,7 @@ def _order(t):
 def _queue(task: int):
     pending = _tasks.get(task)
     if pending is None:
-        pending = _tasks[task] = {"sum": {}, "avg": {}}
+        pending = _tasks[task] = {"sum": {}, "avg": {}, "partial": {}}
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _flush(task))
     return pending
 
@@ -64,12 +79,20 @@ def _will_accumulate(acc_node) -> bool:
         return False
 
 
-class DeferredPartialGrad(torch.autograd.Function):
-    """Identity forward on a leaf; backward sums the gradient over ``group`` once, at the end of backward.
+def mark_dtensor_leaf(local) -> None:
+    """Mark ``local`` as the local tensor of a DTensor leaf: its partial gradients may stay partial."""
+    if local.requires_grad and local.is_leaf:
+        local._hp_dtensor_leaf = True
 
-    Falls back to an immediate all_reduce when the gradient will not be
-    accumulated into the leaf (``autograd.grad``) or a graph of the gradient is
-    being built (``create_graph=True``).
+
+class DeferredPartialGrad(torch.autograd.Function):
+    """Identity forward on a leaf; backward sums the gradient over ``group`` once, later.
+
+    A DTensor leaf keeps its gradient partial (summed on first use, see
+    :func:`flush_pending`); another leaf is summed at the end of backward. Falls
+    back to an immediate all_reduce when the gradient will not be accumulated into
+    the leaf (``autograd.grad``) or a graph of the gradient is being built
+    (``create_graph=True``).
     """
 
     @staticmethod
@@ -77,21 +100,124 @@ class DeferredPartialGrad(torch.autograd.Function):
         ctx.group = group
         ctx.leaf = x
         _order(x)
+        if getattr(x, "_hp_dtensor_leaf", False) and not getattr(x, "_hp_partial_hook", False):
+            x.register_hook(_leaf_hook(weakref.ref(x)))
+            x._hp_partial_hook = True
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         task = torch._C._current_graph_task_id()
-        if task < 0 or torch.is_grad_enabled() or not _will_accumulate(ctx.next_functions[0][0]):
+        acc = ctx.next_functions[0][0]
+        if task < 0 or torch.is_grad_enabled() or not _will_accumulate(acc):
             return C.all_reduce(g, ctx.group, "sum"), None
         leaf = ctx.leaf
+        d = g.detach().clone()  # the engine may accumulate into g in place
         with _lock:
-            pend = _queue(task)["sum"]
-            key = (id(leaf), ctx.group.ranks)
-            prev = pend.get(key)
-            d = g.detach().clone()  # the engine may accumulate into g in place
-            pend[key] = (leaf, ctx.group, d if prev is None else prev[2] + d)
+            pend = _queue(task)
+            if getattr(leaf, "_hp_partial_hook", False):
+                leaf._hp_acc_node = acc
+                per_group = pend["partial"].setdefault(id(leaf), (leaf, {}))[1]
+                prev = per_group.get(ctx.group.ranks)
+                per_group[ctx.group.ranks] = (ctx.group, d if prev is None else prev[1] + d)
+            else:
+                key = (id(leaf), ctx.group.ranks)
+                prev = pend["sum"].get(key)
+                pend["sum"][key] = (leaf, ctx.group, d if prev is None else prev[2] + d)
         return g, None
+
+
+def _leaf_hook(ref):
+    """Tensor hook of a DTensor leaf with partial gradients: keeps ``.grad`` a set of pieces summing to it.
+
+    Runs once per backward with the leaf's whole incoming gradient (partial plus
+    ordinary contributions), before it is accumulated.
+    """
+    def hook(incoming):
+        leaf = ref()
+        if leaf is None:
+            return incoming
+        task = torch._C._current_graph_task_id()
+        with _lock:
+            pend = _tasks.get(task)
+            popped = pend["partial"].pop(id(leaf), None) if pend is not None else None
+        entries = popped[1] if popped is not None else None
+        entry = _pending.get(id(leaf))
+        if entry is not None and (leaf.grad is None or entry[0]() is not leaf):
+            _pending.pop(id(leaf), None)  # the old gradient was dropped (zero_grad)
+            entry = None
+        if entries is None:
+            # only ordinary contributions this time; on top of pieces, each rank adds 1/n of them
+            acc = getattr(leaf, "_hp_acc_node", None)
+            if entry is not None and acc is not None and _will_accumulate(acc):
+                return incoming / entry[1].size
+            return incoming
+        if len(entries) == 1 and (leaf.grad is None or entry is not None):
+            group, d = next(iter(entries.values()))
+            if entry is None or entry[1].ranks == group.ranks:
+                if entry is None:
+                    _pending[id(leaf)] = [ref, group, []]
+                # the pieces: this rank's partial part plus 1/n of any ordinary part
+                return d + (incoming - d) / group.size
+        # cannot stay partial (another group, or full values already in .grad): sum at the end
+        # of this backward, after any earlier pieces are summed
+        if entry is not None:
+            flush_pending()
+        with _lock:
+            sums = _queue(task)["sum"]
+            for ranks, (group, d) in entries.items():
+                sums[(id(leaf), ranks)] = (leaf, group, d)
+        return incoming
+    return hook
+
+
+def partial_group(leaf):
+    """The group ``leaf.grad`` is partial over (left so by backward), or None."""
+    entry = _pending.get(id(leaf))
+    if entry is None or entry[0]() is not leaf or leaf.grad is None:
+        return None
+    return entry[1]
+
+
+def note_view(leaf, view) -> None:
+    """``view`` shows ``leaf.grad`` as partial; :func:`flush_pending` relabels it (``view._hp_grad_reduced()``)."""
+    entry = _pending.get(id(leaf))
+    if entry is not None:
+        entry[2].append(weakref.ref(view))
+
+
+def forget(leaf) -> None:
+    """``leaf.grad`` was replaced or dropped: it no longer holds partial pieces."""
+    _pending.pop(id(leaf), None)
+
+
+def has_pending() -> bool:
+    return bool(_pending)
+
+
+def flush_pending() -> None:
+    """Sum every gradient left partial, one flat all_reduce per (group, dtype), in place.
+
+    Collective: every rank of each group must call it at the same point (it runs
+    when a partial gradient is first redistributed, which SPMD programs do alike).
+    """
+    with _lock:
+        items = list(_pending.values())
+        _pending.clear()
+    live = [(leaf, group, views) for ref, group, views in items
+            if (leaf := ref()) is not None and leaf.grad is not None]
+    if not live:
+        return
+    with torch.no_grad():
+        for bucket in _buckets(live):
+            grads = [leaf.grad for leaf, _, _ in bucket]
+            for g, r in zip(grads, _flat_reduce(grads, bucket[0][1], "sum")):
+                g.copy_(r)
+    for _, _, views in live:
+        for v in views:
+            v = v()
+            if v is not None:
+                v._hp_grad_reduced()
 
 
 def defer_average(t, group) -> None:
@@ -126,6 +252,9 @@ def _flush(task: int) -> None:
         pending = _tasks.pop(task, None)
     if pending is None:
         return
+    for leaf, entries in pending["partial"].values():  # not consumed by the leaf's hook (not expected)
+        for ranks, (group, d) in entries.items():
+            pending["sum"][(id(leaf), ranks)] = (leaf, group, d)
     with torch.no_grad():
         # 1. partial sums: .grad already holds d; add allreduce(d) - d
         for bucket in _buckets(pending["sum"].values()):

@@ -17,7 +17,9 @@ documented behaviour (values compared with the same computation on one process):
 * parallelize_module: ``None`` plan warns, ``""`` is the root, unmatched entries warn,
   PrepareModuleInput with ``None`` entries;
 * ``from_local(run_check=True)`` raises on inconsistent dtype / requires_grad / stride;
-* multi-dim mesh redistribution ([Shard(0), Shard(0)] order) against torch.chunk ground truth.
+* multi-dim mesh redistribution ([Shard(0), Shard(0)] order) against torch.chunk ground truth;
+* SequenceParallel norms: no collective in forward+backward, ``Partial`` weight gradients, and
+  the optimizer step sums them in one all_reduce.
 
 All checks of one world size run in one distributed task (2, 4 and 8 ranks).
 """
@@ -590,6 +592,42 @@ def _torch_mesh_interop(mesh):
     assert lin.weight.placements == (Shard(0),)
 
 
+def _sequence_parallel_grads(mesh):
+    """torch's test_sequence_parallel_style: no collective in forward+backward, norm weight grads Partial."""
+    from copy import deepcopy
+    from hyper_parallel import SequenceParallel
+    ws = mesh.size()
+    x = _global(11, 4, 3 * ws, 6).requires_grad_(True)
+    sx = distribute_tensor(x, mesh, [Shard(1)])
+    for affine in (True, False):
+        norm = nn.LayerNorm(6, elementwise_affine=affine)
+        if affine:
+            with torch.no_grad():
+                norm.weight.copy_(_global(12, 6))
+                norm.bias.copy_(_global(13, 6))
+        sp = parallelize_module(deepcopy(norm), mesh, SequenceParallel())
+        ref = norm(x)
+        (ref * ref).sum().backward()
+        with CommDebugMode() as cm:
+            out = sp(sx)
+            (out * out).sum().backward()
+        assert cm.get_total_counts() == 0, cm.get_comm_counts()
+        assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+        torch.testing.assert_close(out.full_tensor(), ref, **TOL)
+        torch.testing.assert_close(sx.grad.full_tensor(), x.grad, **TOL)
+        x.grad = sx.grad = None
+        if affine:
+            assert sp.weight.grad.placements == (Partial(),) and sp.bias.grad.placements == (Partial(),)
+            # the update sums both in one all_reduce, then matches the one-process update
+            opt, ropt = torch.optim.SGD(sp.parameters(), lr=0.5), torch.optim.SGD(norm.parameters(), lr=0.5)
+            with CommDebugMode() as cm:
+                opt.step()
+            assert cm.get_comm_counts()[c10d.all_reduce] == 1 and cm.get_total_counts() == 1
+            ropt.step()
+            torch.testing.assert_close(sp.weight.full_tensor(), norm.weight.detach(), **TOL)
+            torch.testing.assert_close(sp.bias.full_tensor(), norm.bias.detach(), **TOL)
+
+
 def _fidelity():
     hp.manual_seed(0)
     mesh = _mesh()
@@ -604,6 +642,7 @@ def _fidelity():
     _from_local_backward(mesh)
     _vmap(mesh)
     _torch_mesh_interop(mesh)
+    _sequence_parallel_grads(mesh)
     return True
 
 

@@ -410,7 +410,7 @@ class DTensor(platform.DTensorBase):
             local = self._local_tensor
             for d, op in enumerate(gl.partial):
                 if op is not None:
-                    local = partial_grad_view(local, self._mesh.get_comm_group(d))
+                    local = partial_grad_view(local, self._mesh.get_comm_group(d), leave_partial=False)
             return local
         plan = rp.plan(gl, want, tuple(self._gshape), self._local_tensor.element_size())
         return GradRedistribute.apply(self._local_tensor, plan, self._mesh, self._mesh._rank_index())

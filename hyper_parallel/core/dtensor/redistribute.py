@@ -54,7 +54,7 @@ def _remember_gather(out, src, dim, group, sizes):
         pass
 
 
-def partial_grad_view(local, group):
+def partial_grad_view(local, group, leave_partial: bool = True):
     """``local`` seen by a consumer whose gradient w.r.t. it is partial over ``group``.
 
     Returns a tensor equal to ``local`` whose backward sums the gradient over
@@ -64,12 +64,15 @@ def partial_grad_view(local, group):
     parallel pairing) instead of an all_reduce. If ``local`` is a leaf (a
     parameter), the sum is deferred to the end of ``backward()`` and done for all
     such parameters in one flat all_reduce per group (Megatron's
-    ``allreduce_layernorm_grads``; see the platform's ``deferred_grads``).
+    ``allreduce_layernorm_grads``; see the platform's ``deferred_grads``); a
+    DTensor parameter's ``.grad`` is even left ``Partial`` until its first use,
+    as in PyTorch, unless ``leave_partial`` is False (``to_local(grad_placements=)``,
+    whose backward PyTorch reduces at once).
     """
     if group.size == 1 or not local.requires_grad or not _GRAD_ENABLED():
         return local
     # Keyed by the version counter: after an in-place update (optimizer step) a new view is made.
-    key = (group.ranks, local._version)
+    key = (group.ranks, local._version, leave_partial)
     cache = getattr(local, "_hp_pgrad", None)
     if cache is None or cache.get("version") != local._version:
         cache = {"version": local._version}
@@ -81,7 +84,7 @@ def partial_grad_view(local, group):
             _, src, dim, grp, sizes = g
             view = _F.GatheredPartialGrad.apply(src, local.detach(), dim, grp, sizes)
         elif local.is_leaf and not _COMPILING():  # a parameter (compiled graphs reduce at once): one flat all_reduce at the end of backward for all of them
-            view = _D.DeferredPartialGrad.apply(local, group)
+            view = _D.DeferredPartialGrad.apply(local, group, leave_partial)
         else:
             view = _F.PartialGrad.apply(local, group)
         cache[key] = view

@@ -96,11 +96,12 @@ class DeferredPartialGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, leave_partial=True):
         ctx.group = group
         ctx.leaf = x
+        ctx.leave_partial = leave_partial
         _order(x)
-        if getattr(x, "_hp_dtensor_leaf", False) and not getattr(x, "_hp_partial_hook", False):
+        if leave_partial and getattr(x, "_hp_dtensor_leaf", False) and not getattr(x, "_hp_partial_hook", False):
             x.register_hook(_leaf_hook(weakref.ref(x)))
             x._hp_partial_hook = True
         return x.view_as(x)
@@ -110,12 +111,12 @@ class DeferredPartialGrad(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         acc = ctx.next_functions[0][0]
         if task < 0 or torch.is_grad_enabled() or not _will_accumulate(acc):
-            return C.all_reduce(g, ctx.group, "sum"), None
+            return C.all_reduce(g, ctx.group, "sum"), None, None
         leaf = ctx.leaf
         d = g.detach().clone()  # the engine may accumulate into g in place
         with _lock:
             pend = _queue(task)
-            if getattr(leaf, "_hp_partial_hook", False):
+            if ctx.leave_partial and getattr(leaf, "_hp_partial_hook", False):
                 leaf._hp_acc_node = acc
                 per_group = pend["partial"].setdefault(id(leaf), (leaf, {}))[1]
                 prev = per_group.get(ctx.group.ranks)
@@ -124,7 +125,7 @@ class DeferredPartialGrad(torch.autograd.Function):
                 key = (id(leaf), ctx.group.ranks)
                 prev = pend["sum"].get(key)
                 pend["sum"][key] = (leaf, ctx.group, d if prev is None else prev[2] + d)
-        return g, None
+        return g, None, None
 
 
 def _leaf_hook(ref):
@@ -152,7 +153,8 @@ def _leaf_hook(ref):
             if entry is not None and acc is not None and _will_accumulate(acc):
                 return incoming / entry[1].size
             return incoming
-        if len(entries) == 1 and (leaf.grad is None or entry is not None):
+        summed = pend is not None and any(k[0] == id(leaf) for k in pend["sum"])  # another path sums it
+        if len(entries) == 1 and not summed and (leaf.grad is None or entry is not None):
             group, d = next(iter(entries.values()))
             if entry is None or entry[1].ranks == group.ranks:
                 if entry is None:

@@ -89,8 +89,9 @@ def _partial_cases():
     torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
     torch.testing.assert_close(p2.grad.full_tensor(), r2.grad, **TOL)
 
-    # 2b. pieces, then a backward where w1 has only an ordinary use; then a backward on
-    #     summed (full) gradients: summed at the end of that backward, the grad stays Replicate
+    # 2b. pieces, then a backward where w1 has only an ordinary use, then one through
+    #     to_local(grad_placements=); then a backward on summed (full) gradients: summed at the end
+    #     of that backward, the grads stay Replicate
     p1, p2 = _params(mesh, w1, w2)
     r1, r2 = _ref(w1, w2)
     _loss(dx, p1, p2).backward()
@@ -98,10 +99,16 @@ def _partial_cases():
     (dy * p1).sum().backward()
     (y * r1).sum().backward()
     assert p1.grad.placements == (Partial(),)
+    # then a use through to_local(grad_placements=[Partial()]), which PyTorch sums in that backward:
+    # the pieces are summed first (all pending ones), and the grads come out Replicate and right
+    lp = p1.to_local(grad_placements=[Partial()])
+    (dx.to_local() * lp).sum().backward()
+    (x * r1).sum().backward()
+    assert p1.grad.placements == (Replicate(),) and p2.grad.placements == (Replicate(),)
     torch.testing.assert_close(p1.grad.full_tensor(), r1.grad, **TOL)
     with hp.CommDebugMode() as comm:
         _loss(dx, p1, p2).backward()
-    # full_tensor() above summed both; on full gradients both new parts are summed at the end, in one buffer
+    # both hold summed values now; on full gradients both new parts are summed at the end, in one buffer
     assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()
     _loss(x, r1, r2).backward()
     assert p1.grad.placements == (Replicate(),) and p2.grad.placements == (Replicate(),)

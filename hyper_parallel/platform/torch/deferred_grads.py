@@ -147,13 +147,16 @@ def _leaf_hook(ref):
         if entry is not None and (leaf.grad is None or entry[0]() is not leaf):
             _pending.pop(id(leaf), None)  # the old gradient was dropped (zero_grad)
             entry = None
+        summed = pend is not None and any(k[0] == id(leaf) for k in pend["sum"])  # another path sums a part
         if entries is None:
             # only ordinary contributions this time; on top of pieces, each rank adds 1/n of them
             acc = getattr(leaf, "_hp_acc_node", None)
             if entry is not None and acc is not None and _will_accumulate(acc):
+                if summed:  # part of it is summed at the end of backward: sum the pieces first
+                    flush_pending()
+                    return incoming
                 return incoming / entry[1].size
             return incoming
-        summed = pend is not None and any(k[0] == id(leaf) for k in pend["sum"])  # another path sums it
         if len(entries) == 1 and not summed and (leaf.grad is None or entry is not None):
             group, d = next(iter(entries.values()))
             if entry is None or entry[1].ranks == group.ranks:

@@ -34,6 +34,10 @@ from hyper_parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel
 HP_IMPORTS_TORCH_MESH = HP_IMPORTS.replace(
     "from hyper_parallel import init_device_mesh", "from torch.distributed.device_mesh import init_device_mesh")
 
+# A mechanical prefix swap: ``torch.distributed.tensor`` -> ``hyper_parallel`` everywhere
+# (``hyper_parallel.parallel``, ``.debug``, ... mirror torch's module layout).
+HP_IMPORTS_PREFIX = TORCH_IMPORTS.replace("torch.distributed.tensor", "hyper_parallel")
+
 PROGRAM = """
 import torch
 import torch.distributed as dist
@@ -146,18 +150,43 @@ def _both():
     res_torch = _run(TORCH_IMPORTS)
     res_hp = _run(HP_IMPORTS)
     res_hp_torch_mesh = _run(HP_IMPORTS_TORCH_MESH)
+    res_hp_prefix = _run(HP_IMPORTS_PREFIX)
     ref_losses, ref_weights = _reference(ws)
-    for res in (res_torch, res_hp, res_hp_torch_mesh):
+    for res in (res_torch, res_hp, res_hp_torch_mesh, res_hp_prefix):
         torch.testing.assert_close(res["losses"], ref_losses, rtol=1e-5, atol=1e-6)
         for n, w in ref_weights.items():
             torch.testing.assert_close(res["weights"][n], w, rtol=1e-5, atol=1e-6, msg=n)
-    for res in (res_hp, res_hp_torch_mesh):
+    for res in (res_hp, res_hp_torch_mesh, res_hp_prefix):
         for key in ("stitched", "stride", "sum", "gather_count"):
             assert res[key] == res_torch[key] if not isinstance(res[key], torch.Tensor) else \
                 torch.equal(res[key], res_torch[key]), (key, res[key], res_torch[key])
         # the same collectives counted under both (hyper_parallel may fuse some: never more)
         assert 0 < res["counts"] <= res_torch["counts"], (res["counts"], res_torch["counts"])
     return True
+
+
+def test_modules_mirror_torch_layout():
+    """Every public name of torch's DTensor modules is importable from the hyper_parallel module of the same
+    path (prefix swapped), as the same object as hyper_parallel's top-level name where there is one; the
+    documented exceptions are torch's context_parallel and register_sharding."""
+    import importlib
+
+    import hyper_parallel as hp
+    absent = {"context_parallel", "register_sharding"}
+    for mod in ("", ".parallel", ".parallel.style", ".parallel.api", ".parallel.loss", ".placement_types",
+                ".experimental", ".device_mesh", ".debug"):
+        theirs = importlib.import_module("torch.distributed.tensor" + mod)
+        ours = importlib.import_module("hyper_parallel" + mod)
+        names = getattr(theirs, "__all__", None) or [n for n in vars(theirs) if n[0].isupper() or n.endswith("_module")]
+        for name in names:
+            if name in absent or (mod in (".parallel.style", ".parallel.api", ".parallel.loss", ".device_mesh")
+                                  and not hasattr(hp, name)):  # modules without __all__: torch's imports
+                continue
+            assert hasattr(ours, name), f"hyper_parallel{mod}.{name} is missing"
+            if hasattr(hp, name):
+                assert getattr(ours, name) is getattr(hp, name), f"hyper_parallel{mod}.{name}"
+    from hyper_parallel.placement_types import _Partial
+    assert _Partial is hp.Partial
 
 
 @pytest.mark.parametrize("ws", [4])

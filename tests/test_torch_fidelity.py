@@ -628,6 +628,37 @@ def _sequence_parallel_grads(mesh):
             torch.testing.assert_close(sp.bias.full_tensor(), norm.bias.detach(), **TOL)
 
 
+def _visualize_sharding(mesh):
+    """torch.distributed.tensor.debug.visualize_sharding: printed once (coordinate 0), blocks per rank."""
+    import contextlib
+    from hyper_parallel.debug import visualize_sharding
+    ws, rank = mesh.size(), mesh.get_rank()
+
+    def shown(dt, header=""):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            visualize_sharding(dt, header=header)
+        return buf.getvalue()
+
+    rows = shown(distribute_tensor(torch.zeros(2 * ws, 3), mesh, [Shard(0)]), header="rows")
+    cols = shown(distribute_tensor(torch.zeros(ws + 1), mesh, [Shard(0)]))  # 1-D, uneven
+    rep = shown(distribute_tensor(torch.zeros(2, 3), mesh, [Replicate()]))
+    if rank != 0:
+        assert rows == cols == rep == ""
+    else:
+        lines = rows.splitlines()
+        assert lines[0] == "rows" and lines[1].split() == ["Col", "0-2"], lines
+        assert [line.split() for line in lines[3:]] == [["Row", f"{2 * r}-{2 * r + 1}", f"cpu:{r}"] for r in range(ws)]
+        # torch.chunk sizes of ws + 1 over ws ranks: the first block has 2 rows
+        sizes = [len(c) for c in torch.zeros(ws + 1).chunk(ws)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        assert [line.split()[1:] for line in cols.splitlines()[2:]] == [
+            [f"{s}-{s + n - 1}", f"cpu:{i}"] for i, (s, n) in enumerate(zip(starts, sizes))]
+        assert rep.splitlines()[2].split() == ["Row", "0-1", "cpu:" + ",".join(map(str, range(ws)))]
+    with pytest.raises(RuntimeError, match="supports only 1D or 2D DTensor"):
+        visualize_sharding(distribute_tensor(torch.zeros(2, 2, ws), mesh, [Shard(2)]))
+
+
 def _fidelity():
     hp.manual_seed(0)
     mesh = _mesh()
@@ -643,6 +674,7 @@ def _fidelity():
     _vmap(mesh)
     _torch_mesh_interop(mesh)
     _sequence_parallel_grads(mesh)
+    _visualize_sharding(mesh)
     return True
 
 

@@ -1,4 +1,6 @@
-"""Debug helpers: :class:`CommDebugMode` counts the collectives hyper_parallel issues."""
+"""Debug helpers: :class:`CommDebugMode` counts the collectives hyper_parallel issues;
+:func:`visualize_sharding` prints which ranks hold which block of a DTensor."""
 from hyper_parallel.debug.comm_debug_mode import CommDebugMode
+from hyper_parallel.debug.visualize_sharding import visualize_sharding
 
-__all__ = ["CommDebugMode"]
+__all__ = ["CommDebugMode", "visualize_sharding"]

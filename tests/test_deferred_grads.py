@@ -159,6 +159,22 @@ def _partial_cases():
     ropt.step()
     torch.testing.assert_close(p1.full_tensor(), r1.detach(), **TOL)
     torch.testing.assert_close(p2.full_tensor(), r2.detach(), **TOL)
+    # Adam's for-loop, foreach and fused implementations: one all_reduce per step, updates as on one process
+    for kw in (dict(foreach=False), dict(foreach=True), dict(fused=True)):
+        q1, q2 = _params(mesh, w1, w2)
+        s1, s2 = _ref(w1, w2)
+        qopt, sopt = torch.optim.Adam([q1, q2], lr=0.1, **kw), torch.optim.Adam([s1, s2], lr=0.1, foreach=False)
+        for _ in range(2):
+            _loss(dx, q1, q2).backward()
+            _loss(x, s1, s2).backward()
+            assert q1.grad.placements == (Partial(),)
+            with hp.CommDebugMode() as comm:
+                qopt.step()
+            assert comm.get_comm_counts() == {"all_reduce": 1}, (kw, comm.get_comm_counts())
+            sopt.step()
+            qopt.zero_grad(), sopt.zero_grad()
+        torch.testing.assert_close(q1.full_tensor(), s1.detach(), rtol=1e-10, atol=1e-12, msg=str(kw))
+        torch.testing.assert_close(q2.full_tensor(), s2.detach(), rtol=1e-10, atol=1e-12, msg=str(kw))
     # HyperParallel's pattern: the optimizer on local tensors under SkipDTensorDispatch (entering sums)
     opt.zero_grad(), ropt.zero_grad()
     _loss(dx, p1, p2).backward()

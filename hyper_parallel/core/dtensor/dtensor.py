@@ -548,7 +548,7 @@ class DTensor(platform.DTensorBase):
     # ------------------------------------------------------------------ conversions
     def to(self, *args, **kwargs) -> "DTensor":
         if self._layout.has_partial():
-            self._settle_grad()
+            self._settle_grad()  # a pending .grad view becomes Replicate here
         if self._layout.has_partial() and _OP_HANDLER is not None:
             # casting each pending partial piece is not casting their sum (int/bool targets): let the
             # op rule decide whether the partial must be reduced first

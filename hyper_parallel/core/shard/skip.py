@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from hyper_parallel.core.dtensor.dtensor import settle_pending_grads
 from hyper_parallel.core.shard._op_dispatch import disable_dtensor_dispatch, enable_dtensor_dispatch
 from hyper_parallel.platform import get_platform
 
@@ -40,10 +41,7 @@ class SkipDTensorDispatch:
         self._no_skip = frozenset(entries)
 
     def __enter__(self):
-        dg = get_platform().deferred_grads
-        if dg is not None and dg.has_pending():
-            from hyper_parallel.core.dtensor.dtensor import settle_pending_grads
-            settle_pending_grads()
+        settle_pending_grads()
         disable_dtensor_dispatch(self._no_skip)
         return self
 

@@ -30,6 +30,7 @@ from hyper_parallel.core.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
+_F = platform.functions
 _Tensor = platform.Tensor
 _Size = platform.Size
 _make_wrapper = _Tensor._make_wrapper_subclass
@@ -528,10 +529,25 @@ class DTensor(platform.DTensorBase):
         return out
 
     def reduce_partial(self) -> "DTensor":
-        """Resolve pending ``Partial`` placements to ``Replicate`` (no-op without any)."""
+        """Resolve pending ``Partial`` placements to ``Replicate`` (HyperParallel's method).
+
+        No-op without any. The backward follows HyperParallel, not PyTorch: the
+        gradient is all-reduced (summed) over each mesh dim that was partial, so a
+        HyperParallel program that seeds ``loss.backward(1 / loss.layout.repeat_num())``
+        gets the single-process gradient (docs/migrating_from_hyperparallel.md,
+        "Gradient convention"). ``redistribute``/``full_tensor`` keep PyTorch's
+        identity backward.
+        """
         if not self._layout.has_partial():
             return self
-        return self.redistribute(self._mesh, self._layout.without_partial())
+        dims = [d for d, p in enumerate(self._layout.placements) if isinstance(p, Partial)]
+        out = self.redistribute(self._mesh, self._layout.without_partial())
+        if self._mesh._coord is None or not platform.grad_enabled() or not out.requires_grad:
+            return out
+        local = out._local_tensor
+        for d in dims:
+            local = _F.PartialGrad.apply(local, self._mesh.get_comm_group(d))
+        return DTensor._wrap(local, self._mesh, out._layout, self._gshape)
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None):
         """The whole tensor on every rank (differentiable; all-gathers/all-reduces as needed).

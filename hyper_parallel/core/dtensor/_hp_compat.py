@@ -276,6 +276,7 @@ def _standalone_mesh(mesh_shape, alias_names, rank_list, explicit_ranks):
         raise ValueError(f"Layout.mesh: rank_list {rank_list} uses rank {max(rank_list)} but the world has only "
                          f"{world} ranks")
     m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names)
+    m._hp_flag = True  # a Layout is HyperParallel spelling: its mesh follows HyperParallel (uses_hp_semantics)
     _STANDALONE_MESHES[key] = m
     return m
 

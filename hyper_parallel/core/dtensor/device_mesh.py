@@ -260,6 +260,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
                 my_line = (ranks, g)
         flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False)
         flat._groups[0] = my_line[1]
+        flat._hp_flag = uses_hp_semantics(root)
         root._flat_meshes[mesh_dim_name] = (self._root_dims, flat)
         return flat
 
@@ -385,33 +386,106 @@ def _rebuild_mesh(device_type, rank_list, shape, names):
     return mesh
 
 
-def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
-                     mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
-    """Create a mesh over ranks ``0..prod(mesh_shape)-1`` (row-major), initialising the default group if needed.
-
-    Every rank of the world must call it (creating the groups is collective); a mesh
-    smaller than the world leaves the remaining ranks outside it (see docs/dtensor.md).
-    """
+def _check_shape(device_type, mesh_shape, what):
     if isinstance(mesh_shape, int):
         mesh_shape = (mesh_shape,)
     mesh_shape = tuple(mesh_shape)
     if not mesh_shape or any((not isinstance(s, int)) or s <= 0 for s in mesh_shape):
-        raise ValueError(f"init_device_mesh: mesh_shape must be positive ints, got {mesh_shape}")
+        raise ValueError(f"{what}: mesh_shape must be positive ints, got {mesh_shape}")
     if device_type not in ("cpu", "cuda", "npu", "meta"):
-        raise ValueError(f"init_device_mesh: device_type {device_type!r} is not supported; expected 'cpu' or 'cuda'")
-    plat = get_platform()
-    plat.init_process_group(device_type)
-    world = plat.get_world_size()
+        raise ValueError(f"{what}: device_type {device_type!r} is not supported; expected 'cpu' or 'cuda'")
     n = 1
     for s in mesh_shape:
         n *= s
+    return mesh_shape, n
+
+
+def init_device_mesh_torch(device_type: str, mesh_shape: Sequence[int], *,
+                           mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
+    """PyTorch's ``init_device_mesh``: a mesh over ranks ``0..prod(mesh_shape)-1`` (row-major).
+
+    The torch-mirrored path ``hyper_parallel.device_mesh.init_device_mesh`` is this
+    function. Every rank of the world must call it (creating the groups is
+    collective); a mesh smaller than the world leaves the remaining ranks outside it,
+    holding empty shards of its DTensors (docs/dtensor.md). The mesh keeps PyTorch's
+    semantics (:func:`uses_hp_semantics` is False).
+    """
+    mesh_shape, n = _check_shape(device_type, mesh_shape, "init_device_mesh")
+    plat = get_platform()
+    plat.init_process_group(device_type)
+    world = plat.get_world_size()
     if n > world:
         raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices but the world size is {world}; "
                          "a mesh cannot be bigger than the number of processes")
-    # as PyTorch: a smaller mesh spans ranks 0..n-1; the other ranks hold empty shards of its DTensors
     return DeviceMesh(device_type, _reshape(range(n), mesh_shape), mesh_dim_names=mesh_dim_names)
 
 
-__all__ = ["DeviceMesh", "init_device_mesh", "get_current_mesh", "adopt_foreign_mesh"]
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Optional[Sequence[str]] = None, rank_list: Optional[Sequence[int]] = None,
+                     init_backend: bool = True) -> DeviceMesh:
+    """HyperParallel's ``init_device_mesh`` (``hyper_parallel.init_device_mesh``).
+
+    * ``rank_list=None``: the world is cut into aligned blocks of ``prod(mesh_shape)``
+      consecutive ranks and each rank gets the mesh of its own block (8 ranks, shape
+      ``(2, 2)``: ranks 0-3 and 4-7 form two independent meshes). The world size must
+      be a multiple of the mesh size.
+    * ``rank_list``: the mesh over exactly those ranks (row-major); ranks not listed
+      are outside it.
+    * ``init_backend``: initialise the default process group if needed (with False
+      it must already be initialised).
+
+    Every rank of the world must call it with the same arguments: the groups of every
+    block are created on every rank, in one order (``new_group`` is collective). The
+    mesh, and meshes sliced from it, follow HyperParallel's semantics
+    (:func:`uses_hp_semantics`, docs/migrating_from_hyperparallel.md). PyTorch's
+    version is ``hyper_parallel.device_mesh.init_device_mesh``.
+    """
+    mesh_shape, n = _check_shape(device_type, mesh_shape, "init_device_mesh")
+    if not isinstance(init_backend, bool):
+        raise ValueError(f"init_device_mesh: init_backend must be a bool, got {init_backend!r}")
+    plat = get_platform()
+    if init_backend:
+        plat.init_process_group(device_type)
+    elif not plat.is_initialized():
+        raise RuntimeError("init_device_mesh(init_backend=False): the default process group is not initialised; "
+                           "call init_process_group first or pass init_backend=True")
+    world = plat.get_world_size()
+    if rank_list is not None:
+        ranks = list(rank_list) if not hasattr(rank_list, "tolist") else rank_list.tolist()
+        if len(ranks) != n or any(not isinstance(r, int) or not 0 <= r < world for r in ranks) \
+                or len(set(ranks)) != n:
+            raise ValueError(f"init_device_mesh: rank_list {list(rank_list)} must hold {n} distinct ranks in "
+                             f"[0, {world}) for mesh_shape {mesh_shape}")
+        mesh = DeviceMesh(device_type, _reshape(ranks, mesh_shape), mesh_dim_names=mesh_dim_names)
+        mesh._hp_flag = True
+        return mesh
+    if world % n:
+        raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices, which does not divide the world "
+                         f"size {world}; pass rank_list= to choose the ranks, or use "
+                         "hyper_parallel.device_mesh.init_device_mesh (PyTorch's: ranks 0..n-1)")
+    mine = None
+    for b in range(world // n):  # every block's groups, in one order on every rank
+        m = DeviceMesh(device_type, _reshape(range(b * n, (b + 1) * n), mesh_shape), mesh_dim_names=mesh_dim_names)
+        if m._coord is not None:
+            mine = m
+    mine._hp_flag = True
+    return mine
+
+
+def uses_hp_semantics(mesh) -> bool:
+    """Whether DTensors on ``mesh`` follow HyperParallel's semantics rather than PyTorch's.
+
+    True for meshes made by HyperParallel's entry points (``hyper_parallel.init_device_mesh``,
+    ``hyper_parallel.core.dtensor.device_mesh.init_device_mesh``, a ``Layout``'s mesh) and
+    meshes sliced or flattened from them; False for PyTorch's (``hyper_parallel.device_mesh``,
+    the ``DeviceMesh(...)`` constructor, ``torch.distributed`` meshes). Where the two libraries
+    differ, the rule is in docs/migrating_from_hyperparallel.md.
+    """
+    root = getattr(mesh, "_root", None)
+    return bool(getattr(root, "_hp_flag", False)) if root is not None else False
+
+
+__all__ = ["DeviceMesh", "init_device_mesh", "init_device_mesh_torch", "uses_hp_semantics", "get_current_mesh",
+           "adopt_foreign_mesh"]
 
 get_platform().register_safe_globals([_rebuild_mesh])

@@ -35,9 +35,11 @@ def _run(shard_size, threshold, levels):
         grads_sharded, params_sharded, regather = LEVELS[level]
         label = f"hsdp {level} shard_size={shard_size} threshold={threshold}"
         model = _make()
+        # HyperParallel sums gradients over the ranks; each rank's loss is a mean over its own
+        # rows, so grad_scale = 1/world gives the whole batch's mean
         for b in model.blocks:
-            hsdp(b, shard_size=shard_size, threshold=threshold, optimizer_level=level)
-        hsdp(model, shard_size=shard_size, threshold=threshold, optimizer_level=level)
+            hsdp(b, shard_size=shard_size, threshold=threshold, optimizer_level=level, grad_scale=1.0 / world)
+        hsdp(model, shard_size=shard_size, threshold=threshold, optimizer_level=level, grad_scale=1.0 / world)
         assert isinstance(model, HSDPModule) and type(model).__name__ == "HSDPNet", label
         small = {n for n, p in model.named_parameters() if not isinstance(p, hp.DTensor)}
         want_small = {n for n, p in ref.named_parameters() if p.numel() * 8 < threshold * 1024}

@@ -98,16 +98,13 @@ def test_layout_queries_hyperparallel_convention():
         layout.to_dict()
 
 
-def test_unit_repeat_num_opt_in():
+def test_unit_repeat_num_is_a_deprecated_no_op():
     from hyper_parallel.core.dtensor.layout import unit_repeat_num
     lay = Layout((2, 4), ("dp", "tp"))("dp", "None")
     assert lay.repeat_num() == 4
-    unit_repeat_num(True)
-    try:
-        assert lay.repeat_num() == 1       # HyperParallel's `grad / layout.repeat_num()` becomes a no-op
-    finally:
-        unit_repeat_num(False)
-    assert lay.repeat_num() == 4
+    with pytest.warns(DeprecationWarning, match="no effect"):
+        unit_repeat_num(True)
+    assert lay.repeat_num() == 4       # the 1 / repeat_num() seed is HyperParallel's convention, kept
 
 
 # ----------------------------------------------------------------------------- distributed bodies
@@ -312,25 +309,19 @@ def _compat_8_ranks():
     torch.testing.assert_close(o2.full_tensor(), g + 1)
     with pytest.raises(ValueError, match=r"returned 2 outputs but the plan gives 1 layouts"):
         shard_module(TwoInTwoOut(), mesh, ShardingPlan(output_plan={"output": ("dp", "None")}))(dt, scale=sc)
-    # HyperParallel's loss scaling, `loss.backward(torch.tensor(1.0 / loss.layout.repeat_num()))`: our
-    # gradients are single-program ones, so the division gives 1/8 of them, unless unit_repeat_num is on
-    from hyper_parallel.core.dtensor.layout import unit_repeat_num
+    # HyperParallel's loss scaling, `loss.backward(torch.tensor(1.0 / loss.layout.repeat_num()))`: the
+    # backward of reduce_partial sums over the reduced ranks (8 here), so the seed gives the exact gradients
     _, _, ref_grads = _reference(x, y, 1, 0.1)
-    for unit in (False, True):
-        torch.manual_seed(0)
-        m = shard_module(MLP().double(), mesh, plan)
-        unit_repeat_num(unit)
-        try:
-            dist_loss = ((m(distribute_tensor(x, mesh, ("dp", "None"))) - distribute_tensor(y, mesh, ("dp", "None")))
-                         ** 2).mean()
-            dist_loss = dist_loss.reduce_partial()
-            repeat_num = dist_loss.layout.repeat_num()
-            assert repeat_num == (1 if unit else 8)
-            dist_loss.backward(torch.tensor(1.0 / repeat_num, dtype=torch.float64))
-        finally:
-            unit_repeat_num(False)
-        for k, p in m.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor() * (1 if unit else 8), ref_grads[k], rtol=1e-10, atol=1e-12)
+    torch.manual_seed(0)
+    m = shard_module(MLP().double(), mesh, plan)
+    dist_loss = ((m(distribute_tensor(x, mesh, ("dp", "None"))) - distribute_tensor(y, mesh, ("dp", "None")))
+                 ** 2).mean()
+    dist_loss = dist_loss.reduce_partial()
+    repeat_num = dist_loss.layout.repeat_num()
+    assert repeat_num == 8
+    dist_loss.backward(torch.tensor(1.0 / repeat_num, dtype=torch.float64))
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[k], rtol=1e-10, atol=1e-12)
     # bad input: plan keys that match nothing, a layout that does not fit the world
     with pytest.raises(ValueError, match=r"plan key 'fc3.weight' matches no parameter of MLP; its parameters are: "
                                          r"fc1.weight, fc1.bias"):

@@ -17,21 +17,26 @@ from typing import Dict, Sequence, Tuple
 
 import os
 
-# Opt-in for HyperParallel programs that divide loss gradients by ``layout.repeat_num()``:
-# our gradients are single-program ones already, so with this on ``repeat_num()`` is 1
-# and that division becomes a no-op (see docs/migrating_from_hyperparallel.md).
-_UNIT_REPEAT_NUM = {"on": os.environ.get("HYPER_PARALLEL_UNIT_REPEAT_NUM", "") not in ("", "0")}
+if os.environ.get("HYPER_PARALLEL_UNIT_REPEAT_NUM", "") not in ("", "0"):
+    import warnings
+    warnings.warn("HYPER_PARALLEL_UNIT_REPEAT_NUM is ignored: HyperParallel programs that seed "
+                  "backward with 1 / layout.repeat_num() get single-process gradients without it "
+                  "(docs/migrating_from_hyperparallel.md)", DeprecationWarning, stacklevel=2)
 
 
 def unit_repeat_num(enabled: bool = True) -> None:
-    """Make ``Layout.repeat_num()`` return 1 (``enabled``) or the replica count (default).
+    """Deprecated no-op, kept so that programs calling it still run.
 
-    For HyperParallel programs that scale loss gradients by ``1 / layout.repeat_num()``
-    to undo HyperParallel's replica-summed gradients: here gradients already equal
-    the single-process ones, so the scaling must be 1. The environment variable
-    ``HYPER_PARALLEL_UNIT_REPEAT_NUM=1`` turns it on without a code change.
+    It used to make ``Layout.repeat_num()`` return 1. HyperParallel's gradient
+    convention is now reproduced on its entry points (``reduce_partial``'s backward
+    sums over the reduced ranks, ``hsdp`` sums), so ``loss.backward(1 / repeat_num())``
+    gives the single-process gradient as it is, and ``repeat_num()`` always returns
+    the replica count.
     """
-    _UNIT_REPEAT_NUM["on"] = bool(enabled)
+    import warnings
+    warnings.warn("unit_repeat_num() has no effect any more: seeding backward with 1 / layout.repeat_num() "
+                  "already gives single-process gradients (docs/migrating_from_hyperparallel.md)",
+                  DeprecationWarning, stacklevel=2)
 
 
 # One mesh per (shape, names, ranks): a standalone ``Layout(...)`` reuses it, so that
@@ -104,15 +109,12 @@ class LayoutCompatMixin:
         """How many ranks hold each piece: mesh size / product of the mesh dims that shard the tensor.
 
         ``Layout((2, 4), ("dp", "mp"))("dp", "None").repeat_num() == 4``. HyperParallel
-        divides a replicated loss's gradient by it because its replicated gradients
-        are summed over replicas; ours are single-program gradients already (see
-        docs/migrating_from_hyperparallel.md); :func:`unit_repeat_num` makes it 1 for
-        programs that divide by it. Unlike HyperParallel it never returns -1 for a
-        non-last pipeline stage.
+        programs seed ``loss.backward(1 / loss.layout.repeat_num())`` because the backward
+        of ``reduce_partial`` sums the gradient over the reduced ranks; that convention is
+        reproduced here (docs/migrating_from_hyperparallel.md). Unlike HyperParallel it
+        never returns -1 for a non-last pipeline stage.
         """
         self._require_tensor()
-        if _UNIT_REPEAT_NUM["on"]:
-            return 1
         n = 1
         for s in self.mesh_shape:
             n *= s
@@ -275,8 +277,8 @@ def _standalone_mesh(mesh_shape, alias_names, rank_list, explicit_ranks):
     if max(rank_list) >= world:
         raise ValueError(f"Layout.mesh: rank_list {rank_list} uses rank {max(rank_list)} but the world has only "
                          f"{world} ranks")
-    m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names)
-    m._hp_flag = True  # a Layout is HyperParallel spelling: its mesh follows HyperParallel (uses_hp_semantics)
+    # a Layout is HyperParallel spelling: its mesh follows HyperParallel (uses_hp_semantics)
+    m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names, _hp=True)
     _STANDALONE_MESHES[key] = m
     return m
 

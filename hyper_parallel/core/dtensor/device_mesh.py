@@ -46,7 +46,8 @@ class DeviceMesh(DeviceMeshCompatMixin):
     """
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: Optional[Sequence[str]] = None,
-                 _root: "DeviceMesh" = None, _root_dims: Tuple[int, ...] = None, _init_groups: bool = True):
+                 _root: "DeviceMesh" = None, _root_dims: Tuple[int, ...] = None, _init_groups: bool = True,
+                 _hp: bool = False):
         flat, shape = _flatten(mesh)
         if not shape:
             raise ValueError(f"DeviceMesh: mesh must have at least one dim, got {mesh!r}")
@@ -69,7 +70,10 @@ class DeviceMesh(DeviceMeshCompatMixin):
         self._rank = plat.get_rank()
         self._coord = (coordinate_of(self.rank_list.index(self._rank), self._shape)
                        if self._rank in self.rank_list else None)
-        self._key = (device_type, self.rank_list, self._shape, self._names)
+        # which library's semantics DTensors on this mesh follow (uses_hp_semantics): part of the
+        # mesh's identity, so caches keyed by layouts never mix the two
+        self._hp_flag = bool(_root._hp_flag) if _root is not None else bool(_hp)
+        self._key = (device_type, self.rank_list, self._shape, self._names, self._hp_flag)
         self._hash = hash(self._key)
         self._groups = [None] * len(shape)
         self._flat_meshes = {}  # on a root mesh: flattened name -> (root dims, flattened mesh of this rank)
@@ -258,9 +262,9 @@ class DeviceMesh(DeviceMeshCompatMixin):
             g = plat.new_group(ranks)
             if self._rank in ranks:
                 my_line = (ranks, g)
-        flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False)
+        flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False,
+                          _hp=uses_hp_semantics(root))
         flat._groups[0] = my_line[1]
-        flat._hp_flag = uses_hp_semantics(root)
         root._flat_meshes[mesh_dim_name] = (self._root_dims, flat)
         return flat
 
@@ -291,7 +295,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
 
     def __reduce__(self):
         # what identifies the mesh, not its process groups (see _rebuild_mesh)
-        return (_rebuild_mesh, (self.device_type, self.rank_list, self._shape, self._names))
+        return (_rebuild_mesh, (self.device_type, self.rank_list, self._shape, self._names, self._hp_flag))
 
     def __repr__(self):
         names = f", mesh_dim_names={self._names}" if self._names else ""
@@ -358,7 +362,7 @@ def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
     return cur
 
 
-def _rebuild_mesh(device_type, rank_list, shape, names):
+def _rebuild_mesh(device_type, rank_list, shape, names, hp=False):
     """Unpickle a DeviceMesh (a DTensor loaded with ``torch.load``).
 
     In a process that has not initialised distributed at all the mesh is rebuilt
@@ -369,7 +373,7 @@ def _rebuild_mesh(device_type, rank_list, shape, names):
     every rank before loading. Creating them here would be a collective that only
     some ranks might reach, so a missing group is an error instead of a hang.
     """
-    mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False)
+    mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False, _hp=hp)
     plat = get_platform()
     if not plat.is_initialized():
         # a process without torch.distributed (inspecting a checkpoint, as PyTorch allows): the
@@ -456,19 +460,17 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                 or len(set(ranks)) != n:
             raise ValueError(f"init_device_mesh: rank_list {list(rank_list)} must hold {n} distinct ranks in "
                              f"[0, {world}) for mesh_shape {mesh_shape}")
-        mesh = DeviceMesh(device_type, _reshape(ranks, mesh_shape), mesh_dim_names=mesh_dim_names)
-        mesh._hp_flag = True
-        return mesh
+        return DeviceMesh(device_type, _reshape(ranks, mesh_shape), mesh_dim_names=mesh_dim_names, _hp=True)
     if world % n:
         raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices, which does not divide the world "
                          f"size {world}; pass rank_list= to choose the ranks, or use "
                          "hyper_parallel.device_mesh.init_device_mesh (PyTorch's: ranks 0..n-1)")
     mine = None
     for b in range(world // n):  # every block's groups, in one order on every rank
-        m = DeviceMesh(device_type, _reshape(range(b * n, (b + 1) * n), mesh_shape), mesh_dim_names=mesh_dim_names)
+        m = DeviceMesh(device_type, _reshape(range(b * n, (b + 1) * n), mesh_shape), mesh_dim_names=mesh_dim_names,
+                       _hp=True)
         if m._coord is not None:
             mine = m
-    mine._hp_flag = True
     return mine
 
 
@@ -481,8 +483,7 @@ def uses_hp_semantics(mesh) -> bool:
     the ``DeviceMesh(...)`` constructor, ``torch.distributed`` meshes). Where the two libraries
     differ, the rule is in docs/migrating_from_hyperparallel.md.
     """
-    root = getattr(mesh, "_root", None)
-    return bool(getattr(root, "_hp_flag", False)) if root is not None else False
+    return bool(getattr(mesh, "_hp_flag", False))
 
 
 __all__ = ["DeviceMesh", "init_device_mesh", "init_device_mesh_torch", "uses_hp_semantics", "get_current_mesh",

@@ -21,7 +21,7 @@ import sys
 import weakref
 from typing import Optional, Sequence
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
 from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
@@ -30,7 +30,6 @@ from hyper_parallel.core.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
-_F = platform.functions
 _Tensor = platform.Tensor
 _Size = platform.Size
 _make_wrapper = _Tensor._make_wrapper_subclass
@@ -529,25 +528,10 @@ class DTensor(platform.DTensorBase):
         return out
 
     def reduce_partial(self) -> "DTensor":
-        """Resolve pending ``Partial`` placements to ``Replicate`` (HyperParallel's method).
-
-        No-op without any. The backward follows HyperParallel, not PyTorch: the
-        gradient is all-reduced (summed) over each mesh dim that was partial, so a
-        HyperParallel program that seeds ``loss.backward(1 / loss.layout.repeat_num())``
-        gets the single-process gradient (docs/migrating_from_hyperparallel.md,
-        "Gradient convention"). ``redistribute``/``full_tensor`` keep PyTorch's
-        identity backward.
-        """
+        """Resolve pending ``Partial`` placements to ``Replicate`` (no-op without any; HyperParallel's name)."""
         if not self._layout.has_partial():
             return self
-        dims = [d for d, p in enumerate(self._layout.placements) if isinstance(p, Partial)]
-        out = self.redistribute(self._mesh, self._layout.without_partial())
-        if self._mesh._coord is None or not platform.grad_enabled() or not out.requires_grad:
-            return out
-        local = out._local_tensor
-        for d in dims:
-            local = _F.PartialGrad.apply(local, self._mesh.get_comm_group(d))
-        return DTensor._wrap(local, self._mesh, out._layout, self._gshape)
+        return self.redistribute(self._mesh, self._layout.without_partial())
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None):
         """The whole tensor on every rank (differentiable; all-gathers/all-reduces as needed).
@@ -772,6 +756,8 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
             if tuple(gradient.shape) != tuple(self._gshape):
                 raise ValueError(f"DTensor.backward: plain gradient of shape {tuple(gradient.shape)} does not match "
                                  f"the global shape {tuple(self._gshape)}")
+            if uses_hp_semantics(self._mesh):
+                gradient = _hp_seed(self, gradient)
             gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
         if not isinstance(gradient, DTensor):
             raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
@@ -793,6 +779,24 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
     if inputs is not None:
         inputs = [i._local_tensor if isinstance(i, DTensor) else i for i in inputs]
     self._local_tensor.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+
+
+def _hp_seed(t, gradient):
+    """HyperParallel's reading of a plain ``backward`` gradient on its meshes: each rank's share.
+
+    HyperParallel's autograd sums over ranks (the backward of its all_reduce is an
+    all_reduce), so its programs seed ``loss.backward(1 / loss.layout.repeat_num())``:
+    every rank holding a replica of the loss contributes its share and the shares add
+    up to the whole gradient. Here the shares are summed over the mesh dims on which
+    ``t`` is replicated (one small all_reduce), which gives the same single-process
+    gradients (docs/migrating_from_hyperparallel.md, "Gradient convention").
+    """
+    if t._mesh._coord is None:
+        return gradient
+    for d, p in enumerate(t._layout.placements):
+        if isinstance(p, Replicate) and t._mesh.size(d) > 1:
+            gradient = platform.collectives.all_reduce(gradient, t._mesh.get_comm_group(d), "sum")
+    return gradient
 
 
 def _as_list(x):

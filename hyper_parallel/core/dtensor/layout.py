@@ -83,7 +83,7 @@ class Layout(LayoutCompatMixin):
 
     def __init__(self, mesh_shape: Sequence[int], alias_names: Sequence[str] = None,
                  rank_list: Sequence[int] = None, *, alias_name: Sequence[str] = None, mesh=None, _dim_map=None,
-                 _partial=None):
+                 _partial=None, _hp=None):
         if alias_name is not None:  # HyperParallel's keyword: Layout(mesh_shape=..., alias_name=...)
             if alias_names is not None:
                 raise TypeError("Layout: give alias_names or alias_name (HyperParallel's spelling), not both")
@@ -115,7 +115,10 @@ class Layout(LayoutCompatMixin):
         self._mesh = mesh
         self.dim_map = None if _dim_map is None else tuple(tuple(m) for m in _dim_map)
         self.partial = tuple(_partial) if _partial is not None else (None,) * len(mesh_shape)
-        self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial)
+        # a standalone Layout's mesh follows HyperParallel; the semantics are part of the identity
+        # so that caches keyed by layouts never hand a PyTorch-semantics mesh's answer to the other
+        hp = _hp if _hp is not None else (True if mesh is None else bool(getattr(mesh, "_hp_flag", False)))
+        self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial, hp)
         self._hash = hash(self._key)
 
     # ---------------------------------------------------------------- builders
@@ -126,8 +129,7 @@ class Layout(LayoutCompatMixin):
 
     def _derive(self, dim_map, partial) -> "Layout":
         return Layout(self.mesh_shape, self.alias_names, self.rank_list if self._explicit_ranks else None,
-                      mesh=self._mesh,
-                      _dim_map=dim_map, _partial=partial)
+                      mesh=self._mesh, _dim_map=dim_map, _partial=partial, _hp=self._key[-1])
 
     def __call__(self, *aliases) -> "Layout":
         """Tensor layout from one alias per tensor dim (``"None"`` = not sharded).
@@ -348,7 +350,8 @@ class Layout(LayoutCompatMixin):
         return self._hash
 
     def __reduce__(self):
-        return (_rebuild_layout, (self.mesh_shape, self.alias_names, self.rank_list, self.dim_map, self.partial))
+        return (_rebuild_layout, (self.mesh_shape, self.alias_names, self.rank_list, self.dim_map, self.partial,
+                                  self._key[-1]))
 
     def __repr__(self):
         if self.dim_map is None:
@@ -389,8 +392,8 @@ def _fit_placements(placements, mesh_shape):
     return placements[:mesh_ndim]
 
 
-def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial):
-    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial)
+def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True):
+    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp)
 
 
 def is_alias_spelling(placements) -> bool:

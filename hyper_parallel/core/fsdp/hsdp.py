@@ -20,16 +20,25 @@ level           what is sharded / what is communicated (per group and step)
 ``zero2``       ZeRO-2: ``zero1`` with gradients reduce-scattered (sharded)
 ==============  ======================================================================
 
-``threshold`` (KB): parameters smaller than this stay replicated (gradients
-averaged over all data-parallel ranks at the end of backward). ``shard_size``:
-shard over groups of that many consecutive ranks and replicate across groups
-(an HSDP mesh ``(world / shard_size, shard_size)``). ``grad_scale`` multiplies
-the averaged gradients; ``reduce_dtype`` is the reduction dtype. Communication
+Gradients follow HyperParallel's convention, not FSDP2's: they are **summed**
+over the data-parallel ranks (no mean) and then multiplied by ``grad_scale``
+(default 1.0), so a program whose per-rank losses are means passes
+``grad_scale=1/world`` (or seeds its backward accordingly).
+
+``threshold`` (KB): plain parameters smaller than this stay replicated (each
+gradient summed over all ranks, in one flat all_reduce per backward).
+``shard_size``: shard over groups of that many consecutive ranks and replicate
+across groups (an HSDP mesh ``(world / shard_size, shard_size)``).
+``reduce_dtype`` is the reduction dtype. Parameters that are already DTensors
+(a ``Layout`` or TP plan applied first) are left in their layout, not sharded:
+the DTensor dispatcher gives them whole gradients already, so hsdp only applies
+``grad_scale`` to them. Communication
 is always asynchronous and fused per group here, so ``comm_async``,
 ``comm_fusion`` and ``bucket_size`` are checked and otherwise need nothing.
 """
 from __future__ import annotations
 
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.fsdp.api import FSDPModule, _impl
 from hyper_parallel.core.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.platform import get_platform
@@ -114,23 +123,32 @@ def hsdp(module, shard_size=-1, threshold=64, optimizer_level="level1", enable_g
     if not isinstance(bucket_size, int) or (bucket_size < 0 and bucket_size != -1):
         raise ValueError(f"bucket_size must be a positive integer or 0, but got {bucket_size}.")
     mesh, world_mesh = _mesh(shard_size)
-    # parameters below the threshold stay replicated: gradients averaged over every data-parallel rank
-    small = []
+    own = {id(p) for p in module.parameters()}
+    plain, dtensors = [], []
     for m in module.modules():
         if m is not module and isinstance(m, FSDPModule):
             continue
         for p in m._parameters.values():
-            if p is not None and p.numel() * p.element_size() < threshold * 1024:
-                small.append(p)
-    own = {id(p) for p in module.parameters()}
-    small = [p for p in small if id(p) in own]
-    _impl().replicate_small(small, world_mesh)
+            if p is not None and id(p) in own:
+                (dtensors if _is_dtensor(p) else plain).append(p)
+    # DTensor parameters (a Layout/TP plan applied before hsdp) stay as they are: the DTensor
+    # dispatcher already gives them the whole gradient (what HyperParallel's sum over their
+    # replicating ranks computes), so hsdp only applies grad_scale to them
+    _impl().scale_grads(dtensors, grad_scale)
+    # plain parameters below the threshold stay replicated: gradients summed over every rank
+    small = [p for p in plain if p.numel() * p.element_size() < threshold * 1024]
+    _impl().replicate_small(small, world_mesh, grad_scale)
     kw = LEVELS[optimizer_level]
     _impl().fully_shard(module, mesh=mesh, shard_placement_fn=None,
                         mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype), offload_policy=OffloadPolicy(),
-                        ignored_params=small, module_cls=HSDPModule, **kw)
+                        ignored_params=small + dtensors, module_cls=HSDPModule, **kw)
     state = module._hp_fsdp_state
-    if state.group is not None and grad_scale != 1.0:
-        state.group.divide_factor = world_mesh.size() / grad_scale
+    if state.group is not None:
+        # HyperParallel reduces with a plain sum, then multiplies by grad_scale (not a mean)
+        state.group.divide_factor = 1.0 / grad_scale
     state.hsdp_level = optimizer_level
     return module
+
+
+def _is_dtensor(p) -> bool:
+    return isinstance(p, DTensor)

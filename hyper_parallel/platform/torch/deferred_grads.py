@@ -236,6 +236,39 @@ def defer_average(t, group) -> None:
         _queue(task)["avg"][(id(t), group.ranks)] = (t, group)
 
 
+def sum_incoming_grads(leaf, group, scale: float = 1.0) -> None:
+    """Sum each gradient that backward brings to plain leaf ``leaf`` over ``group``, times ``scale``.
+
+    HyperParallel's ``hsdp`` convention for replicated parameters: every incoming
+    gradient (not the accumulated ``.grad``) is all-reduced with a plain sum and
+    multiplied by ``grad_scale``. Inside ``backward()`` the sums of a pass are
+    taken together at its end, one flat all_reduce per (group, dtype), as a
+    correction ``allreduce(d) - d`` on top of what was accumulated, so gradient
+    accumulation over several passes stays exact.
+    """
+    def hook(g):
+        if scale != 1.0:
+            g = g * scale
+        task = torch._C._current_graph_task_id()
+        acc = getattr(leaf_ref(), "_hp_acc_node", None) if leaf_ref() is not None else None
+        if task < 0 or (acc is not None and not _will_accumulate(acc)):
+            return C.all_reduce(g, group, "sum")  # outside backward or autograd.grad(): now
+        lf = leaf_ref()
+        if lf is not None:
+            _order(lf)
+            with _lock:
+                _queue(task)["sum"][(id(lf), group.ranks)] = (lf, group, g)
+        return g
+
+    leaf_ref = weakref.ref(leaf)
+    if leaf.is_leaf and getattr(leaf, "_hp_acc_node", None) is None:
+        try:
+            leaf._hp_acc_node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+        except (AttributeError, IndexError, RuntimeError):
+            pass
+    leaf.register_hook(hook)
+
+
 def _buckets(items):
     """Group ``(tensor, group, ...)`` entries by (group ranks, dtype, device), each sorted by sequence number."""
     out = {}

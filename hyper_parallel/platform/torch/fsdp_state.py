@@ -374,14 +374,28 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
     return module
 
 
-def replicate_small(params, world_mesh):
-    """hsdp's below-threshold parameters: replicated; gradients averaged over ``world_mesh`` after backward."""
+def replicate_small(params, world_mesh, grad_scale=1.0):
+    """hsdp's replicated (plain) parameters: each gradient summed over ``world_mesh``, times ``grad_scale``.
+
+    HyperParallel's convention (``HSDPGradHook``): a plain sum, not a mean.
+    """
     group = world_mesh.get_comm_group(0)
-    if group.size == 1:
-        return
     for p in params:
         if getattr(p, "_hp_hsdp_replicated", False) or not p.requires_grad:
             continue
         p._hp_hsdp_replicated = True
+        if group.size == 1:
+            if grad_scale != 1.0:
+                p.register_hook(lambda g, s=grad_scale: g * s)
+            continue
+        deferred_grads.sum_incoming_grads(p, group, grad_scale)
+
+
+def scale_grads(params, grad_scale):
+    """Multiply every gradient backward brings to these (DTensor) parameters by ``grad_scale``."""
+    for p in params:
+        if getattr(p, "_hp_hsdp_scaled", False) or not p.requires_grad or grad_scale == 1.0:
+            continue
+        p._hp_hsdp_scaled = True
         local = p._local_tensor if isinstance(p, DTensor) else p
-        local.register_post_accumulate_grad_hook(lambda t, g=group: deferred_grads.defer_average(t, g))
+        local.register_hook(lambda g, s=grad_scale: g * s)

@@ -65,6 +65,8 @@ def _cases():
          ["isin", "input 1 dim 0", "[S(0)] -> [R]"]),
         ("sdpa kv seq", lambda a, kk, vv: sdpa(a, kk, vv), [(q, S2), (k, S2), (v, S2)], NIE,
          ["scaled_dot_product_attention", "input 1 dim 2", "[S(2)] -> [R]", "ring attention"]),
+        ("sdpa embedding dim", lambda a, kk, vv: sdpa(a, kk, vv), [(q, [Shard(3)]), (k, R), (v, R)], NIE,
+         ["scaled_dot_product_attention", "input 0 dim 3", "[S(3)] -> [R]", "ring attention"]),
         ("sdpa mismatch", lambda a, kk, vv: sdpa(a, kk, vv), [(q, S1), (k, S0), (v, S0)], VE,
          ["scaled_dot_product_attention", "input 0 dim 1", "moved from mesh dim 'tp' to dim 0", "[S(1)] -> [S(0)]"]),
         ("squeeze sharded singleton", lambda a: a.squeeze(0), [(row, S0)], VE,

@@ -59,7 +59,7 @@ def _dim_changes(src, tgt):
 
 
 def _is_ring_attention(name, i, t, ndim):
-    """HyperParallel's NotImplementedError cases of SDPA: K/V sequence sharding, head-dim sharding."""
+    """HyperParallel's NotImplementedError cases of SDPA: K/V sequence sharding, last (embedding) dim sharding."""
     return name == _SDPA and ((i in (1, 2) and t == ndim - 2) or t == ndim - 1)
 
 
@@ -89,7 +89,7 @@ def violation(name, dts, redist, args, kwargs):
                "also spelt set_strict_layouts(False))")
         if cls is _modes.StrictLayoutNotImplementedError:
             msg += ("; HyperParallel supports neither K/V sequence sharding (ring attention) nor a sharded "
-                    "head dim here")
+                    "last (embedding) dim here")
         return cls, msg, tuple(moves), name
     check = _SEMANTIC.get(name)
     return check(name, dts, args, kwargs) if check is not None else None

@@ -55,8 +55,8 @@ class StrictLayoutError(ValueError, RuntimeError):
 
 
 class StrictLayoutNotImplementedError(NotImplementedError, StrictLayoutError):
-    """Strict layouts, ring-attention layouts (K/V sharded on the sequence, or the head dim sharded) of
-    ``scaled_dot_product_attention``: HyperParallel's ``NotImplementedError``."""
+    """Strict layouts, ring-attention layouts of ``scaled_dot_product_attention`` (K/V sharded on the
+    sequence, or the last (embedding) dim sharded): HyperParallel's ``NotImplementedError``."""
 
 
 def _check_flag(name, value):

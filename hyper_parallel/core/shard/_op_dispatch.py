@@ -27,7 +27,8 @@ from hyper_parallel.core.dtensor import dtensor as _dt
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import Layout as _Layout
 from hyper_parallel.core.dtensor.redistribute import partial_grad_view
-from hyper_parallel.core.shard import _fast_methods
+from hyper_parallel.core.shard import _fast_methods, _strict
+from hyper_parallel.core.shard.modes import STATE as _STRICT_MODE, set_strict_layouts, strict_layouts  # noqa: F401
 from hyper_parallel.core.shard.ops import base as _base
 from hyper_parallel.platform import get_platform
 
@@ -45,7 +46,7 @@ def _debug_from_env(environ=os.environ) -> bool:
     return environ.get("HYPER_PARALLEL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-_FLAGS = {"strict": False, "implicit_replication": False, "fallback": False, "debug": _debug_from_env()}
+_FLAGS = {"implicit_replication": False, "fallback": False, "debug": _debug_from_env()}
 _WARNED_FALLBACK = set()
 
 
@@ -78,7 +79,7 @@ def enable_dtensor_dispatch():
 
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict_msg", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
+                 "fallback", "strict", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
 
     def __init__(self):
         self.fallback = False
@@ -116,7 +117,7 @@ _base._INVALIDATE_HOOKS.append(_clear_caches)
 def _fast_eligible(entry, args, kwargs):
     from hyper_parallel.core.dtensor.layout import Layout
     return (all(type(v) in _SCALARS for v in kwargs.values()) and not entry.redistributes and not entry.inplace
-            and not entry.fallback
+            and not entry.fallback and entry.strict is None
             and isinstance(entry.out_layouts, Layout) and entry.out_shapes is not DERIVE_SHAPES
             and all(type(a) is DTensor or type(a) in _SCALARS for a in args))
 
@@ -558,17 +559,11 @@ class OpDispatcher:
             raise RuntimeError(f"rule for '{name}' returned {len(in_layouts)} input layouts for {len(dts)} DTensors")
         redist = [None if tl is None or tl == d._layout or _same_data(d._layout, tl) else tl
                   for d, tl in zip(dts, in_layouts)]
-        entry.strict_msg = None
-        if any(r is not None for r in redist):
+        entry.strict = _strict.violation(name, dts, redist, args, kwargs)  # strict layouts (None: fine)
+        if _FLAGS["debug"] and any(r is not None for r in redist):
             got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
             changes = ", ".join(f"input {i} {_pl(dts[i]._layout)} -> {_pl(r)}" for i, r in enumerate(redist) if r)
-            entry.strict_msg = (
-                f"strict layouts: {name} got DTensor inputs with placements ({got}) and would have to "
-                f"redistribute them ({changes}). Fix: call .redistribute(mesh, placements) on those inputs "
-                "yourself (or create them with matching placements), or leave strict mode "
-                "(hyper_parallel.set_strict_layouts(False))")
-            if _FLAGS["debug"]:
-                _log.warning("hyper_parallel: %s redistributes %s (inputs: %s)", name, changes, got)
+            _log.warning("hyper_parallel: %s redistributes %s (inputs: %s)", name, changes, got)
         entry.in_layouts = redist
         entry.out_layouts = strategy.out_layouts
         entry.local_fn = strategy.local_fn
@@ -590,8 +585,8 @@ class OpDispatcher:
     def _execute(self, entry, func, args, kwargs, dts, mesh):
         if mesh._coord is None:
             return _off_mesh_result(entry, func, args, kwargs, dts, mesh)
-        if entry.redistributes and _FLAGS["strict"] and not entry.fallback:
-            raise RuntimeError(entry.strict_msg)
+        if entry.strict is not None and _STRICT_MODE[0] and not entry.fallback:
+            _strict.enforce(entry.strict, dts)
         locals_ = []
         for i, d in enumerate(dts):
             tl = entry.in_layouts[i]
@@ -787,25 +782,6 @@ _COMPILE.install(DTensor, _torch_function, (_Layout, _dt.DeviceMesh, _dt.Shard, 
 
 
 # ----------------------------------------------------------------------------- public switches
-def set_strict_layouts(enabled: bool = True) -> None:
-    """In strict mode an op whose inputs would need redistribution raises instead."""
-    _FLAGS["strict"] = bool(enabled)
-
-
-class strict_layouts:
-    """Context manager form of :func:`set_strict_layouts`."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    def __enter__(self):
-        self.prev = _FLAGS["strict"]
-        _FLAGS["strict"] = self.enabled
-
-    def __exit__(self, *exc):
-        _FLAGS["strict"] = self.prev
-
-
 class implicit_replication:
     """Inside, plain (non-0-d) tensors mixed with DTensors are treated as replicated."""
 

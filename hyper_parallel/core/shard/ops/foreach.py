@@ -117,6 +117,10 @@ class RandomInplaceRule(DistributedOp):
     """normal_/uniform_ on a DTensor from the layout-independent stream."""
 
     def strategy(self, call):
+        from hyper_parallel.core.shard.ops.random_ops import torch_draws
+        whole = torch_draws(call, out_shapes=get_platform().Size(call.shapes[0]))
+        if whole is not None:  # replicated tensor: torch's own normal_ / uniform_
+            return whole
         lay = call.layouts[0]
         if lay.has_partial():
             raise RuntimeError(f"{call.name} on a Partial DTensor is ambiguous; call reduce_partial() first")

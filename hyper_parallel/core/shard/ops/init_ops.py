@@ -65,7 +65,8 @@ def _kaiming_uniform_(tensor, a=0, mode="fan_in", nonlinearity="leaky_relu", gen
         raise ValueError(f"kaiming_uniform_: mode {mode!r} not supported, please use one of fan_in, fan_out")
     fan_in, fan_out = _fans(shape)
     gain = get_platform().nn.init.calculate_gain(nonlinearity, a)
-    bound = math.sqrt(3.0) * gain / math.sqrt(fan_in if mode == "fan_in" else fan_out)
+    std = gain / math.sqrt(fan_in if mode == "fan_in" else fan_out)
+    bound = math.sqrt(3.0) * std  # torch's rounding order: replicated parameters get torch's exact values
     with get_platform().ops.no_grad():
         return tensor.uniform_(-bound, bound, generator=generator)
 

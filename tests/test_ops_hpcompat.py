@@ -103,7 +103,8 @@ def _multinomial_body():
             full = out.full_tensor()
             assert (probs.gather(1, full) > 0).all(), full          # never a zero-probability class
             assert (full[:, 0] != full[:, 1]).all(), full           # without replacement: distinct
-            results.append(full)
+            if pl != rep:  # (replicated probabilities: torch.multinomial's draws, tests/test_random_parity.py)
+                results.append(full)
             if pl == rep:  # replicas hold identical draws
                 seen = [None] * dist.get_world_size()
                 dist.all_gather_object(seen, out.to_local().tolist())

@@ -98,6 +98,7 @@ def _multinomial_body():
         for pl in ([Shard(0)] + rep[1:], rep, [Shard(1)] + rep[1:], rep[:-1] + [Shard(0)]):
             d = hp.distribute_tensor(probs, mesh, pl)
             hp.manual_seed(7)
+            torch.manual_seed(7)  # replicated probabilities draw from torch's generator: seed every rank alike
             out = torch.multinomial(d, 2)
             assert isinstance(out, hp.DTensor) and out.shape == (6, 2) and out.dtype == torch.long
             full = out.full_tensor()

@@ -12,8 +12,9 @@ signature as the op) that makes a sharded computation exact:
   shards the output's last dim; a weight sharded on the vocab rows ("vocab
   parallel") looks up only its own rows (other ids give zero rows) and the
   output is ``Partial(sum)``.
-* ``dropout``: the mask comes from the layout-independent DTensor RNG, so the
-  result does not depend on the mesh or the placements.
+* ``dropout``: on a sharded or Partial input the mask comes from the
+  layout-independent DTensor RNG, so the result does not depend on the mesh or
+  the sharding; on a replicated input it is torch's own dropout (``random_ops.py``).
 * ``cross_entropy`` / ``nll_loss``: the class dim is unsharded; batch shards
   give a local loss; ``sum`` -> ``Partial(sum)``; ``mean`` divides the local sum
   by the global (all-reduced) count / weight sum -> ``Partial(sum)``, exact for
@@ -23,7 +24,8 @@ signature as the op) that makes a sharded computation exact:
   when K/V are (made) whole: each rank attends its rows, ``is_causal`` masks at
   the rows' global offsets, an ``attn_mask`` over query rows is sharded alike
   and a plain-tensor mask is taken as replicated. Otherwise sequence and
-  feature dims are unsharded.
+  feature dims are unsharded. ``dropout_p > 0``: the same layouts with the
+  layout-independent attention dropout of ``attention_dropout.py``.
 * ``cumsum`` & co: the scan dim is unsharded (``cumsum`` keeps ``Partial(sum)``).
 """
 from __future__ import annotations

@@ -9,7 +9,8 @@
   and placements, identical on replicas): inverse-CDF sampling with
   replacement, weighted keys ``u ** (1 / p)`` (top-``num_samples``) without.
   They follow the requested distribution but are not ``torch.multinomial``'s
-  draws for the same seed.
+  draws for the same seed. Replicated probabilities (every rank holds them
+  whole) get ``torch.multinomial`` itself: one process's draws (``random_ops.py``).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@
   as the input's, where the input is sharded alike); the input is replicated
   otherwise.
 * ``*_like``: laid out like the input; ``zeros_like`` / ``empty_like`` keep
-  Partial, the others are Replicate there. ``rand_like`` / ``randn_like`` use the
+  Partial, the others are Replicate there. ``rand_like`` / ``randn_like`` (on sharded inputs) use the
   layout-independent DTensor RNG. ``new_*``: Replicate with the given global size.
 
 Every op here is linear in its tensor input, so Partial inputs pass through

@@ -177,10 +177,15 @@ def _meta_init():
     model.to_empty(device="cpu")
     hp.manual_seed(5)
     init(model)
-    # reference: the same init on replicated DTensors (layout-independent random numbers:
-    # what one process draws with the same seed)
+    # reference: the same init on DTensors sharded another way (on dim 0 over a fresh mesh): the
+    # layout-independent stream gives every sharding the same values (replicated DTensors would get
+    # torch's own draws instead, see docs/ops.md "Random numbers")
     ref = Net().to(DT)
-    hp.distribute_module(ref, hp.init_device_mesh("cpu", (world,)))
+
+    def shard0(name, mod, m):
+        for pn, prm in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pn, nn.Parameter(hp.distribute_tensor(prm.detach(), m, [hp.Shard(0)])))
+    hp.distribute_module(ref, hp.init_device_mesh("cpu", (world,)), shard0)
     hp.manual_seed(5)
     init(ref)
     for (n, p), rp in zip(model.named_parameters(), ref.parameters()):

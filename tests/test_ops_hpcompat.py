@@ -98,12 +98,14 @@ def _multinomial_body():
         for pl in ([Shard(0)] + rep[1:], rep, [Shard(1)] + rep[1:], rep[:-1] + [Shard(0)]):
             d = hp.distribute_tensor(probs, mesh, pl)
             hp.manual_seed(7)
+            torch.manual_seed(7)  # replicated probabilities draw from torch's generator: seed every rank alike
             out = torch.multinomial(d, 2)
             assert isinstance(out, hp.DTensor) and out.shape == (6, 2) and out.dtype == torch.long
             full = out.full_tensor()
             assert (probs.gather(1, full) > 0).all(), full          # never a zero-probability class
             assert (full[:, 0] != full[:, 1]).all(), full           # without replacement: distinct
-            results.append(full)
+            if pl != rep:  # (replicated probabilities: torch.multinomial's draws, tests/test_random_parity.py)
+                results.append(full)
             if pl == rep:  # replicas hold identical draws
                 seen = [None] * dist.get_world_size()
                 dist.all_gather_object(seen, out.to_local().tolist())

@@ -67,6 +67,50 @@ def random_local(kind: str, global_shape, local_shape, offset, dtype=None, devic
     return plat.narrow_block(full, offs, tuple(local_shape))
 
 
+def consume_key() -> None:
+    """Advance the stream by one call without drawing.
+
+    A random op on DTensors held whole by every rank draws from the framework's own
+    generator (torch's results); it still takes its place in the DTensor stream, so
+    the draws of later ops on shards do not depend on whether earlier ones ran whole.
+    """
+    _next_key()
+
+
+def random_rows(kind: str, n_rows: int, row_len: int, ranges, dtype=None, device=None):
+    """Rows ``ranges`` (a list of ``(start, stop)``) of a layout-independent ``(n_rows, row_len)`` random matrix.
+
+    One call of the stream (one key), concatenated in the order of ``ranges``:
+    ``random_rows(k, R, C, [(a, b)])`` equals ``random_local(k, (R, C), (b - a, C), (a, 0))``.
+    Each block of rows is drawn once per call however many ranges touch it.
+    """
+    plat = get_platform()
+    seed, counter = _next_key()
+    ranges = [(int(a), int(b)) for a, b in ranges if b > a]
+    total = sum(b - a for a, b in ranges)
+    if total == 0 or row_len == 0:
+        return plat.zeros((total, row_len), dtype=dtype, device=device)
+    rows_per_block = max(1, _BLOCK_ELEMS // max(row_len, 1))
+    cache = {}
+    pieces = []
+    for a, b in ranges:
+        if a < 0 or b > n_rows:
+            raise ValueError(f"random_rows: row range ({a}, {b}) is outside the {n_rows} rows")
+        r = a
+        while r < b:
+            blk = r // rows_per_block
+            base = blk * rows_per_block
+            t = cache.get(blk)
+            if t is None:
+                rows = min(rows_per_block, n_rows - base)
+                t = cache[blk] = plat.seeded_random(kind, (rows, row_len), _block_seed(seed, counter, blk),
+                                                    dtype, device)
+            stop = min(b, base + rows_per_block)
+            pieces.append(plat.narrow_block(t, (r - base, 0), (stop - r, row_len)))
+            r = stop
+    return pieces[0] if len(pieces) == 1 else plat.cat(pieces, 0)
+
+
 def is_rng_supported_mesh(device_mesh=None) -> bool:
     """HyperParallel's / PyTorch's check before using DTensor random ops: always True here.
 
@@ -76,4 +120,4 @@ def is_rng_supported_mesh(device_mesh=None) -> bool:
     return True
 
 
-__all__ = ["manual_seed", "random_local", "is_rng_supported_mesh"]
+__all__ = ["manual_seed", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]

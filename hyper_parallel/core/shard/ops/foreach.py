@@ -114,12 +114,21 @@ class ForeachNormRule(DistributedOp):
 
 
 class RandomInplaceRule(DistributedOp):
-    """normal_/uniform_ on a DTensor from the layout-independent stream."""
+    """normal_/uniform_: torch's own on a whole (replicated) tensor, else the layout-independent stream."""
 
     def strategy(self, call):
+        from hyper_parallel.core.shard.ops.random_ops import torch_draws
+        whole = torch_draws(call, out_shapes=get_platform().Size(call.shapes[0]))
+        if whole is not None:  # replicated tensor: torch's own normal_ / uniform_
+            return whole
         lay = call.layouts[0]
         if lay.has_partial():
             raise RuntimeError(f"{call.name} on a Partial DTensor is ambiguous; call reduce_partial() first")
+        if call.kwargs.get("generator") is not None:
+            raise NotImplementedError(
+                f"{call.name} on a sharded DTensor: generator= is not supported (the draws come from the "
+                "layout-independent DTensor random stream; seed it with hyper_parallel.manual_seed). A generator "
+                "is used when every rank holds the whole tensor (Replicate placements)")
         shape = call.shapes[0]
         coord = call.mesh.get_coordinate()
         lshape, offset = lay.local_shape_and_offset(shape, coord=coord)

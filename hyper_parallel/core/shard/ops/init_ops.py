@@ -5,9 +5,10 @@
   are decomposed into the Tensor methods they use (``uniform_``, ``normal_``,
   ``fill_``), which are dispatched like any op. The other ``nn.init``
   functions call Tensor methods themselves. Fans (kaiming, xavier) come from
-  the global shape. Random values come from the layout-independent DTensor RNG
-  (``hyper_parallel.manual_seed``), so the gathered parameter is the same for
-  every mesh and placement; a ``generator=`` argument is not used for DTensors.
+  the global shape. Random values of sharded parameters come from the
+  layout-independent DTensor RNG (``hyper_parallel.manual_seed``), so the gathered
+  parameter is the same for every mesh and sharding; replicated parameters get
+  torch's own values (``random_ops.py``).
 * ``eye_``: ``torch.eye(n, m, out=dt)`` writes each rank's block of the
   identity, no communication (Partial targets raise).
 * ``orthogonal_``: the QR factorisation runs replicated (``linalg_qr``, ``qr``,
@@ -65,7 +66,8 @@ def _kaiming_uniform_(tensor, a=0, mode="fan_in", nonlinearity="leaky_relu", gen
         raise ValueError(f"kaiming_uniform_: mode {mode!r} not supported, please use one of fan_in, fan_out")
     fan_in, fan_out = _fans(shape)
     gain = get_platform().nn.init.calculate_gain(nonlinearity, a)
-    bound = math.sqrt(3.0) * gain / math.sqrt(fan_in if mode == "fan_in" else fan_out)
+    std = gain / math.sqrt(fan_in if mode == "fan_in" else fan_out)
+    bound = math.sqrt(3.0) * std  # torch's rounding order: replicated parameters get torch's exact values
     with get_platform().ops.no_grad():
         return tensor.uniform_(-bound, bound, generator=generator)
 

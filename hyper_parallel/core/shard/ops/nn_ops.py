@@ -12,8 +12,9 @@ signature as the op) that makes a sharded computation exact:
   shards the output's last dim; a weight sharded on the vocab rows ("vocab
   parallel") looks up only its own rows (other ids give zero rows) and the
   output is ``Partial(sum)``.
-* ``dropout``: the mask comes from the layout-independent DTensor RNG, so the
-  result does not depend on the mesh or the placements.
+* ``dropout``: on a sharded or Partial input the mask comes from the
+  layout-independent DTensor RNG, so the result does not depend on the mesh or
+  the sharding; on a replicated input it is torch's own dropout (``random_ops.py``).
 * ``cross_entropy`` / ``nll_loss``: the class dim is unsharded; batch shards
   give a local loss; ``sum`` -> ``Partial(sum)``; ``mean`` divides the local sum
   by the global (all-reduced) count / weight sum -> ``Partial(sum)``, exact for
@@ -23,7 +24,8 @@ signature as the op) that makes a sharded computation exact:
   when K/V are (made) whole: each rank attends its rows, ``is_causal`` masks at
   the rows' global offsets, an ``attn_mask`` over query rows is sharded alike
   and a plain-tensor mask is taken as replicated. Otherwise sequence and
-  feature dims are unsharded.
+  feature dims are unsharded. ``dropout_p > 0``: the same layouts with the
+  layout-independent attention dropout of ``attention_dropout.py``.
 * ``cumsum`` & co: the scan dim is unsharded (``cumsum`` keeps ``Partial(sum)``).
 """
 from __future__ import annotations
@@ -302,6 +304,10 @@ class DropoutRule(DistributedOp):
             raise ValueError(f"{call.name}: dropout probability has to be between 0 and 1, but got {p}")
         if not training or p == 0.0:
             return Strategy(a.targets({}), lay, out_shapes=plat.Size(shape))
+        from hyper_parallel.core.shard.ops.random_ops import torch_draws
+        whole = torch_draws(call, out_shapes=plat.Size(shape))  # replicated input: torch's own dropout
+        if whole is not None:
+            return whole
         tgt = reduce_all_partial(lay)
         lshape, off = tgt.local_shape_and_offset(shape, coord=_coord(call))
         inplace = bool(a.get("inplace", False)) and functional
@@ -451,14 +457,14 @@ class SDPARule(DistributedOp):
     v and the mask agree; sequence and feature dims are unsharded.
     """
 
-    float_args_matter = True  # a non-zero dropout_p must raise
+    float_args_matter = True  # dropout_p is baked into the local function
 
     def strategy(self, call):
         a = _Args(call, _SDPA_NAMES)
-        if float(a.get("dropout_p", 0.0) or 0.0) != 0.0:
-            raise NotImplementedError(
-                "scaled_dot_product_attention on DTensors: dropout_p must be 0 (a layout-independent attention "
-                "dropout is not implemented); apply dropout outside the attention op")
+        dropout_p = a.get("dropout_p", 0.0)
+        dropout_p = float(dropout_p or 0.0)
+        if not 0.0 <= dropout_p <= 1.0:
+            raise ValueError(f"scaled_dot_product_attention: dropout_p must be between 0 and 1, got {dropout_p}")
         qkv = ("query", "key", "value")
         if not all(a.is_dt(r) for r in qkv):
             raise NotImplementedError("scaled_dot_product_attention: query, key and value must all be DTensors")
@@ -499,6 +505,9 @@ class SDPARule(DistributedOp):
         tg, dm, seq = min(cands, key=lambda c: (a.cost(c[0]), 0 if c[2] else 1))
         ql = a.layout["query"]
         out = ql.with_dim_map(tuple(dm) + (seq, ()), None)
+        if dropout_p > 0.0:
+            from hyper_parallel.core.shard.ops.attention_dropout import sdpa_dropout_strategy
+            return sdpa_dropout_strategy(call, a.targets(tg), out, a.shape, dropout_p)
         if not seq:
             return Strategy(a.targets(tg), out, local_fn=_sdpa_local)
         qshape = a.shape["query"]

@@ -22,6 +22,7 @@ FAMILIES = (
     "scatter_ops",
     "sort_ops",
     "misc_ops",
+    "random_ops",
 )
 
 _LOADED = False

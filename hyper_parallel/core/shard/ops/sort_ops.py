@@ -9,7 +9,8 @@
   and placements, identical on replicas): inverse-CDF sampling with
   replacement, weighted keys ``u ** (1 / p)`` (top-``num_samples``) without.
   They follow the requested distribution but are not ``torch.multinomial``'s
-  draws for the same seed.
+  draws for the same seed. Replicated probabilities (every rank holds them
+  whole) get ``torch.multinomial`` itself: one process's draws (``random_ops.py``).
 """
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ class MultinomialRule(DistributedOp):
         v = _bind(call.args, call.kwargs, ("input", "num_samples", "replacement"))
         if not _is_dt(v.get("input")):
             raise NotImplementedError("multinomial: the input must be a DTensor")
+        plat = get_platform()
+        shape = call.shapes[0]
+        if len(shape) in (1, 2):
+            from hyper_parallel.core.shard.ops.random_ops import torch_draws
+            ns = int(v["num_samples"])
+            whole = torch_draws(call, out_shapes=plat.Size(tuple(shape[:-1]) + (ns,)))
+            if whole is not None:  # replicated probabilities: torch.multinomial's own draws
+                return whole
         if v.get("generator") is not None:
             raise NotImplementedError("multinomial on a DTensor: a generator is not supported (the draws come from "
                                       "the DTensor random stream; seed it with hyper_parallel.manual_seed)")
@@ -70,7 +79,6 @@ class MultinomialRule(DistributedOp):
         out = tgt  # same dim map: rows keep the shard, the sample dim is unsharded
         lshape, offset = out.local_shape_and_offset(out_shape, coord=call.mesh.get_coordinate())
         n_classes = shape[-1]
-        plat = get_platform()
         return Strategy([tgt], out, local_fn=_sampler(ns, replacement, out_shape, lshape, offset, n_classes),
                         out_shapes=plat.Size(out_shape))
 

@@ -16,7 +16,7 @@
   as the input's, where the input is sharded alike); the input is replicated
   otherwise.
 * ``*_like``: laid out like the input; ``zeros_like`` / ``empty_like`` keep
-  Partial, the others are Replicate there. ``rand_like`` / ``randn_like`` use the
+  Partial, the others are Replicate there. ``rand_like`` / ``randn_like`` (on sharded inputs) use the
   layout-independent DTensor RNG. ``new_*``: Replicate with the given global size.
 
 Every op here is linear in its tensor input, so Partial inputs pass through
@@ -360,6 +360,10 @@ class LikeRule(DistributedOp):
         out = lay if self.keep_partial else lay.without_partial()
         local_fn = None
         if self.random_kind is not None:
+            from hyper_parallel.core.shard.ops.random_ops import torch_draws
+            whole = torch_draws(call, out_layout=out, out_shapes=get_platform().Size(shape))
+            if whole is not None:  # replicated input: torch's own rand_like / randn_like
+                return whole
             kind = self.random_kind
             lshape, offset = out.local_shape_and_offset(shape, coord=call.mesh.get_coordinate())
 

@@ -43,12 +43,13 @@ def _torch_meshes():
 
 
 def _sharding(mesh, dim, nd):
-    """Placements that shard tensor dim ``dim`` (and, on 2-d meshes, the other dim or ``dim`` twice)."""
+    """Placements that shard tensor dim ``dim`` (and, on 2-d meshes, the other dim, ``dim`` twice, or
+    a pending sum, which is reduced first)."""
     if mesh.ndim == 1:
         return [[Shard(dim)]]
     other = (dim + 1) % nd
     return [[Shard(dim), Replicate()], [Replicate(), Shard(dim)], [Shard(dim), Shard(dim)],
-            [Shard(other), Shard(dim)], [Shard(dim), Shard(other)]]
+            [Shard(other), Shard(dim)], [Shard(dim), Shard(other)], [Partial(), Shard(dim)]]
 
 
 def _sharding_mesh_dims(pl, dim):
@@ -85,7 +86,7 @@ def _max_min_hp_body():
                                         assert v.placements[d] == Partial(op), (v.placements, pl)
                                         assert i.placements[d] == Replicate(), (i.placements, pl)
                                     else:
-                                        want = Replicate() if p == Replicate() else \
+                                        want = Replicate() if p in (Replicate(), Partial()) else \
                                             Shard(p.dim if keepdim or p.dim < dim else p.dim - 1)
                                         assert v.placements[d] == want and i.placements[d] == want, \
                                             (v.placements, i.placements, pl)
@@ -96,7 +97,8 @@ def _max_min_hp_body():
                             n += 1
         # one all_gather per sharding mesh dim in forward (values stay Partial), none in backward
         x = _randn(7, 5, seed=8).requires_grad_()
-        pl = _sharding(mesh, 0, 2)[-3 if mesh.ndim == 2 else 0]  # [S(0), S(0)] on (2, 2)
+        pl = _sharding(mesh, 0, 2)[2 if mesh.ndim == 2 else 0]  # [S(0), S(0)] on (2, 2)
+        assert mesh.ndim == 1 or pl == [Shard(0), Shard(0)]
         d = hp.distribute_tensor(x.detach(), mesh, pl).requires_grad_()
         with hp.CommDebugMode() as comm:
             v, i = d.max(0)
@@ -149,7 +151,7 @@ def _max_min_torch_body():
 
                     def layouts(out, pl=pl):
                         for d, p in enumerate(pl):
-                            want = Shard(p.dim - 1) if p == Shard(1) else Replicate()
+                            want = Shard(p.dim - 1) if p == Shard(1) else Replicate()  # Partial: reduced
                             assert out.values.placements[d] == want and out.indices.placements[d] == want, \
                                 (out.values.placements, out.indices.placements, pl)
                     out = _check(f"torch mesh {op}(0) {label}", mesh, f, [(x, pl)], check_out=layouts)
@@ -230,8 +232,9 @@ def _all_any_body():
                             def fn(a, name=name, dim=dim, keepdim=keepdim):
                                 return getattr(torch, name)(a) if dim is None else \
                                     getattr(torch, name)(a, dim, keepdim=keepdim)
-                            dt = hp.distribute_tensor(t, mesh, pl)
-                            out = _no_comm(lambda: fn(dt))
+                            dt = hp.distribute_tensor(t, mesh, pl)   # a Partial(sum) of bools: OR of pieces
+                            pending = Partial() in pl                 # reduced first: one collective
+                            out = fn(dt) if pending else _no_comm(lambda: fn(dt))
                             for d in md:
                                 assert out.placements[d] == Partial(name), (name, out.placements, pl)
                             ref = fn(t)

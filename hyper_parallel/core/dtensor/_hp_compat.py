@@ -159,8 +159,9 @@ class LayoutCompatMixin:
         """A new layout with a pending ``op`` reduction on mesh dim ``axis`` (HyperParallel mutates; rebind)."""
         self._require_tensor()
         d = self._axis_index(axis)
-        if op is not None and op not in ("sum", "avg", "max", "min", "prod"):
-            raise ValueError(f"Layout.set_partial_by_dev_axis: op must be sum, avg, max, min, prod or None, got {op!r}")
+        if op is not None and op not in ("sum", "avg", "max", "min", "prod", "all", "any"):
+            raise ValueError(f"Layout.set_partial_by_dev_axis: op must be sum, avg, max, min, prod, all, any or None, "
+                             f"got {op!r}")
         if d in self.sharded_mesh_dims():
             raise ValueError(f"Layout.set_partial_by_dev_axis: mesh dim {axis!r} shards the tensor; a partial mesh "
                              "dim must not shard it")

@@ -6,11 +6,12 @@ Small immutable value types, equal and hashable by value, mirroring
 * ``Shard(dim)``: the tensor is split along ``dim`` (``torch.chunk`` rules).
 * ``Replicate()``: every rank holds the whole tensor.
 * ``Partial(reduce_op)``: every rank holds a partial value; the tensor is the
-  reduction (``sum``, ``avg``, ``max``, ``min`` or ``prod``) over the ranks.
+  reduction (``sum``, ``avg``, ``max``, ``min``, ``prod``, or the logical
+  ``all`` / ``any`` of the pieces' truth values) over the ranks.
 """
 from __future__ import annotations
 
-_REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+_REDUCE_OPS = ("sum", "avg", "max", "min", "prod", "all", "any")
 
 
 class Placement:

@@ -24,6 +24,7 @@ import threading
 import warnings
 
 from hyper_parallel.core.dtensor import dtensor as _dt
+from hyper_parallel.core.dtensor.device_mesh import uses_hp_semantics
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import Layout as _Layout
 from hyper_parallel.core.dtensor.redistribute import partial_grad_view
@@ -487,6 +488,9 @@ class OpDispatcher:
         mesh = dts[0]._mesh
         sig = _sig if _floats_matter(func, name) else _sig_nf
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
+        semantic = getattr(_base.get_rule(name), "mesh_semantics_matter", False)
+        if semantic:  # the rule answers differently on HyperParallel and PyTorch meshes with equal layouts
+            key += (uses_hp_semantics(mesh),)
         entry = _CACHE.get(key)
         if entry is None:
             converted = False
@@ -507,7 +511,7 @@ class OpDispatcher:
             elif entry is not None and key[1] == tuple(sig(a) for a in args) and (
                     not kwargs or key[2] == tuple((k, sig(v)) for k, v in kwargs.items())):
                 _bounded_put(_CACHE, key, entry)
-                if mesh._coord is not None and _fast_eligible(entry, args, kwargs):
+                if mesh._coord is not None and not semantic and _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh
                     # DTensor positional args are the DTensors in order: map pgroups to arg positions
                     pos = [i for i, a in enumerate(args) if type(a) is DTensor]

@@ -26,6 +26,8 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
+    "all": dist.ReduceOp.MIN,   # logical and: min of (x != 0), see _wire
+    "any": dist.ReduceOp.MAX,   # logical or: max of (x != 0)
 }
 
 
@@ -51,12 +53,13 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
         return _traced.all_reduce(x, group, op)
     if group.size == 1:
         return x
+    x, op, back = wire.logical(x, op)
     out = x.contiguous().clone()
     rec.record(rec.ALL_REDUCE, _nbytes(out), group.ranks)
     if op == "avg" and not out.is_floating_point():
         raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {out.dtype}")
     dist.all_reduce(out, op=reduce_op(op), group=group.handle)
-    return out
+    return out if back is None else out.to(back)
 
 
 def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
@@ -104,6 +107,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None
     k = group.size
     if k == 1:
         return x
+    x, op, back = wire.logical(x, op)
     sizes = wire.reduce_scatter_sizes(x, dim, k, sizes)
     inp = wire.reduce_scatter_input(x, dim, sizes)
     out = inp.new_empty((max(sizes),) + tuple(inp.shape[1:]))
@@ -113,7 +117,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None
         out = out / k
     else:
         _reduce_scatter_single(out, inp, op=reduce_op(op), group=group.handle)
-    return wire.reduce_scatter_output(out, dim, sizes[group.rank])
+    out = wire.reduce_scatter_output(out, dim, sizes[group.rank])
+    return out if back is None else out.to(back)
 
 
 def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
@@ -222,6 +227,9 @@ def reduce(x: torch.Tensor, group, dst: int, op: str = "sum") -> torch.Tensor:
     k = group.size
     if k == 1:
         return x
+    x, op, back = wire.logical(x, op)
+    if back is not None:
+        return reduce(x, group, dst, op).to(back)
     out = x.contiguous().clone()
     me_dst = dist.get_rank() == dst
     rec.record(rec.REDUCE, _nbytes(out), group.ranks, is_src=me_dst)

@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 
 from hyper_parallel.platform.torch import wire_layout as wire
 
-_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "product"}
+_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "product", "all": "min", "any": "max"}
 
 
 def _op(name: str) -> str:
@@ -30,9 +30,11 @@ def _op(name: str) -> str:
 
 
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    x, op, back = wire.logical(x, op)
     if op == "avg" and not x.is_floating_point():
         raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}")
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), _op(op), group.handle))
+    out = funcol.wait_tensor(funcol.all_reduce(x.contiguous(), _op(op), group.handle))
+    return out if back is None else out.to(back)
 
 
 def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
@@ -51,10 +53,12 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:
+    x, op, back = wire.logical(x, op)
     sizes = wire.reduce_scatter_sizes(x, dim, group.size, sizes)
     inp = wire.reduce_scatter_input(x, dim, sizes)
     out = funcol.wait_tensor(funcol.reduce_scatter_tensor(inp, _op(op), 0, group.handle))
-    return wire.reduce_scatter_output(out, dim, sizes[group.rank])
+    out = wire.reduce_scatter_output(out, dim, sizes[group.rank])
+    return out if back is None else out.to(back)
 
 
 def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,

@@ -14,7 +14,8 @@ Split                       Replicate -> Shard (local)  all_gather
 AllReduce                   Partial -> Replicate        sum: identity; avg: /k;
                                                         max/min: mask (x == out);
                                                         prod: g * prod of the
-                                                        other ranks' x (2 all_to_all)
+                                                        other ranks' x (2 all_to_all);
+                                                        all/any: none (logical)
 ReduceScatter               Partial -> Shard            all_gather (same rules
                                                         per op as AllReduce)
 AllToAll                    Shard(i) -> Shard(j)        inverse all_to_all
@@ -104,6 +105,12 @@ def _prod_grad(flat, sizes, g_mine, group):
     return C.all_to_all(contrib, 0, 1, group, ones, sizes)      # (1, N)
 
 
+def _hit(x, out):
+    """Where a piece ``x`` equals the max/min ``out`` (a NaN piece matches a NaN result)."""
+    hit = x == out
+    return hit | (x.isnan() & out.isnan()) if x.is_floating_point() else hit
+
+
 class AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, op):
@@ -120,6 +127,8 @@ class AllReduce(torch.autograd.Function):
         op, group = ctx.op, ctx.group
         if op == "sum" or group.size == 1:
             return g, None, None
+        if op in ("all", "any"):  # logical reductions are piecewise constant: no gradient
+            return None, None, None
         if op == "avg":
             return g / group.size, None, None
         if op == "prod":
@@ -130,7 +139,7 @@ class AllReduce(torch.autograd.Function):
             g_mine = g.reshape(-1)[start:start + sizes[group.rank]]
             return _prod_grad(x.reshape(1, n), sizes, g_mine, group).view(x.shape), None, None
         x, out = ctx.saved_tensors
-        return g * (x == out).to(g.dtype), None, None
+        return g * _hit(x, out).to(g.dtype), None, None
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -148,6 +157,8 @@ class ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dim, group, sizes, op = ctx.dim, ctx.group, ctx.sizes, ctx.op
+        if op in ("all", "any"):
+            return None, None, None, None, None
         if op in ("sum", "avg") or group.size == 1:
             full = C.all_gather(g.contiguous(), dim, group, sizes)
             return (full / group.size if op == "avg" else full), None, None, None, None
@@ -160,7 +171,7 @@ class ReduceScatter(torch.autograd.Function):
         # max / min: gather the gradient and the reduced values in one all_gather, then mask
         x, out = ctx.saved_tensors
         both = C.all_gather(torch.stack([g.to(out.dtype), out]), dim + 1, group, sizes)
-        return both[0] * (x == both[1]).to(g.dtype), None, None, None, None
+        return both[0] * _hit(x, both[1]).to(g.dtype), None, None, None, None
 
 
 class AllToAll(torch.autograd.Function):

@@ -12,6 +12,27 @@ from typing import List, Sequence, Tuple
 import torch
 
 
+# bool pieces travel as uint8 (NCCL has no bool); in bool arithmetic sum is "or" and prod is "and";
+# all/any reduce truth values with min/max
+_LOGICAL_OPS = {"sum": "max", "prod": "min", "max": "max", "min": "min", "all": "min", "any": "max"}
+
+
+def logical(x: torch.Tensor, op: str):
+    """(tensor to reduce, op to reduce it with, dtype to return) for reduce op ``op`` on ``x``.
+
+    ``all``/``any`` reduce the truth values of the pieces (``x != 0``) with min/max and
+    give 0/1 (``False``/``True``) in ``x``'s dtype; bool pieces travel as uint8 with
+    sum -> max (or) and prod -> min (and); every other case is ``x`` and ``op`` unchanged.
+    """
+    if op in ("all", "any"):
+        return (x != 0).to(torch.uint8), _LOGICAL_OPS[op], x.dtype
+    if x.dtype == torch.bool:
+        if op not in _LOGICAL_OPS:
+            raise TypeError(f"reduce_op={op!r} needs a numeric dtype, got torch.bool")
+        return x.to(torch.uint8), _LOGICAL_OPS[op], x.dtype
+    return x, op, None
+
+
 def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``x`` extended with zeros along ``dim`` to ``size`` (itself when already that long)."""
     if x.shape[dim] == size:

@@ -94,6 +94,11 @@ class DistributedOp:
         """
         return not type(self).__module__.startswith("hyper_parallel.core.shard.ops.")
 
+    #: True when the rule's answer depends on whether the mesh follows HyperParallel's or PyTorch's
+    #: semantics (``uses_hp_semantics``), not only on the layouts: the dispatch cache then keys its
+    #: entries by that too (such calls skip the fast path).
+    mesh_semantics_matter = False
+
     def infer_layout(self, layouts: Sequence[Optional[Layout]], extra_args=None):
         raise NotImplementedError(f"{type(self).__name__} for {self.op_name!r} implements neither infer_layout "
                                   "nor strategy")

@@ -2,18 +2,28 @@
 
 * Linear reductions (sum, mean, nansum) over a sharded dim give ``Partial(sum)``
   with no communication; ``mean`` is computed as local sum / global count, so
-  it is exact for uneven shards too. Partial inputs stay partial.
+  it is exact for uneven shards too. Partial(sum) inputs stay partial.
+* ``prod``, ``all``, ``any`` over a sharded dim reduce locally and give
+  ``Partial(prod)``, ``Partial("all")``, ``Partial("any")`` (an empty shard gives
+  the identity 1 / True / False); inputs pending the same op stay partial.
+* ``max()``/``min()``/``amax``/``amin``: ``Partial(max/min)`` (see ``_extremum_strategy``);
+  ``max(dim)``/``min(dim)`` on HyperParallel meshes: values ``Partial(max/min)``,
+  global indices (``extremum_dim.py``); on PyTorch meshes the dim is gathered first.
 * Other reductions must see whole rows: the reduced dims are unsharded first
   (and partials reduced), so results are exact.
 * Dims that are not reduced keep their shards (compressed if ``keepdim=False``).
 """
 from __future__ import annotations
 
+from hyper_parallel.core.dtensor.device_mesh import uses_hp_semantics
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy
 from hyper_parallel.core.shard.ops.elementwise import NONLINEAR, elementwise_strategy
+from hyper_parallel.core.shard.ops.extremum_dim import max_min_dim_strategy
 from hyper_parallel.platform import get_platform
 
 LINEAR = ("sum", "mean", "nansum")
+# reductions that commute with a reduction over the ranks: the reduce op of their Partial result
+PARTIAL_OP = {"sum": "sum", "mean": "sum", "nansum": "sum", "prod": "prod", "all": "all", "any": "any"}
 
 
 def _parse(call):
@@ -79,15 +89,19 @@ class ReductionRule(DistributedOp):
             return _extremum_strategy(call, lay, dims, keepdim)
         linear = name in LINEAR
         sharded_reduced = [d for d in dims if lay.dim_map[d]]
-        partial = list(lay.partial)
-        if linear:
-            in_layout = lay
+        if name in ("max", "min") and len(dims) == 1 and sharded_reduced and uses_hp_semantics(call.mesh):
+            # max(dim)/min(dim), HyperParallel: values Partial(max/min), global indices
+            return max_min_dim_strategy(call, lay.without_partial() if lay.has_partial() else lay, dims[0],
+                                        keepdim)
+        op = PARTIAL_OP.get(name)
+        if op is not None:
+            # inputs pending another reduction are reduced first; then every sharded reduced dim's
+            # mesh dims become pending ``op``
+            in_layout = lay if all(p in (None, op) for p in lay.partial) else lay.without_partial()
+            partial = list(in_layout.partial)
             for t in sharded_reduced:
                 for md in lay.dim_map[t]:
-                    partial[md] = "sum"
-            if any(p not in (None, "sum") for p in lay.partial):
-                in_layout = lay.without_partial()
-                partial = [None if p not in (None, "sum") else p for p in partial]
+                    partial[md] = op
         else:
             dm = tuple(() if t in dims else m for t, m in enumerate(lay.dim_map))
             in_layout = lay.with_dim_map(dm, (None,) * len(lay.mesh_shape))
@@ -211,5 +225,7 @@ def register_all():
     for n in ("sum", "mean", "nansum", "max", "min", "amax", "amin", "argmax", "argmin", "prod", "norm",
               "vector_norm", "linalg_vector_norm", "any", "all", "var", "std", "logsumexp", "aminmax", "count_nonzero", "nanmean",
               "var_mean", "std_mean"):
-        ReductionRule(n)
+        rule = ReductionRule(n)
+        if n in ("max", "min"):
+            rule.mesh_semantics_matter = True  # max(dim)/min(dim): Partial values on HyperParallel meshes only
 

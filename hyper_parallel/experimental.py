@@ -1,11 +1,12 @@
 """``torch.distributed.tensor.experimental``, spelled for hyper_parallel.
 
 Mirrors PyTorch's module (see :mod:`hyper_parallel.placement_types`) for what
-hyper_parallel has: ``local_map`` and ``implicit_replication``. PyTorch's
-``context_parallel`` and ``register_sharding`` are not provided (custom sharding
-rules are registered with :class:`hyper_parallel.DistributedOp`).
+hyper_parallel has: ``local_map``, ``implicit_replication`` and ``register_sharding``
+(PyTorch's decorator, on the :class:`hyper_parallel.DistributedOp` registry). PyTorch's
+``context_parallel`` is not provided.
 """
 from hyper_parallel.core.shard import local_map
 from hyper_parallel.core.shard._op_dispatch import implicit_replication
+from hyper_parallel.core.shard.ops.registered_sharding import register_sharding
 
-__all__ = ["implicit_replication", "local_map"]
+__all__ = ["implicit_replication", "local_map", "register_sharding"]

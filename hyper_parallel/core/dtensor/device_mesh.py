@@ -486,6 +486,41 @@ def uses_hp_semantics(mesh) -> bool:
     return bool(getattr(mesh, "_hp_flag", False))
 
 
+class _MeshResources:
+    """HyperParallel's (and PyTorch's) ``_mesh_resources``: the meshes entered with ``with mesh:``.
+
+    A view of this module's per-thread stack, not a second one: ``mesh_stack`` is this
+    thread's stack, ``get_current_mesh()`` its innermost mesh.
+    """
+
+    @property
+    def mesh_stack(self) -> list:
+        stack = getattr(_CTX, "stack", None)
+        if stack is None:
+            stack = _CTX.stack = []
+        return stack
+
+    def get_current_mesh(self) -> DeviceMesh:
+        """The innermost mesh entered with ``with mesh:`` (a ``torch.distributed`` one is adopted).
+
+        Raises ``RuntimeError`` when there is none, as PyTorch's does.
+        """
+        cur = get_current_mesh()
+        if cur is None:
+            cur = adopt_foreign_mesh(get_platform().framework_current_mesh())
+        if cur is None:
+            raise RuntimeError("No device mesh is currently active! (_mesh_resources.get_current_mesh(): enter "
+                               "`with mesh:` first, or pass device_mesh= explicitly)")
+        return cur
+
+    @staticmethod
+    def get_root_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh ``device_mesh`` was sliced from (itself if it is a root mesh)."""
+        return getattr(device_mesh, "root_mesh", None) or device_mesh
+
+
+_mesh_resources = _MeshResources()
+
 __all__ = ["DeviceMesh", "init_device_mesh", "init_device_mesh_torch", "uses_hp_semantics", "get_current_mesh",
            "adopt_foreign_mesh"]
 

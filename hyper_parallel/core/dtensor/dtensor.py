@@ -771,6 +771,10 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
             return
         want = _grad_layout(self._layout)
         if gradient._layout != want:
+            if inputs is None and not create_graph and gradient._layout.has_partial():
+                from hyper_parallel.core.dtensor.partial_seed import seed_partial_pieces
+                if seed_partial_pieces(self, gradient, want, retain_graph):
+                    return
             gradient = gradient.redistribute(self._mesh, want)
         gradient = gradient._local_tensor
     elif self.numel() != 1:

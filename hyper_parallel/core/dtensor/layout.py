@@ -409,6 +409,27 @@ def is_alias_spelling(placements) -> bool:
     return True
 
 
+def _get_slice_tensor_by_layout(tensor, layout: "Layout"):
+    """HyperParallel's helper: this rank's piece of the global ``tensor`` under ``layout`` (a copy).
+
+    The piece is what ``distribute_tensor(tensor, layout.mesh, layout)`` holds on this rank
+    (``torch.chunk`` rules); pending ``Partial`` dims are ignored (every rank slices the
+    value). A rank outside the layout's mesh gets an empty tensor.
+    """
+    if not isinstance(layout, Layout) or layout.dim_map is None:
+        raise TypeError(f"_get_slice_tensor_by_layout: layout must be a tensor Layout (e.g. layout('dp', 'None')), "
+                        f"got {layout!r}")
+    coord = layout.mesh.get_coordinate()
+    if coord is None:
+        return tensor.new_empty(0)
+    shape, offset = layout.local_shape_and_offset(tuple(tensor.shape), coord=tuple(coord))
+    out = tensor
+    for d, (n, o) in enumerate(zip(shape, offset)):
+        if n != tensor.shape[d]:
+            out = out.narrow(d, o, n)
+    return out.clone() if out is tensor else out.contiguous()
+
+
 def __getattr__(name):
     # HyperParallel imports ``DeviceMesh`` from this module; device_mesh.py imports this one, so lazily
     if name == "DeviceMesh":

@@ -101,6 +101,8 @@ class GradRedistribute(get_platform().Function):
 
     @staticmethod
     def backward(ctx, g):
+        if getattr(ctx, "hp_pass_pieces", False):  # already this rank's piece (core/dtensor/partial_seed.py)
+            return g, None, None, None
         return run_plan(g, ctx.plan, ctx.mesh, ctx.rank_index), None, None, None
 
 

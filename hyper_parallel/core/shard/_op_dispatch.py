@@ -78,6 +78,49 @@ def enable_dtensor_dispatch():
         _SKIP_ANY[0] -= 1
 
 
+# HyperParallel's process-wide no-skip set (add_no_skip_ops / remove_no_skip_ops): ops still dispatched
+# inside every SkipDTensorDispatch context, on top of each context's own ``no_skip``
+_NO_SKIP_GLOBAL = [frozenset()]
+
+
+def _no_skip_entries(op_names, what):
+    if isinstance(op_names, str) or callable(op_names):
+        op_names = (op_names,)
+    entries = set()
+    try:
+        items = list(op_names)
+    except TypeError:
+        raise TypeError(f"{what}: op_names must be a set of op names or callables, got {op_names!r}") from None
+    for op in items:
+        if isinstance(op, str):
+            entries.add(op)
+        elif callable(op):
+            entries.add(op)
+            entries.add(_op_name(op))
+        else:
+            raise TypeError(f"{what}: entries must be op names or callables, got {op!r}")
+    return entries
+
+
+def get_no_skip_ops() -> frozenset:
+    """The ops added with :func:`add_no_skip_ops` (HyperParallel's name)."""
+    return _NO_SKIP_GLOBAL[0]
+
+
+def add_no_skip_ops(op_names) -> None:
+    """Keep ``op_names`` (names such as ``"zeros_like"`` or callables) dispatched inside SkipDTensorDispatch.
+
+    HyperParallel's process-wide set: it applies to every context, in every thread, until
+    :func:`remove_no_skip_ops`; ``SkipDTensorDispatch(no_skip=...)`` is the per-context form.
+    """
+    _NO_SKIP_GLOBAL[0] = _NO_SKIP_GLOBAL[0] | _no_skip_entries(op_names, "add_no_skip_ops")
+
+
+def remove_no_skip_ops(op_names) -> None:
+    """Undo :func:`add_no_skip_ops` for ``op_names``."""
+    _NO_SKIP_GLOBAL[0] = _NO_SKIP_GLOBAL[0] - _no_skip_entries(op_names, "remove_no_skip_ops")
+
+
 class _Entry:
     __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
                  "fallback", "strict", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
@@ -295,8 +338,10 @@ def _handle(func, types, args, kwargs):
         if st is not None and st[0] > 0:
             no_skip = st[1][-1]  # the innermost context decides
             name = _op_name(func)
+            extra = _NO_SKIP_GLOBAL[0]
             if not (func in no_skip or name in no_skip) and not (
-                    name in _SPECIAL_UNDER_SKIP and func in _SPECIAL):
+                    name in _SPECIAL_UNDER_SKIP and func in _SPECIAL) and not (
+                    extra and (func in extra or name in extra)):
                 return _run_local(func, args, kwargs)
     special = _SPECIAL.get(func)
     if special is not None:

@@ -11,6 +11,7 @@ import torch.nn as nn
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
 from hyper_parallel.platform.torch import collectives, compile_support, deferred_grads, functions
 from hyper_parallel.platform.torch import dcp_staging
+from hyper_parallel.platform.torch import testing_hook as _testing_hook  # noqa: F401  (torch.testing DTensor rule)
 
 dcp_staging.install()  # async_save's stager learns to copy DTensors (see dcp_staging)
 
@@ -51,6 +52,12 @@ class TorchPlatform(Platform):
         """``(torch_function, args)`` for an aten op that a vmap batching rule sends to a DTensor, or None."""
         from hyper_parallel.platform.torch.vmap_bridge import translate
         return translate(aten_op, args)
+
+    @staticmethod
+    def piece_graph():
+        """The autograd-graph walk behind Partial-gradient seeds (see piece_graph.py)."""
+        from hyper_parallel.platform.torch import piece_graph
+        return piece_graph
 
     @staticmethod
     def function_hook():

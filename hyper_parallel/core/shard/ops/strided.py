@@ -39,11 +39,13 @@ class AsStridedRule(DistributedOp):
         offset = b.get("storage_offset") or 0
         perm = _find_perm(shape, tuple(x.stride()), size, new_stride) if offset == 0 else None
         if perm is None:
+            # NotImplementedError is a RuntimeError (PyTorch raises RuntimeError("as_strided not supported
+            # with DTensor")); the message starts with PyTorch's words
             raise NotImplementedError(
-                f"as_strided on a DTensor: size={list(size)}, stride={list(new_stride)}, storage_offset={offset} "
-                f"is neither the identity nor a permutation of the tensor's global size {list(shape)} and stride "
-                f"{list(x.stride())} (placements {list(lay.placements)}); only those are supported - use "
-                "view/permute/narrow, or call it on dtensor.full_tensor()")
+                f"as_strided not supported with DTensor for size={list(size)}, stride={list(new_stride)}, "
+                f"storage_offset={offset}: that is neither the identity nor a permutation of the tensor's global "
+                f"size {list(shape)} and stride {list(x.stride())} (placements {list(lay.placements)}); only "
+                "those are supported - use view/permute/narrow, or call it on dtensor.full_tensor()")
         if perm == list(range(len(shape))):
             return Strategy([lay], lay, local_fn=lambda t, *a, **k: t.view(t.shape),
                             out_shapes=get_platform().Size(shape))

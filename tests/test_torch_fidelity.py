@@ -37,7 +37,9 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import (ColwiseParallel, DTensor, DeviceMesh, Partial, PrepareModuleInput, Replicate,
-                            RowwiseParallel, Shard, distribute_tensor, init_device_mesh, parallelize_module)
+                            RowwiseParallel, Shard, distribute_tensor, parallelize_module)
+# PyTorch's semantics come from the torch-mirrored paths (hyper_parallel.init_device_mesh is HyperParallel's)
+from hyper_parallel.device_mesh import init_device_mesh
 from hyper_parallel.debug import CommDebugMode
 
 c10d = torch.ops.c10d_functional

@@ -454,6 +454,9 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         raise RuntimeError("init_device_mesh(init_backend=False): the default process group is not initialised; "
                            "call init_process_group first or pass init_backend=True")
     world = plat.get_world_size()
+    if n > world:
+        raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices but the world size is {world}; "
+                         "a mesh cannot be bigger than the number of processes")
     if rank_list is not None:
         ranks = list(rank_list) if not hasattr(rank_list, "tolist") else rank_list.tolist()
         if len(ranks) != n or any(not isinstance(r, int) or not 0 <= r < world for r in ranks) \

@@ -22,6 +22,7 @@ FAMILIES = (
     "scatter_ops",
     "sort_ops",
     "misc_ops",
+    "device_ops",
 )
 
 _LOADED = False

@@ -16,12 +16,28 @@
 from __future__ import annotations
 
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, register_decomposition
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt
 from hyper_parallel.core.shard.ops.elementwise import NONLINEAR, UNARY_LINEAR, ElementwiseOp, elementwise_strategy
+from hyper_parallel.platform import get_platform
 
 DEVICE_MOVES = ("cpu", "cuda", "to_dense", "share_memory_")
 
 
-class TypeRule(ElementwiseOp):
+class CastRule(ElementwiseOp):
+    """``to`` / ``type``: the elementwise cast rule, with the output shape given (the input's).
+
+    The meta device cannot run every cast (``to('cpu')``, ``type('torch.FloatTensor')``),
+    and the fallback of deriving the global shape from even shards is wrong for uneven ones.
+    """
+
+    def strategy(self, call):
+        st = super().strategy(call)
+        if st.out_shapes is None and _is_dt(call.args[0]) if call.args else False:
+            st.out_shapes = get_platform().Size(call.shapes[0])
+        return st
+
+
+class TypeRule(CastRule):
     """``Tensor.type``: without a dtype a string (nothing moves), with one a cast."""
 
     def strategy(self, call):
@@ -31,12 +47,9 @@ class TypeRule(ElementwiseOp):
         if isinstance(target, str):  # 'torch.FloatTensor': floating targets are linear in Partial pieces
             linear = any(k in target for k in ("Float", "Double", "Half", "Complex"))
             st = elementwise_strategy(call, UNARY_LINEAR if linear else NONLINEAR)
-        else:
-            st = super().strategy(call)
-        if st.out_shapes is None:  # a cast keeps the shape (the meta device cannot run type('torch.XTensor'))
-            from hyper_parallel.platform import get_platform
             st.out_shapes = get_platform().Size(call.shapes[0])
-        return st
+            return st
+        return super().strategy(call)
 
 
 class NumpyRule(DistributedOp):
@@ -58,9 +71,9 @@ def _type_as(self, other):
 def register_all():
     for n in DEVICE_MOVES:
         ElementwiseOp(n, UNARY_LINEAR)
+    CastRule("to", UNARY_LINEAR)
     TypeRule("type", UNARY_LINEAR)
     NumpyRule("numpy")
-    from hyper_parallel.platform import get_platform
     register_decomposition(get_platform().Tensor.type_as, _type_as)
 
 

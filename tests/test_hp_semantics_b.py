@@ -71,6 +71,7 @@ def _device_moves():
             n += 22
             d = _make(x, mesh, pl, False)
             assert d.type() == "torch.DoubleTensor" and d.float().type() == "torch.FloatTensor"
+            assert d.share_memory_() is d and d.placements == tuple(pl) and d.to_local().is_shared()
             # numpy(): the whole tensor's values on every rank (collective, like tolist())
             a = d.numpy()
             assert a.shape == (7, 6), (a.shape, pl)

@@ -147,8 +147,10 @@ def _unknown_and_fallback():
         hp.allow_replicate_fallback(False)
     # plain tensors mixed with DTensors
     torch.testing.assert_close((dx * torch.tensor(2.0)).full_tensor(), x * 2)
-    with pytest.raises(RuntimeError, match="implicit_replication"):
-        dx + torch.ones(4, 4)
+    from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
+    tdx = hp.distribute_tensor(x, torch_init_device_mesh("cpu", (2,)), [Shard(0)])
+    with pytest.raises(RuntimeError, match="implicit_replication"):  # PyTorch's meshes (HyperParallel's: replicated)
+        tdx + torch.ones(4, 4)
     with hp.implicit_replication():
         torch.testing.assert_close((dx + torch.ones(4, 4)).full_tensor(), x + 1)
 

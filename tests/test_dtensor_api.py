@@ -230,13 +230,16 @@ def _mesh():
     assert "DeviceMesh('cpu', [0, 1," in repr(other) and "mesh_dim_names=('dp', 'tp')" in repr(mesh)
     with pytest.raises(ValueError, match="different meshes"):
         x + hp.ones(4, 4, device_mesh=hp.init_device_mesh("cpu", (ws // 2, 2)), placements=[Replicate()] * 2)
-    # distribute_tensor wants one placement per mesh dim (PyTorch); other APIs pad short lists (HyperParallel)
+    # on PyTorch's meshes distribute_tensor wants one placement per mesh dim; other APIs pad short lists
+    # (HyperParallel's meshes: tests/test_hp_semantics_b.py)
+    from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
+    tmesh = torch_init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match=r"`placements` must have the same length as `device_mesh.ndim`! "
                                          r"Found placements length: 1 \(\(Shard\(dim=0\),\)\), and device_mesh.ndim: 2"):
-        hp.distribute_tensor(torch.ones(2), mesh, [Shard(0)])
-    assert hp.DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).placements == (Shard(0), Replicate())
+        hp.distribute_tensor(torch.ones(2), tmesh, [Shard(0)])
+    assert hp.DTensor.from_local(torch.ones(2), tmesh, [Shard(0)]).placements == (Shard(0), Replicate())
     with pytest.raises(ValueError, match=r"has 3 entries but the mesh \(2, \d\) has 2 dims; the extra entry"):
-        hp.DTensor.from_local(torch.ones(2), mesh, [Shard(0), Replicate(), Shard(0)])
+        hp.DTensor.from_local(torch.ones(2), tmesh, [Shard(0), Replicate(), Shard(0)])
     with pytest.raises(RuntimeError, match="should be used to distribute leaf tensors"):
         hp.distribute_tensor(torch.ones(2, requires_grad=True) * 2, mesh, [Shard(0), Replicate()])
     d2 = hp.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])

@@ -255,8 +255,9 @@ def _compat_8_ranks():
     assert f.placements == (Shard(1), Replicate()) and float(f.full_tensor().sum()) == 40.0
     e = empty((4, 4), mesh, [Replicate(), Shard(0), Replicate()])        # extra trailing Replicate accepted
     assert e.placements == (Replicate(), Shard(0)) and e.to_local().shape == (1, 4)
-    with pytest.raises(ValueError, match=r"extra entry placements\[2\] = Shard"):
-        empty((4, 4), mesh, [Shard(0), Replicate(), Shard(1)])
+    with pytest.warns(UserWarning, match=r"entries past the mesh's last dim are ignored: \(Shard\(dim=1\),\)"):
+        e = empty((4, 4), mesh, [Shard(0), Replicate(), Shard(1)])   # HyperParallel: extra entries ignored
+    assert e.placements == (Shard(0), Replicate())
     assert _build_layout(mesh, ("dp", "None"), 2) == x_layout.with_placements([Shard(0), Replicate()], 2)
     # DFunction with the HyperParallel-style rule
     assert get_distributed_op("HPCompatScaleByTwo") is not None

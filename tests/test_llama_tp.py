@@ -160,8 +160,13 @@ def _plain_target():
             local = F.cross_entropy(vs, target % 2)
         assert not isinstance(local, hp.DTensor)
         torch.testing.assert_close(local, F.cross_entropy(vs.to_local(), target % 2))
-    with pytest.raises(RuntimeError, match="plain tensor of shape"):  # outside the context: the usual rule
-        F.cross_entropy(vs, target)
+    # outside the context: the usual rule (PyTorch's meshes raise; HyperParallel's take the target as replicated)
+    from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
+    tvs = hp.distribute_tensor(logits.detach(), torch_init_device_mesh("cpu", (ws,)), [hp.Shard(1)])
+    with pytest.raises(RuntimeError, match="plain tensor of shape"):
+        F.cross_entropy(tvs, target)
+    torch.testing.assert_close(F.cross_entropy(vs, target).full_tensor(), F.cross_entropy(logits, target),
+                               rtol=1e-6, atol=0)
 
 
 def test_loss_parallel_plain_target(dist_runner):

@@ -303,9 +303,11 @@ def _layout_and_ops(mesh):
     close = torch.isclose(a, b)
     assert close.dtype == torch.bool and bool(close.full_tensor().all())
 
-    # one-element plain tensors mixed with DTensors are replicated (torch's test_auto_implicit_replication)
+    # one-element plain tensors mixed with DTensors are replicated (torch's test_auto_implicit_replication);
+    # on a PyTorch mesh other plain tensors raise (HyperParallel's meshes: tests/test_hp_semantics_b.py)
+    from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
     loc = torch.ones(ws, 3)
-    s = DTensor.from_local(loc, mesh, [Shard(0)])
+    s = DTensor.from_local(loc, torch_init_device_mesh("cpu", (ws,)), [Shard(0)])
     scalar = torch.tensor(1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a 0-d tensor gives no warning

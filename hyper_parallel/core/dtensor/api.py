@@ -5,7 +5,8 @@ import inspect
 import warnings
 from typing import Callable, Optional
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
+from hyper_parallel.core.dtensor.hp_placements import drop_extra_placements
 from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
 from hyper_parallel.core.dtensor.layout import is_alias_spelling
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -91,7 +92,9 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
                            "DTensor, or pass tensor.detach()")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
-    if isinstance(placements, (list, tuple)) and not is_alias_spelling(placements) and len(placements) != mesh.ndim:
+    placements = drop_extra_placements(mesh, placements, "distribute_tensor")  # HyperParallel meshes only
+    if isinstance(placements, (list, tuple)) and not is_alias_spelling(placements) and len(placements) != mesh.ndim \
+            and not uses_hp_semantics(mesh):  # HyperParallel's: shorter lists padded, as from_local
         # as PyTorch (alias names are per tensor dim and checked against the tensor's rank instead)
         raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
                          f"{len(placements)} ({tuple(placements)}), and device_mesh.ndim: {mesh.ndim} ({mesh}).")

@@ -22,6 +22,7 @@ import weakref
 from typing import Optional, Sequence
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
+from hyper_parallel.core.dtensor.hp_placements import drop_extra_placements
 from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
@@ -98,6 +99,8 @@ def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placement
         return placements
     try:
         key = (mesh, tuple(placements), ndim)
+        if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (hp_placements)
+            key += (uses_hp_semantics(mesh),)
         hit = _LAYOUT_CACHE.get(key)
     except TypeError:
         raise TypeError(f"{what}: expected a sequence of Placement objects or alias names, got {placements!r}") from None
@@ -107,7 +110,7 @@ def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placement
     if base is None:
         base = Layout.from_device_mesh(mesh)
         mesh._base_layout = base
-    placements = tuple(placements)
+    placements = tuple(drop_extra_placements(mesh, placements, what))  # HyperParallel meshes: extras ignored
     if is_alias_spelling(placements):
         if mesh.mesh_dim_names is None:
             raise ValueError(f"{what}: alias names {placements} need a mesh with mesh_dim_names")
@@ -436,6 +439,8 @@ class DTensor(platform.DTensorBase):
         if device_mesh is not None:
             device_mesh = resolve_mesh(device_mesh, "redistribute")  # a torch mesh is adopted first
         same_mesh = device_mesh is None or device_mesh is self._mesh or device_mesh == self._mesh
+        placements = drop_extra_placements(self._mesh if device_mesh is None else device_mesh, placements,
+                                           "redistribute")
         if same_mesh and isinstance(placements, (list, tuple)) and not is_alias_spelling(placements):
             # as PyTorch: a Partial target only where the tensor already has that Partial (moving to
             # another mesh, our extension, may create one)
@@ -547,6 +552,8 @@ class DTensor(platform.DTensorBase):
 
     # ------------------------------------------------------------------ conversions
     def to(self, *args, **kwargs) -> "DTensor":
+        if (args and isinstance(args[0], _Tensor)) or "other" in kwargs:
+            args, kwargs = _to_like(args, kwargs)  # x.to(other): other's device and dtype (DTensor or plain)
         if self._layout.has_partial():
             self._settle_grad()  # a pending .grad view becomes Replicate here
         if self._layout.has_partial() and _OP_HANDLER is not None:
@@ -638,6 +645,14 @@ class DTensor(platform.DTensorBase):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _to_like(args, kwargs):
+    """``to(other, non_blocking=False, copy=False)`` spelled with ``other``'s device and dtype."""
+    kwargs = dict(kwargs)
+    other = kwargs.pop("other") if "other" in kwargs else args[0]
+    rest = args[1:] if args and args[0] is other else args
+    return (other.device, other.dtype) + tuple(rest), kwargs
 
 
 def _global_stride(local, mesh, layout):

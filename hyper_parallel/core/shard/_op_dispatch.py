@@ -26,6 +26,7 @@ import warnings
 from hyper_parallel.core.dtensor import dtensor as _dt
 from hyper_parallel.core.dtensor.device_mesh import uses_hp_semantics
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.device_mesh import uses_hp_semantics as _uses_hp_semantics
 from hyper_parallel.core.dtensor.layout import Layout as _Layout
 from hyper_parallel.core.dtensor.redistribute import partial_grad_view
 from hyper_parallel.core.shard import _fast_methods, _strict
@@ -294,7 +295,8 @@ def _check_plain_tensors(func, args, kwargs, mesh):
                       f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
                       "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
     elif offender is not None and not _FLAGS["implicit_replication"] and \
-            _op_name(func) not in _base.PLAIN_AS_REPLICATED:
+            _op_name(func) not in _base.PLAIN_AS_REPLICATED and not _uses_hp_semantics(mesh):
+        # (HyperParallel's meshes take plain tensors as replicated, as HyperParallel does)
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(
             f"{platform.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
@@ -547,7 +549,7 @@ class OpDispatcher:
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and converted and name in _base.PLAIN_AS_REPLICATED:
+            if entry is not None and converted and (name in _base.PLAIN_AS_REPLICATED or _uses_hp_semantics(mesh)):
                 # plain index/mask tensors of these ops are always replicated: cache the entry under the
                 # call's own key (not the fast path); a hit converts them again, as here
                 entry.plain_conv = True

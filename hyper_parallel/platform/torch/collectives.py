@@ -62,6 +62,9 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return out if back is None else out.to(back)
 
 
+_GLOO_WIDER = {torch.bool: torch.uint8, torch.int16: torch.int32}
+
+
 def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``.
 
@@ -73,6 +76,9 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     k = group.size
     if k == 1:
         return x
+    wide = _GLOO_WIDER.get(x.dtype)
+    if wide is not None:  # gloo has no bool/int16 all_gather ("Invalid scalar type"): a lossless wider dtype
+        return all_gather(x.to(wide), dim, group, sizes).to(x.dtype)
     if sizes is None:
         sizes = [x.shape[dim]] * k
     m = max(sizes)

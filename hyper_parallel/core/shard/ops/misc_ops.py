@@ -3,7 +3,9 @@
 * ``pad``: the padded (trailing) dims are unsharded, the others keep their
   shards; Partial passes through a zero constant pad (linear), else it is reduced.
 * ``repeat_interleave``: the repeated dim is unsharded (``dim=None`` flattens:
-  everything replicated); a tensor of repeats is replicated.
+  everything replicated); a tensor of repeats is replicated (plain or DTensor), and
+  with one, dims whose shards are uneven are unsharded as well (the data-dependent
+  output shape is derived from the local result).
 * ``outer`` / ``ger``: the first operand's shard goes to output dim 0, the
   second's to dim 1 (unsharded if it uses the same mesh dim).
 * ``one_hot``: shards kept, the new class dim unsharded; with
@@ -62,7 +64,17 @@ class RepeatInterleaveRule(DistributedOp):
         if v.get("dim") is None:  # flattens: no shard survives (repeating is linear: Partial passes)
             return Strategy([lay.with_dim_map(((),) * len(shape), lay.partial)] + rest,
                             lay.with_dim_map(((),), lay.partial))
-        tgt = unshard_dims(lay, [v["dim"] % len(shape)])
+        dims = [v["dim"] % len(shape)]
+        if rest:  # a tensor of repeats: the output size is data-dependent, so its global shape is derived from
+            # the local result assuming even shards; dims that do not split evenly are unsharded too
+            ms = lay.mesh_shape
+            for t, m in enumerate(lay.dim_map):
+                n = 1
+                for d in m:
+                    n *= ms[d]
+                if m and shape[t] % n:
+                    dims.append(t)
+        tgt = unshard_dims(lay, dims)
         return Strategy([tgt] + rest, tgt)
 
 

@@ -23,6 +23,7 @@ FAMILIES = (
     "sort_ops",
     "misc_ops",
     "random_ops",
+    "device_ops",
 )
 
 _LOADED = False

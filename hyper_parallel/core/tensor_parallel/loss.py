@@ -34,7 +34,9 @@ class _VocabParallelCE(platform.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, ignore_index):
         coll = platform.collectives
-        x = logits.float()
+        # half-precision logits are computed in float32 (as torch's loss_parallel); float32 and
+        # float64 keep their own precision (a float64 program must not be rounded to float32)
+        x = logits if logits.element_size() >= 4 else logits.float()
         local_max = x.max(dim=-1).values
         gmax = coll.all_reduce(local_max, group, "max")
         shifted = x - gmax.unsqueeze(-1)

@@ -30,6 +30,23 @@ from hyper_parallel.core.fsdp import (fully_shard, FSDPModule, MixedPrecisionPol
                                       CPUOffloadPolicy)
 from hyper_parallel.core.fsdp.hsdp import hsdp
 
+
+def _compose():
+    """The composition root: wire the platform's feature packages and the core's DTensor class.
+
+    The platform's root sits below the core and imports none of it; its feature
+    packages (``fully_shard``'s mechanics) import the core and register themselves
+    (``get_platform().feature(name)``), so they are imported here, at the top.
+    """
+    import importlib
+    plat = get_platform()
+    plat.register_dtensor_class(DTensor)
+    for pkg in plat.feature_packages:
+        importlib.import_module(pkg)
+
+
+_compose()
+
 __version__ = "0.1.0"
 
 

@@ -252,6 +252,17 @@ def _errors():
         fully_shard(_make().blocks[0], mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int32))
     with pytest.raises(ValueError, match=r"Shard\(1\) for parameter 'norm.weight' of shape \(10,\); expected -1 <= dim < 1"):
         fully_shard(_make().blocks[0], mesh=mesh, shard_placement_fn=lambda p: hp.Shard(p.dim()))
+    # every check runs before the module changes: an error on a later parameter leaves the earlier ones
+    # (norm.weight, norm.bias) unsharded and the module as it was, so fully_shard can be applied again
+    b = _make().blocks[0]
+    before = dict(b.named_parameters())
+    with pytest.raises(ValueError, match=r"Shard\(2\) for parameter 'w1.weight' of shape \(13, 10\); expected -2 <= dim"):
+        fully_shard(b, mesh=mesh, shard_placement_fn=lambda p: hp.Shard(p.dim()) if p.dim() == 2 else None)
+    assert type(b) is Block and "_hp_fsdp_state" not in b.__dict__
+    assert all(p is before[n] and not isinstance(p, hp.DTensor) and not hasattr(p, "_hp_fsdp_owner")
+               for n, p in b.named_parameters())
+    fully_shard(b, mesh=mesh)
+    assert all(isinstance(p, hp.DTensor) and p.placements == (hp.Shard(0),) for p in b.parameters())
     # a TP parameter on a mesh that is not another dim of the fully_shard mesh's root
     b = _make().blocks[0]
     b.w1.weight = nn.Parameter(hp.distribute_tensor(b.w1.weight.detach(), mesh, [hp.Shard(0)]))

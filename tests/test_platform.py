@@ -58,3 +58,35 @@ def test_prod_gradient_helpers():
     y = F.WithValue.apply(x, torch.tensor([1.0, 2.0, 3.0]))
     (y * torch.tensor([4.0, 5.0, 6.0])).sum().backward()
     assert y.tolist() == [1.0, 2.0, 3.0] and x.grad.tolist() == [4.0, 5.0, 6.0]
+
+
+def test_feature_registry():
+    """Core reaches platform feature mechanics by name; importing hyper_parallel registered them."""
+    import hyper_parallel  # noqa: F401  (the composition root imports the feature packages)
+    from hyper_parallel.platform.torch.fully_shard import state
+
+    p = plat.get_platform()
+    assert p.feature_packages == ("hyper_parallel.platform.torch.fully_shard",)
+    assert p.feature("fully_shard") is state
+    with pytest.raises(RuntimeError, match="platform feature 'no_such_feature' is not registered on the "
+                                           "TorchPlatform.*hyper_parallel.platform.torch.fully_shard"):
+        p.feature("no_such_feature")
+    with pytest.raises(ValueError, match="register_feature: name must be a non-empty str, got ''"):
+        p.register_feature("", state)
+    marker = object()
+    p.register_feature("_test_feature", marker)
+    try:
+        assert p.feature("_test_feature") is marker
+    finally:
+        type(p)._features.pop("_test_feature")
+
+
+def test_dtensor_class_injected_for_torch_testing():
+    """torch.testing's DTensor rule knows our DTensor by injection, not by a module-name string."""
+    import hyper_parallel as hp
+    from hyper_parallel.platform.torch import testing_hook
+
+    assert hp.DTensor in testing_hook._DTENSOR_CLASSES
+    assert not hasattr(testing_hook, "_DTENSOR_MODULE")
+    with pytest.raises(TypeError, match="register_dtensor_class: cls must be a class, got 3"):
+        plat.get_platform().register_dtensor_class(3)

@@ -81,3 +81,41 @@ class Platform:
     functions = None
     deferred_grads = None
     compile_support = None  # torch.compile support (traced ops, functional collectives), if any
+
+    @staticmethod
+    def default_device_type() -> str:
+        """The device type of a mesh created without one (e.g. ``fully_shard``'s default mesh)."""
+        return "cpu"
+
+    @staticmethod
+    def register_dtensor_class(cls) -> None:
+        """Tell the platform which class is the core's DTensor (for framework hooks that must recognise it)."""
+        return None
+
+    # ------------------------------------------------------------ feature registry
+    # Feature mechanics that need the core (e.g. ``fully_shard``'s, which builds DTensors)
+    # live in feature packages of the platform. The platform's root never imports them
+    # (it sits below the core); the composition root (``hyper_parallel/__init__.py``)
+    # imports every package named here, and each registers its mechanics with
+    # :meth:`register_feature`. The core then reaches them by :meth:`feature`.
+    feature_packages: tuple = ()
+
+    def register_feature(self, name: str, obj) -> None:
+        """Make ``obj`` (a module or object holding a feature's mechanics) what ``feature(name)`` returns."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"register_feature: name must be a non-empty str, got {name!r}")
+        feats = type(self).__dict__.get("_features")
+        if feats is None:
+            feats = {}
+            setattr(type(self), "_features", feats)
+        feats[name] = obj
+
+    def feature(self, name: str):
+        """The mechanics registered under ``name``; a clear error if no feature package registered it."""
+        obj = (type(self).__dict__.get("_features") or {}).get(name)
+        if obj is None:
+            raise RuntimeError(
+                f"hyper_parallel: platform feature {name!r} is not registered on the "
+                f"{type(self).__name__}; it is registered when its feature package is imported "
+                f"(one of {list(self.feature_packages)}), which 'import hyper_parallel' does")
+        return obj

@@ -9,20 +9,132 @@ forward, before its backward) the group's shards are all-gathered in one flat
 collective; after its backward the group's gradients are reduce-scattered in
 one flat collective and averaged over the data-parallel ranks.
 
-The mechanics are framework code (``hyper_parallel/platform/<framework>/fsdp_*.py``);
-this module validates arguments and holds the framework-free surface.
+This module is the home of the API: it validates every argument of ``fully_shard``
+(and, with :func:`plan_params`, of ``hsdp``) and plans which parameters the group
+manages and on which dim each is sharded, before anything changes. The mechanics that
+carry the plan out are framework code (``hyper_parallel/platform/<framework>/fully_shard/``),
+reached by ``get_platform().feature("fully_shard")``.
 """
 from __future__ import annotations
-
-import importlib
 
 from hyper_parallel.core.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.platform import get_platform
 
 
 def _impl():
-    """The framework's FSDP state module (lazy: core imports no framework)."""
-    return importlib.import_module(f"hyper_parallel.platform.{get_platform().platform_type.value}.fsdp_state")
+    """The framework's FSDP mechanics (registered by the platform's ``fully_shard`` feature package)."""
+    return get_platform().feature("fully_shard")
+
+
+_DEFAULT_MESH = {}
+
+
+def _default_mesh():
+    """1-D mesh over the whole world (one per world size)."""
+    from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+    plat = get_platform()
+    world = plat.get_world_size()
+    m = _DEFAULT_MESH.get(world)
+    if m is None:
+        m = _DEFAULT_MESH[world] = init_device_mesh(plat.default_device_type(), (world,))
+    return m
+
+
+def _collect(module, ignored):
+    """(fqn, owner module, attribute name, param) of parameters not managed by an FSDP submodule."""
+    out = []
+
+    def walk(m, prefix):
+        for name, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            out.append((prefix + name, m, name, p))
+        for cname, child in m._modules.items():
+            if child is None or "_hp_fsdp_state" in child.__dict__:
+                continue
+            walk(child, prefix + cname + ".")
+    walk(module, "")
+    return out
+
+
+def _check_param(where, fqn, p, mesh, d):
+    """A parameter the group will manage: its shard dim and (for a DTensor) its mesh must fit ``mesh``."""
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    root = mesh._root
+    if isinstance(p, DTensor):
+        tp_mesh = p.device_mesh
+        if tp_mesh._root is not root or tp_mesh is root or mesh is root:
+            raise ValueError(f"fully_shard({where}): parameter {fqn!r} is a DTensor on {tp_mesh} (placements "
+                             f"{tuple(p.placements)}); the fully_shard mesh {mesh} must be another dim "
+                             f"of the same root mesh (e.g. mesh['dp'] next to mesh['tp'])")
+        if set(tp_mesh._root_dims) & set(mesh._root_dims):
+            raise ValueError(f"fully_shard({where}): parameter {fqn!r} is already distributed over mesh dims "
+                             f"{tp_mesh.mesh_dim_names} that the fully_shard mesh {mesh} also uses")
+        if p._layout.has_partial():
+            raise ValueError(f"fully_shard({where}): parameter {fqn!r} has a Partial placement")
+    ndim = p.dim()
+    if ndim == 0:
+        raise ValueError(f"fully_shard({where}): parameter {fqn!r} is 0-d; a scalar cannot be sharded "
+                         "(pass it in ignored_params)")
+    if not -ndim <= d < ndim:
+        raise ValueError(f"fully_shard({where}): shard_placement_fn returned Shard({d}) for parameter "
+                         f"{fqn!r} of shape {tuple(p.shape)}; expected -{ndim} <= dim < {ndim}")
+
+
+def plan_params(module, mesh, ignored_params, shard_placement_fn):
+    """Validate ``fully_shard``'s module, mesh, ignored_params and shard_placement_fn; plan the group.
+
+    Returns ``(mesh, params)``: the resolved mesh and ``[(fqn, [(owner, attribute name), ...],
+    param, shard dim)]`` of the parameters the module's group will manage (tied parameters
+    once, with every owner). Nothing is changed, so an error leaves the module untouched.
+    """
+    plat = get_platform()
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("fully_shard: a list of modules sharing one group is not supported yet; "
+                                  "call fully_shard on a common parent module")
+    if not isinstance(module, plat.Module):
+        raise TypeError(f"fully_shard: module must be an nn.Module, got {type(module).__name__}")
+    where = type(module).__name__
+    if "_hp_fsdp_state" in module.__dict__:
+        raise RuntimeError(f"fully_shard was already applied to this {where} module; apply it once per module")
+    if mesh is None:
+        mesh = _default_mesh()
+    else:
+        from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
+        mesh = resolve_mesh(mesh, f"fully_shard({where})")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard({where}): mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "
+                         f"got a {mesh.ndim}-D mesh {mesh}; pass mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
+    ignored = set()
+    if ignored_params is not None:
+        own = {id(p) for p in module.parameters()}
+        for p in ignored_params:
+            if id(p) not in own:
+                raise ValueError(f"fully_shard({where}): ignored_params holds a parameter of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of this module")
+            ignored.add(id(p))
+    by_id = {}
+    for fqn, owner, name, p in _collect(module, ignored):
+        other = getattr(p, "_hp_fsdp_owner", None)
+        if other is not None:
+            raise ValueError(f"fully_shard({where}): parameter {fqn!r} is tied to a parameter already sharded by "
+                             f"fully_shard on {other}; apply fully_shard to a module that holds every use of it "
+                             "(or pass it in ignored_params)")
+        by_id.setdefault(id(p), [fqn, [], p])[1].append((owner, name))
+    from hyper_parallel.core.dtensor.placement_types import Shard
+    params = []
+    for fqn, owners, p in by_id.values():
+        d = 0
+        if shard_placement_fn is not None:
+            pl = shard_placement_fn(p)
+            if pl is not None:
+                if not isinstance(pl, Shard):
+                    raise ValueError(f"fully_shard({where}): shard_placement_fn returned {pl!r} for parameter "
+                                     f"{fqn!r}; expected Shard(dim) or None")
+                d = pl.dim
+        _check_param(where, fqn, p, mesh, d)
+        params.append((fqn, owners, p, d))
+    return mesh, params
 
 
 class UnshardHandle:
@@ -151,7 +263,6 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         dt = getattr(mp_policy, field)
         if dt is not None and not getattr(dt, "is_floating_point", False):
             raise ValueError(f"fully_shard: MixedPrecisionPolicy.{field}={dt!r} is not a floating dtype")
-    return _impl().fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                               shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
-                               offload_policy=offload_policy, ignored_params=ignored_params,
-                               module_cls=FSDPModule)
+    mesh, params = plan_params(module, mesh, ignored_params, shard_placement_fn)
+    return _impl().fully_shard(module, mesh=mesh, params=params, reshard_after_forward=reshard_after_forward,
+                               mp_policy=mp_policy, offload_policy=offload_policy, module_cls=FSDPModule)

@@ -39,7 +39,7 @@ is always asynchronous and fused per group here, so ``comm_async``,
 from __future__ import annotations
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.fsdp.api import FSDPModule, _impl
+from hyper_parallel.core.fsdp.api import FSDPModule, _impl, plan_params
 from hyper_parallel.core.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.platform import get_platform
 
@@ -131,17 +131,19 @@ def hsdp(module, shard_size=-1, threshold=64, optimizer_level="level1", enable_g
         for p in m._parameters.values():
             if p is not None and id(p) in own:
                 (dtensors if _is_dtensor(p) else plain).append(p)
+    # plain parameters below the threshold stay replicated: gradients summed over every rank
+    small = [p for p in plain if p.numel() * p.element_size() < threshold * 1024]
+    # fully_shard's checks (module, mesh, parameters) before anything changes
+    mesh, params = plan_params(module, mesh, small + dtensors, None)
     # DTensor parameters (a Layout/TP plan applied before hsdp) stay as they are: the DTensor
     # dispatcher already gives them the whole gradient (what HyperParallel's sum over their
     # replicating ranks computes), so hsdp only applies grad_scale to them
     _impl().scale_grads(dtensors, grad_scale)
-    # plain parameters below the threshold stay replicated: gradients summed over every rank
-    small = [p for p in plain if p.numel() * p.element_size() < threshold * 1024]
     _impl().replicate_small(small, world_mesh, grad_scale)
     kw = LEVELS[optimizer_level]
-    _impl().fully_shard(module, mesh=mesh, shard_placement_fn=None,
+    _impl().fully_shard(module, mesh=mesh, params=params,
                         mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype), offload_policy=OffloadPolicy(),
-                        ignored_params=small + dtensors, module_cls=HSDPModule, **kw)
+                        module_cls=HSDPModule, **kw)
     state = module._hp_fsdp_state
     if state.group is not None:
         # HyperParallel reduces with a plain sum, then multiplies by grad_scale (not a mean)

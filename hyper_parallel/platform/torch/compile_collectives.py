@@ -9,6 +9,12 @@ schedules. The eager path never comes here: :mod:`collectives` checks
 ``torch.compiler.is_compiling()`` first, so eager keeps its in-place gloo/NCCL calls.
 
 Uneven pieces are padded for the wire and trimmed after, exactly as in eager.
+
+Why this module sits at the root of ``platform/torch/`` and not in ``compile/``: it is the
+traced half of each raw collective - :mod:`collectives` calls it, it shares the wire layout
+with the eager half, and it knows nothing about DTensors or dynamo's handling of them. It
+adapts torch's functional collectives, as :mod:`collectives` adapts the in-place ones; the
+compile *feature* (opaque DTensor nodes, compile mode, eager hooks) is ``compile/support.py``.
 """
 from __future__ import annotations
 

@@ -309,6 +309,30 @@ def _flush(task: int) -> None:
                 g.copy_(r)
 
 
+def pending_sums(task: int) -> frozenset:
+    """``id``s of the leaves whose partial sums backward pass ``task`` has queued for its end.
+
+    (Graph task ids: ``torch._C._current_graph_task_id()``.) A consumer that must act
+    only after those sums (FSDP reduces a group's gradients) asks whether its leaves
+    are among them and, if so, waits for :func:`flush` instead of acting now.
+    """
+    with _lock:
+        pending = _tasks.get(task)
+        if not pending or not pending["sum"]:
+            return frozenset()
+        return frozenset(key[0] for key in pending["sum"])
+
+
+def flush(task: int) -> None:
+    """Run now the end-of-backward reductions that backward pass ``task`` queued (collective).
+
+    The engine callback queued for ``task`` then finds nothing left to do, so a consumer
+    whose own end-of-backward callback needs the sums first (FSDP's root) calls this
+    before it reduces. A task with nothing queued is a no-op.
+    """
+    _flush(task)
+
+
 def pending_tasks() -> int:
     """Number of backward passes with reductions still queued (0 outside backward; for tests)."""
     with _lock:

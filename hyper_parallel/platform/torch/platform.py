@@ -9,11 +9,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
-from hyper_parallel.platform.torch import collectives, compile_support, deferred_grads, functions
-from hyper_parallel.platform.torch import dcp_staging
+from hyper_parallel.platform.torch import collectives, deferred_grads, functions
+from hyper_parallel.platform.torch.checkpoint import staging as checkpoint_staging
+from hyper_parallel.platform.torch.compile import support as compile_support
 from hyper_parallel.platform.torch import testing_hook as _testing_hook  # noqa: F401  (torch.testing DTensor rule)
 
-dcp_staging.install()  # async_save's stager learns to copy DTensors (see dcp_staging)
+checkpoint_staging.install()  # async_save's stager learns to copy DTensors (see checkpoint/staging.py)
 
 _DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
@@ -128,16 +129,28 @@ class TorchPlatform(Platform):
     deferred_grads = deferred_grads
     compile_support = compile_support  # torch.compile: DTensor ops as opaque nodes
 
+    # feature packages (they import the core; the composition root imports them, see Platform)
+    feature_packages = ("hyper_parallel.platform.torch.fully_shard",)
+
+    @staticmethod
+    def default_device_type() -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @staticmethod
+    def register_dtensor_class(cls) -> None:
+        """``cls`` is the core's DTensor: ``torch.testing`` applies PyTorch's DTensor rule to it (testing_hook.py)."""
+        _testing_hook.register_dtensor_class(cls)
+
     @staticmethod
     def checkpoint_hooks():
         """The ``torch.distributed.checkpoint`` hook implementations for DTensor (imported on first use)."""
-        from hyper_parallel.platform.torch import dcp
+        from hyper_parallel.platform.torch.checkpoint import dcp
         return dcp
 
     @staticmethod
     def checkpoint_state_dict():
         """The state-dict helpers behind ``hyper_parallel.checkpoint`` (imported on first use)."""
-        from hyper_parallel.platform.torch import state_dict
+        from hyper_parallel.platform.torch.checkpoint import state_dict
         return state_dict
 
     def __init__(self):

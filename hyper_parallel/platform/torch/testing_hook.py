@@ -12,12 +12,23 @@ from __future__ import annotations
 
 import sys
 
-_DTENSOR_MODULE = "hyper_parallel.core.dtensor.dtensor"
+_DTENSOR_CLASSES = []  # the core's DTensor class, injected (see register_dtensor_class)
+
+
+def register_dtensor_class(cls) -> None:
+    """Apply the DTensor rule to instances of ``cls`` (the core's DTensor; called once at import).
+
+    The platform sits below the core and does not import it: the class is handed in
+    (``get_platform().register_dtensor_class(DTensor)``). Idempotent.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_dtensor_class: cls must be a class, got {cls!r}")
+    if cls not in _DTENSOR_CLASSES:
+        _DTENSOR_CLASSES.append(cls)
 
 
 def _ours(x):
-    mod = sys.modules.get(_DTENSOR_MODULE)
-    return mod is not None and isinstance(x, mod.DTensor)
+    return any(isinstance(x, cls) for cls in _DTENSOR_CLASSES)
 
 
 def _wrap(original):

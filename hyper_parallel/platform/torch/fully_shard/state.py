@@ -23,14 +23,13 @@ Life of one training step (root R, blocks B0..Bn each ``fully_shard``-ed):
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.platform.torch import deferred_grads
-from hyper_parallel.platform.torch.fsdp_param import FSDPParam
-from hyper_parallel.platform.torch.fsdp_param_group import SHARDED, FSDPParamGroup
+from hyper_parallel.platform.torch.compile.support import eager_hook
+from hyper_parallel.platform.torch.fully_shard.param import FSDPParam
+from hyper_parallel.platform.torch.fully_shard.param_group import SHARDED, FSDPParamGroup
 
 
 def _in_backward() -> bool:
@@ -206,13 +205,10 @@ class FSDPState:
         (``deferred_grads``); such a group is reduced in the root's final callback,
         after that sum.
         """
-        task = torch._C._current_graph_task_id()
-        pending = deferred_grads._tasks.get(task)
-        if pending and pending["sum"]:
-            ids = {id(p.unsharded) for p in self.group.params}
-            if any(key[0] in ids for key in pending["sum"]):
-                self._wait_for_final = True
-                return
+        summed = deferred_grads.pending_sums(torch._C._current_graph_task_id())
+        if summed and any(id(p.unsharded) in summed for p in self.group.params):
+            self._wait_for_final = True
+            return
         self.post_backward()
 
     def post_backward(self):
@@ -238,7 +234,7 @@ class FSDPState:
     def _final_callback(self):
         ctx = self.ctx
         order = ctx.order + [s for s in ctx.states if s not in ctx.order]
-        deferred_grads._flush(torch._C._current_graph_task_id())  # TP partial sums first (see _all_grads_ready)
+        deferred_grads.flush(torch._C._current_graph_task_id())  # TP partial sums first (see _all_grads_ready)
         for st in reversed(order):
             if not st._post_bw_done and (st._pre_bw_done or (st.group is not None and st.group.state != SHARDED)):
                 st.post_backward()
@@ -260,85 +256,22 @@ class FSDPState:
 
 
 # ======================================================================= fully_shard
-_DEFAULT_MESH = {}
 _CLASS_CACHE = {}
 
 
-def _default_mesh():
-    from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
-    import torch.distributed as dist
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    m = _DEFAULT_MESH.get(world)
-    if m is None:
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        m = _DEFAULT_MESH[world] = init_device_mesh(dev, (world,))
-    return m
+def fully_shard(module, *, mesh, params, reshard_after_forward, mp_policy, offload_policy, module_cls,
+                _grad_reduce="reduce_scatter", _persistent=False):
+    """Carry out the plan of ``hyper_parallel.core.fsdp.api`` (which validated every argument).
 
-
-def _collect(module, ignored, where):
-    """(fqn, owner module, attribute name, param) of parameters not managed by an FSDP submodule."""
-    out = []
-
-    def walk(m, prefix):
-        for name, p in m._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            out.append((prefix + name, m, name, p))
-        for cname, child in m._modules.items():
-            if child is None or "_hp_fsdp_state" in child.__dict__:
-                continue
-            walk(child, prefix + cname + ".")
-    walk(module, "")
-    return out
-
-
-def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                ignored_params, module_cls, _grad_reduce="reduce_scatter", _persistent=False):
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: a list of modules sharing one group is not supported yet; "
-                                  "call fully_shard on a common parent module")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard: module must be an nn.Module, got {type(module).__name__}")
+    ``params``: ``[(fqn, [(owner module, attribute name), ...], param, shard dim)]``, the
+    parameters this module's group manages, in order; ``mesh``: the resolved 1-D or 2-D
+    mesh; ``module_cls``: the mixin the module's class gets (``FSDPModule`` / ``HSDPModule``).
+    """
     where = type(module).__name__
-    if "_hp_fsdp_state" in module.__dict__:
-        raise RuntimeError(f"fully_shard was already applied to this {where} module; apply it once per module")
-    if mesh is None:
-        mesh = _default_mesh()
-    else:
-        from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
-        mesh = resolve_mesh(mesh, f"fully_shard({where})")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard({where}): mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "
-                         f"got a {mesh.ndim}-D mesh {mesh}; pass mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
-    ignored = set()
-    if ignored_params is not None:
-        own = {id(p) for p in module.parameters()}
-        for p in ignored_params:
-            if id(p) not in own:
-                raise ValueError(f"fully_shard({where}): ignored_params holds a parameter of shape "
-                                 f"{tuple(p.shape)} that is not a parameter of this module")
-            ignored.add(id(p))
-    entries = _collect(module, ignored, where)
-    by_id = {}
-    for fqn, owner, name, p in entries:
-        other = getattr(p, "_hp_fsdp_owner", None)
-        if other is not None:
-            raise ValueError(f"fully_shard({where}): parameter {fqn!r} is tied to a parameter already sharded by "
-                             f"fully_shard on {other}; apply fully_shard to a module that holds every use of it "
-                             "(or pass it in ignored_params)")
-        by_id.setdefault(id(p), [fqn, [], p])[1].append((owner, name))
     fsdp_params = []
-    for fqn, owners, p in by_id.values():
-        d = 0
-        if shard_placement_fn is not None:
-            pl = shard_placement_fn(p)
-            if pl is not None:
-                if not isinstance(pl, Shard):
-                    raise ValueError(f"fully_shard({where}): shard_placement_fn returned {pl!r} for parameter "
-                                     f"{fqn!r}; expected Shard(dim) or None")
-                d = pl.dim
+    for fqn, owners, p, d in params:
         pin = getattr(offload_policy, "pin_memory", None)  # set only by CPUOffloadPolicy
-        fp = FSDPParam(p, fqn, owners, mesh, d, mp_policy, where, offload_pin_memory=pin)
+        fp = FSDPParam(p, fqn, owners, mesh, d, mp_policy, offload_pin_memory=pin)
         try:
             p._hp_fsdp_owner = f"{where} (parameter {fqn!r})"
         except (AttributeError, RuntimeError):
@@ -362,7 +295,6 @@ def fully_shard(module, *, mesh, reshard_after_forward, shard_placement_fn, mp_p
     state = FSDPState(module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where)
     module.__dict__["_hp_fsdp_state"] = state
     # the hooks stay eager when the module is compiled (per-block torch.compile): see eager_hook
-    from hyper_parallel.platform.torch.compile_support import eager_hook
     module.register_forward_pre_hook(eager_hook(state.pre_forward), prepend=True, with_kwargs=True)
     module.register_forward_hook(eager_hook(state.post_forward), with_kwargs=True)
     cls = type(module)

@@ -39,7 +39,7 @@ def _root_base_layout(root):
 class FSDPParam:
     """A managed parameter (see the module docstring)."""
 
-    def __init__(self, param, fqn: str, owners, dp_mesh, shard_dim: int, mp_policy, where: str,
+    def __init__(self, param, fqn: str, owners, dp_mesh, shard_dim: int, mp_policy,
                  offload_pin_memory=None):
         self.fqn = fqn
         self.owners = owners  # [(module, attribute name)] (several when tied inside the group)
@@ -48,17 +48,9 @@ class FSDPParam:
         self.param_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else self.param_dtype
         root = dp_mesh._root
+        # (fqn, mesh and shard dim were checked by hyper_parallel.core.fsdp.api before any parameter changed)
         if isinstance(param, DTensor):
             tp_mesh = param.device_mesh
-            if tp_mesh._root is not root or tp_mesh is root or dp_mesh is root:
-                raise ValueError(f"fully_shard({where}): parameter {fqn!r} is a DTensor on {tp_mesh} (placements "
-                                 f"{tuple(param.placements)}); the fully_shard mesh {dp_mesh} must be another dim "
-                                 f"of the same root mesh (e.g. mesh['dp'] next to mesh['tp'])")
-            if set(tp_mesh._root_dims) & set(dp_mesh._root_dims):
-                raise ValueError(f"fully_shard({where}): parameter {fqn!r} is already distributed over mesh dims "
-                                 f"{tp_mesh.mesh_dim_names} that the fully_shard mesh {dp_mesh} also uses")
-            if param._layout.has_partial():
-                raise ValueError(f"fully_shard({where}): parameter {fqn!r} has a Partial placement")
             self.tp_mesh, self.tp_layout = tp_mesh, param._layout
             full_local = param._local_tensor.detach()
             gshape = tuple(param.shape)
@@ -68,14 +60,7 @@ class FSDPParam:
             full_local = param.detach()
             gshape = tuple(param.shape)
             tp_dim_map = [()] * param.dim()
-        ndim = full_local.dim()
-        if ndim == 0:
-            raise ValueError(f"fully_shard({where}): parameter {fqn!r} is 0-d; a scalar cannot be sharded "
-                             "(pass it in ignored_params)")
-        if not -ndim <= shard_dim < ndim:
-            raise ValueError(f"fully_shard({where}): shard_placement_fn returned Shard({shard_dim}) for parameter "
-                             f"{fqn!r} of shape {gshape}; expected -{ndim} <= dim < {ndim}")
-        d = shard_dim % ndim
+        d = shard_dim % full_local.dim()
         self.dim = d
         shard_root_dim = dp_mesh._root_dims[-1]
         self.shard_group = dp_mesh.get_comm_group(dp_mesh.ndim - 1)

@@ -66,10 +66,9 @@ class _LossParallelCE(DistributedOp):
     """cross_entropy with class-sharded logits [N, C] / [N, C]-flattenable, target replicated or batch-sharded."""
 
     def __init__(self, op_name, previous):
-        # not registered on construction (DistributedOp.__init__ would): loss_parallel installs it
-        # with base.override, which restores the previous rule on exit
-        self.op_name = op_name
         self.previous = previous
+        # not registered here: loss_parallel installs it with base.override (undone on exit)
+        super().__init__(op_name, register=False)
 
     def strategy(self, call):
         lay = call.layouts[0]

@@ -74,11 +74,13 @@ class DistributedOp:
         MyAddDistOp("MyAdd")
     """
 
-    def __init__(self, op_name: str):
+    def __init__(self, op_name: str, *, register: bool = True):
+        """``register=False`` builds the rule without serving ``op_name`` with it (for :class:`override`)."""
         if not isinstance(op_name, str) or not op_name:
             raise TypeError(f"DistributedOp(op_name): op_name must be a non-empty string, got {op_name!r}")
         self.op_name = op_name
-        register(op_name, self)
+        if register:
+            _register(op_name, self)
 
     @property
     def float_args_matter(self) -> bool:
@@ -165,6 +167,9 @@ def register(name: str, op: "DistributedOp") -> None:
     _check_entry("register", name, op)
     _REGISTRY[name] = op
     _invalidate()
+
+
+_register = register  # (DistributedOp.__init__'s keyword shadows the name there)
 
 
 class override:

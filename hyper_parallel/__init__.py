@@ -18,8 +18,8 @@ from hyper_parallel.core.dtensor.random import manual_seed
 from hyper_parallel.core.dtensor import function_bridge as _function_bridge  # noqa: F401  (autograd.Function on DTensors)
 from hyper_parallel.debug import CommDebugMode
 from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispatch, local_map, custom_shard
-from hyper_parallel.core.shard._op_dispatch import implicit_replication, allow_replicate_fallback, set_debug
-from hyper_parallel.core.shard.modes import set_strict_layouts, strict_layouts, StrictLayoutError
+from hyper_parallel.core.shard.modes import (implicit_replication, allow_replicate_fallback, set_debug,
+                                             set_strict_layouts, strict_layouts, StrictLayoutError)
 
 from hyper_parallel.core.shard.sharding_plan import ShardingPlan
 from hyper_parallel.core.shard.api import shard_module
@@ -53,15 +53,9 @@ __version__ = "0.1.0"
 def _testing_reset():
     """Reset per-process caches between tests (used by the test harness)."""
     from hyper_parallel.core.dtensor import random as _r
-    from hyper_parallel.core.shard import _op_dispatch as _d, modes as _modes
+    from hyper_parallel.core.shard import modes as _modes
     _r._state.update(seed=None, counter=0)
-    _d._WARNED_FALLBACK.clear()
-    _d._FLAGS.update(implicit_replication=False)
-    _modes._reset()
-    if _d._FLAGS["fallback"]:
-        _d.allow_replicate_fallback(False)
-    if _d._FLAGS["debug"] != _d._debug_from_env():
-        _d.set_debug(_d._debug_from_env())
+    _modes._reset()  # strict layouts, implicit replication, fallback, debug: back to the environment's
 
 
 __all__ = [

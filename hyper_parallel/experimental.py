@@ -6,7 +6,7 @@ hyper_parallel has: ``local_map``, ``implicit_replication`` and ``register_shard
 ``context_parallel`` is not provided.
 """
 from hyper_parallel.core.shard import local_map
-from hyper_parallel.core.shard._op_dispatch import implicit_replication
+from hyper_parallel.core.shard.modes import implicit_replication
 from hyper_parallel.core.shard.ops.registered_sharding import register_sharding
 
 __all__ = ["implicit_replication", "local_map", "register_sharding"]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
-from hyper_parallel.core.shard import _op_dispatch
+from hyper_parallel.core.shard import dispatcher as _op_dispatch, modes as _modes
 
 
 def _mlp_colrow():
@@ -232,7 +232,7 @@ def test_debug_logging(dist_runner):
 
 
 def test_debug_env_variable():
-    env = _op_dispatch._debug_from_env
+    env = _modes._debug_from_env
     assert env({"HYPER_PARALLEL_DEBUG": "1"}) and env({"HYPER_PARALLEL_DEBUG": "true"})
     assert not env({}) and not env({"HYPER_PARALLEL_DEBUG": "0"}) and not env({"HYPER_PARALLEL_DEBUG": ""})
 

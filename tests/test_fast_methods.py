@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import hyper_parallel as hp
 from hyper_parallel import Replicate, Shard
-from hyper_parallel.core.shard import _fast_methods, _op_dispatch
+from hyper_parallel.core.shard import _fast_methods, dispatcher as _op_dispatch
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 

@@ -3,8 +3,9 @@
 ``from hyper_parallel.core.dtensor import DTensor, Layout, distribute_tensor`` gives the same
 objects as ``hyper_parallel.DTensor`` ... (never copies). The names are looked up on first
 use (module ``__getattr__``) so that importing a submodule such as
-``hyper_parallel.core.dtensor.layout`` on its own does not pull in the DTensor class, the
-op dispatcher or the debug tools (no import cycles).
+``hyper_parallel.core.dtensor.layout`` on its own does not pull in the DTensor class or the
+op dispatcher (no import cycles); ``CommDebugMode`` (a higher layer) is handed over by
+``hyper_parallel.debug`` (:func:`register_export`).
 """
 from importlib import import_module as _import_module
 
@@ -27,13 +28,27 @@ _EXPORTS = {
     "rand": "hyper_parallel.core.dtensor.api",
     "randn": "hyper_parallel.core.dtensor.api",
     "manual_seed": "hyper_parallel.core.dtensor.random",
-    "CommDebugMode": "hyper_parallel.debug",
 }
+# names that higher layers hand over (register_export): CommDebugMode from hyper_parallel.debug
+_PROVIDED: dict = {}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(set(_EXPORTS) | {"CommDebugMode"})
+
+
+def register_export(name: str, value) -> None:
+    """Make ``value`` importable as ``hyper_parallel.core.dtensor.<name>`` (HyperParallel's path).
+
+    For objects of higher layers that this package must not import (``CommDebugMode``:
+    ``hyper_parallel.debug`` registers it when it is imported, as the package root does).
+    """
+    if name not in __all__:
+        raise ValueError(f"register_export: {name!r} is not one of hyper_parallel.core.dtensor's names {__all__}")
+    _PROVIDED[name] = value
 
 
 def __getattr__(name):
+    if name in _PROVIDED:
+        return _PROVIDED[name]
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -43,4 +58,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(__all__))

@@ -7,7 +7,8 @@ from typing import Callable, Optional
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
 from hyper_parallel.core.dtensor.hp_placements import drop_extra_placements
-from hyper_parallel.core.dtensor.dtensor import DTensor, build_layout
+from hyper_parallel.core.dtensor.dtensor import DTensor, _off_mesh_local, build_layout
+from hyper_parallel.core.dtensor._hp_compat import provide_dtensor_names
 from hyper_parallel.core.dtensor.layout import is_alias_spelling
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor import random as dt_random
@@ -108,7 +109,6 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
                              f"placements {tuple(layout.placements)}. do you want to call `redistribute` instead?")
         return tensor
     if mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing (PyTorch semantics)
-        from hyper_parallel.core.dtensor.dtensor import _off_mesh_local
         local = _off_mesh_local(tensor.detach())
         local.requires_grad_(tensor.requires_grad and local.is_floating_point())
         return DTensor._wrap(local, mesh, layout, tuple(tensor.shape))
@@ -288,3 +288,7 @@ def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fa
 
 
 __all__ = ["distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn"]
+
+# HyperParallel keeps these in hyper_parallel.core.dtensor.dtensor: make them importable there too
+provide_dtensor_names(distribute_tensor=distribute_tensor, distribute_module=distribute_module, ones=ones,
+                      zeros=zeros, empty=empty, full=full, rand=rand, randn=randn)

@@ -11,8 +11,8 @@ import threading
 import weakref
 from typing import Optional, Sequence, Tuple, Union
 
-from hyper_parallel.core.dtensor.layout import coordinate_of
-from hyper_parallel.core.dtensor._hp_compat import DeviceMeshCompatMixin
+from hyper_parallel.core.dtensor._coords import coordinate_of
+from hyper_parallel.core.dtensor._hp_mesh_compat import DeviceMeshCompatMixin
 from hyper_parallel.platform import get_platform
 
 _CTX = threading.local()

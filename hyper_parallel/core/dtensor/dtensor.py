@@ -17,17 +17,26 @@ Design (why it is fast):
 """
 from __future__ import annotations
 
+import copy
 import sys
-import weakref
 from typing import Optional, Sequence
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.core.dtensor.hp_placements import drop_extra_placements
 from hyper_parallel.core.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor import redistribute_plan as rp
-from hyper_parallel.core.dtensor.redistribute import GradRedistribute, run_plan
+from hyper_parallel.core.dtensor.redistribute import CastRedistribute, GradRedistribute, partial_grad_view, run_plan
 from hyper_parallel.core.dtensor.cross_mesh import cross_mesh_local
+from hyper_parallel.core.dtensor.spec import Spec, spec_of  # noqa: F401  (the dispatcher's key token)
+from hyper_parallel.core.dtensor.layout_builder import build_layout
+from hyper_parallel.core.dtensor.grad_state import (_DG, _grad_layout, _set_partial_grad, _with_partial_over,  # noqa: F401
+                                                    grad_view, settle_pending_grads)
+from hyper_parallel.core.dtensor.run_check import run_check as _run_check
+from hyper_parallel.core.dtensor._local_meta import _global_stride, _off_mesh_local, _to_like  # noqa: F401
+from hyper_parallel.core.dtensor.dispatch_state import implicit_replication
+from hyper_parallel.core.dtensor import _special_methods
+from hyper_parallel.core.dtensor._hp_compat import _build_layout, _is_alias_placements, dtensor_module_getattr  # noqa: F401
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -35,7 +44,6 @@ _Tensor = platform.Tensor
 _Size = platform.Size
 _make_wrapper = _Tensor._make_wrapper_subclass
 _STRIDED = platform.strided
-_DG = platform.deferred_grads  # partial gradients left pending after backward (see DTensor.grad)
 
 _getframe = sys._getframe
 _FRAMEWORK_PKG = platform.framework_package  # "torch"
@@ -48,93 +56,49 @@ def _caller_is_framework(frame) -> bool:
     return bool(_FRAMEWORK_PKG) and (name.startswith(_FRAMEWORK_PREFIX) or name == _FRAMEWORK_PKG)
 
 
-# Installed by hyper_parallel.core.shard._op_dispatch (a higher layer) on import.
+# ------------------------------------------------------------------ the op dispatcher's hooks
+# The op dispatcher lives one layer up (core/shard/dispatcher.py) and installs itself here on import
+# with install_dispatcher(); this module never imports it. See docs/design.md, "The op path".
 _OP_HANDLER = None
 
 
-class Spec:
-    """The interned (layout, global shape) pair of a DTensor: the dispatcher's cache-key token.
+def install_dispatcher(handler, torch_function=None, methods=None) -> None:
+    """Install the op dispatcher on :class:`DTensor` (called once by ``core/shard/dispatcher.py``).
 
-    One object per distinct pair (see :func:`spec_of`), hashed and compared by
-    identity, which the interpreter does in C: a key built from specs costs no
-    Python-level ``Layout.__hash__`` call, and a spec never equals a scalar
-    argument that shares the key.
+    ``handler(func, types, args, kwargs)`` runs any op on DTensors (the slow path,
+    SkipDTensorDispatch included); ``torch_function`` replaces
+    ``DTensor.__torch_function__`` (the dispatcher's version with the fast path
+    inlined); ``methods`` maps Tensor method names to Python-level fast methods
+    defined on the class (``core/shard/_fast_methods.py``).
     """
-
-    __slots__ = ("layout", "shape")
-
-    def __init__(self, layout, shape):
-        self.layout, self.shape = layout, shape
-
-    def __repr__(self):
-        return f"Spec({self.layout}, {tuple(self.shape)})"
-
-
-_SPECS: dict = {}
-_SPECS_MAX = 65536
+    global _OP_HANDLER
+    if not callable(handler):
+        raise TypeError(f"install_dispatcher: handler must be callable, got {handler!r}")
+    _OP_HANDLER = handler
+    if torch_function is not None:
+        DTensor.__torch_function__ = classmethod(torch_function)
+    for name, fn in (methods or {}).items():
+        setattr(DTensor, name, fn)
 
 
-def spec_of(layout, shape) -> Spec:
-    """The interned :class:`Spec` of ``(layout, shape)``.
+def register_special(func, fn):
+    """Run ``fn(*args, **kwargs)`` instead of any sharding rule when ``func`` meets a DTensor.
 
-    The table is bounded: when full it starts afresh, after which equal pairs may
-    get a new token (a dispatcher cache miss, never a wrong hit: a token is never
-    reused for another pair).
+    Returns the entry it replaces (None if there was none), for :func:`unregister_special`.
     """
-    key = (layout, shape)
-    s = _SPECS.get(key)
-    if s is None:
-        if len(_SPECS) >= _SPECS_MAX:
-            _SPECS.clear()
-        s = _SPECS[key] = Spec(layout, shape)
-    return s
+    if not callable(fn):
+        raise TypeError(f"register_special: fn must be callable, got {fn!r}")
+    prev = SPECIAL_METHODS.get(func)
+    SPECIAL_METHODS[func] = fn
+    return prev
 
 
-_LAYOUT_CACHE = {}
-
-
-def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placements") -> Layout:
-    """Layout for an ``ndim``-d tensor from placement objects or alias names (cached)."""
-    if isinstance(placements, Layout):
-        return placements
-    try:
-        key = (mesh, tuple(placements), ndim)
-        if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (hp_placements)
-            key += (uses_hp_semantics(mesh),)
-        hit = _LAYOUT_CACHE.get(key)
-    except TypeError:
-        raise TypeError(f"{what}: expected a sequence of Placement objects or alias names, got {placements!r}") from None
-    if hit is not None:
-        return hit
-    base = mesh._base_layout if hasattr(mesh, "_base_layout") else None
-    if base is None:
-        base = Layout.from_device_mesh(mesh)
-        mesh._base_layout = base
-    placements = tuple(drop_extra_placements(mesh, placements, what))  # HyperParallel meshes: extras ignored
-    if is_alias_spelling(placements):
-        if mesh.mesh_dim_names is None:
-            raise ValueError(f"{what}: alias names {placements} need a mesh with mesh_dim_names")
-        if len(placements) != ndim:
-            raise ValueError(f"{what}: alias placements {placements} have {len(placements)} entries but the tensor "
-                             f"has {ndim} dims; give one alias per tensor dim")
-        layout = base.with_aliases(placements)
+def unregister_special(func, previous=None) -> None:
+    """Undo :func:`register_special`: restore ``previous`` (its return value) or drop the entry."""
+    if previous is not None:
+        SPECIAL_METHODS[func] = previous
     else:
-        has_alias = any(isinstance(p, (str, tuple)) for p in placements)
-        if has_alias and any(isinstance(p, Partial) for p in placements):
-            raise ValueError(f"{what}: Partial cannot be written as an alias ({placements!r}); pass placement "
-                             "objects, one per mesh dim, e.g. [Partial(), Replicate()]")
-        for i, p in enumerate(placements):
-            if not isinstance(p, Placement):
-                if isinstance(p, str) or (isinstance(p, tuple) and p and isinstance(p[0], str)):
-                    raise TypeError(f"{what}: do not mix alias names and placement objects ({placements!r})")
-                raise TypeError(f"{what}[{i}] = {p!r} is not a Placement (Shard, Replicate, Partial) or alias name")
-        layout = base.with_placements(placements, ndim)
-    _LAYOUT_CACHE[key] = layout
-    return layout
-
-
-def _grad_layout(layout: Layout) -> Layout:
-    return layout.without_partial() if layout.has_partial() else layout
+        SPECIAL_METHODS.pop(func, None)
 
 
 class DTensor(platform.DTensorBase):
@@ -257,26 +221,7 @@ class DTensor(platform.DTensorBase):
         has run yet. Its first redistribution (the optimizer step,
         ``clip_grad_norm_``, ``full_tensor()``) sums all such gradients at once.
         """
-        local = self._local_tensor
-        g = local.grad
-        if g is None:
-            return None
-        cached = self.__dict__.get("_grad_wrapper")
-        if cached is not None and cached._local_tensor is g:
-            return cached
-        lay = self._layout if self.__dict__.get("_hp_partial_grad") else _grad_layout(self._layout)
-        group = _DG.partial_group(local) if _DG.has_pending() else None
-        if group is not None:
-            lay = _with_partial_over(lay, self._mesh, group)
-            if lay is None:  # the group is not a dim of this mesh: sum now
-                _DG.flush_pending()
-                lay = _grad_layout(self._layout)
-        w = DTensor._wrap(g, self._mesh, lay, self._gshape)
-        if group is not None and lay.has_partial():
-            w.__dict__["_hp_pending_grad"] = True
-            _DG.note_view(local, w)
-        self.__dict__["_grad_wrapper"] = w
-        return w
+        return grad_view(self)
 
     def _hp_grad_reduced(self):
         """Called on a ``.grad`` view once its pending partial pieces were summed in place."""
@@ -409,7 +354,6 @@ class DTensor(platform.DTensorBase):
         if gl.without_partial() == want and all(op in (None, "sum") for op in gl.partial):
             # only pending sums on top of the gradient layout: sum them where they meet the
             # producer (a reduce_scatter into an all_gather's source, as PyTorch does)
-            from hyper_parallel.core.dtensor.redistribute import partial_grad_view
             local = self._local_tensor
             for d, op in enumerate(gl.partial):
                 if op is not None:
@@ -482,7 +426,6 @@ class DTensor(platform.DTensorBase):
 
     def _redistribute_cast(self, device_mesh, placements, forward_dtype, backward_dtype) -> "DTensor":
         """``redistribute`` with ``forward_dtype``/``backward_dtype`` (see there)."""
-        from hyper_parallel.core.dtensor.redistribute import CastRedistribute
         mesh = resolve_mesh(device_mesh, "redistribute") if device_mesh is not None else self._mesh
         if mesh != self._mesh:
             raise ValueError(f"redistribute: target mesh {mesh} differs from the source mesh {self._mesh}; "
@@ -577,7 +520,10 @@ class DTensor(platform.DTensorBase):
     # ------------------------------------------------------------------ interception
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        special = _SPECIAL.get(func)
+        """Every op on a DTensor enters here. This body is the fallback before the op dispatcher is
+        loaded: ``core/shard/dispatcher.py`` replaces it on import (:func:`install_dispatcher`) with
+        its fast-path version, and compile mode wraps that one (docs/design.md, "The op path")."""
+        special = SPECIAL_METHODS.get(func)
         if special is not None:
             return special(*args, **(kwargs or {}))
         if _OP_HANDLER is None:
@@ -595,7 +541,6 @@ class DTensor(platform.DTensorBase):
             twin = platform.vmap_translate(func, args) if platform.vmap_translate is not None else None
             cause = None
             if twin is not None and _OP_HANDLER is not None:
-                from hyper_parallel.core.shard._op_dispatch import implicit_replication
                 try:
                     with implicit_replication():
                         return _OP_HANDLER(twin[0], types, twin[1], kwargs or {})
@@ -637,7 +582,6 @@ class DTensor(platform.DTensorBase):
         return DTensor._wrap(copy_local(self._local_tensor), self._mesh, self._layout, self._gshape)
 
     def __deepcopy__(self, memo):
-        import copy
         local = copy.deepcopy(self._local_tensor, memo)
         _DG.mark_dtensor_leaf(local)
         out = DTensor._wrap(local, self._mesh, self._layout, self._gshape)
@@ -645,41 +589,6 @@ class DTensor(platform.DTensorBase):
             out._is_param = True
         memo[id(self)] = out
         return out
-
-
-def _to_like(args, kwargs):
-    """``to(other, non_blocking=False, copy=False)`` spelled with ``other``'s device and dtype."""
-    kwargs = dict(kwargs)
-    other = kwargs.pop("other") if "other" in kwargs else args[0]
-    rest = args[1:] if args and args[0] is other else args
-    return (other.device, other.dtype) + tuple(rest), kwargs
-
-
-def _global_stride(local, mesh, layout):
-    """The global stride PyTorch gives a DTensor made from a (possibly non-contiguous) local shard.
-
-    For each mesh dim sharding tensor dim ``d`` over ``n`` ranks, every other dim whose
-    stride is at least ``d``'s is ``n`` times further apart (the shard's memory order is
-    kept); for a contiguous shard this is the contiguous global stride.
-    """
-    stride = list(local.stride())
-    for md, p in enumerate(layout.placements):
-        if p.is_shard():
-            d, n = p.dim, mesh.size(md)
-            ref = stride[d]
-            stride = [s * n if j != d and s >= ref else s for j, s in enumerate(stride)]
-    return tuple(stride)
-
-
-def _off_mesh_local(like, shape=None):
-    """The local tensor of a rank outside a DTensor's mesh: empty (0-d zero for a 0-d DTensor), as PyTorch."""
-    if shape is not None and len(shape) == 0:
-        out = like.new_zeros(())
-    else:
-        out = like.new_empty((0,))
-    if like.requires_grad and out.is_floating_point():
-        out.requires_grad_(True)
-    return out
 
 
 def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):
@@ -700,337 +609,17 @@ def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):
 platform.register_safe_globals([_rebuild_dtensor, _rebuild_layout, Shard, Replicate, Partial])
 
 
-# -------------------------------------------------------------------- special-cased tensor methods
-def _detach(self):
-    return DTensor._wrap(self._local_tensor.detach(), self._mesh, self._layout, self._gshape)
+# ------------------------------------------------------------------ special-cased methods
+# func -> implementation, looked up before any sharding rule (core/dtensor/_special_methods.py);
+# other layers add entries with register_special()
+SPECIAL_METHODS = _special_methods.build_table(DTensor)
+_SPECIAL = SPECIAL_METHODS  # the old private name
 
 
-def _requires_grad_(self, requires_grad=True):
-    self._local_tensor.requires_grad_(requires_grad)
-    _DG.mark_dtensor_leaf(self._local_tensor)
-    return self
-
-
-def settle_pending_grads() -> None:
-    """Sum every parameter gradient that backward left ``Partial`` (collective; all ranks call it alike).
-
-    Done automatically the first time such a gradient is redistributed and on
-    entering ``SkipDTensorDispatch``; call it before reading local gradients
-    (``p.grad.to_local()``, ``p._local_tensor.grad``) that must be complete.
-    """
-    if _DG.has_pending():
-        _DG.flush_pending()
-
-
-def _with_partial_over(layout, mesh, group):
-    """``layout`` with a pending sum on the mesh dim whose group is ``group`` (None if there is none)."""
-    for d in range(mesh.ndim):
-        if layout.partial[d] is None and d not in layout.sharded_mesh_dims() \
-                and mesh.get_comm_group(d).ranks == group.ranks:
-            partial = tuple("sum" if i == d else p for i, p in enumerate(layout.partial))
-            return layout._derive(layout.dim_map, partial)
-    return None
-
-
-def _set_partial_grad(dt, piece):
-    """Accumulate ``piece`` (this rank's part of a Partial gradient) into the Partial leaf ``dt``'s ``.grad``.
-
-    The library's gradient convention keeps full gradients in local ``.grad``
-    (docs/design.md); a Partial leaf given a Partial gradient directly
-    (``x.backward(g)`` or ``x.grad = g`` with ``g`` laid out like ``x``) keeps the
-    pieces instead, as PyTorch does, with no collective, and ``.grad`` reports the
-    Partial layout. If autograd later accumulates an ordinary (full) gradient into
-    the leaf, a hook first reduces the pieces, so the sum stays right.
-    """
-    local = dt._local_tensor
-    if dt.__dict__.get("_hp_partial_grad") and local.grad is not None:
-        local.grad = local.grad + piece
-    else:
-        local.grad = piece.clone()
-    dt.__dict__["_hp_partial_grad"] = True
-    dt.__dict__.pop("_grad_wrapper", None)
-    if not dt.__dict__.get("_hp_partial_grad_hook"):
-        ref = weakref.ref(dt)  # the local tensor's hook must not keep its wrapper alive
-
-        def reduce_first(grad):
-            dt = ref()
-            if dt is not None and dt.__dict__.pop("_hp_partial_grad", None) and dt._local_tensor.grad is not None:
-                full = DTensor._wrap(dt._local_tensor.grad, dt._mesh, dt._layout, dt._gshape)
-                dt._local_tensor.grad = full.redistribute(dt._mesh, _grad_layout(dt._layout))._local_tensor
-                dt.__dict__.pop("_grad_wrapper", None)
-            return grad
-        local.register_hook(reduce_first)
-        dt.__dict__["_hp_partial_grad_hook"] = True
-
-
-def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-    if gradient is not None:
-        if isinstance(gradient, _Tensor) and not isinstance(gradient, DTensor):
-            # a plain tensor (HyperParallel's ``loss.backward(torch.tensor(1.0 / n))``): the whole
-            # gradient, the same on every rank, i.e. a replicated one
-            if tuple(gradient.shape) != tuple(self._gshape):
-                raise ValueError(f"DTensor.backward: plain gradient of shape {tuple(gradient.shape)} does not match "
-                                 f"the global shape {tuple(self._gshape)}")
-            if uses_hp_semantics(self._mesh):
-                gradient = _hp_seed(self, gradient)
-            gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
-        if not isinstance(gradient, DTensor):
-            raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
-        local = self._local_tensor
-        if (gradient._layout == self._layout and self._layout.has_partial() and local.is_leaf
-                and local.requires_grad and inputs is None and not create_graph
-                and (local.grad is None or self.__dict__.get("_hp_partial_grad"))):
-            # a Partial leaf given a gradient of its own layout keeps it as is (PyTorch: no
-            # collective, ``.grad`` is that Partial); see _set_partial_grad
-            _set_partial_grad(self, gradient._local_tensor.detach())
-            return
-        want = _grad_layout(self._layout)
-        if gradient._layout != want:
-            if inputs is None and not create_graph and gradient._layout.has_partial():
-                from hyper_parallel.core.dtensor.partial_seed import seed_partial_pieces
-                if seed_partial_pieces(self, gradient, want, retain_graph):
-                    return
-            gradient = gradient.redistribute(self._mesh, want)
-        gradient = gradient._local_tensor
-    elif self.numel() != 1:
-        raise RuntimeError(f"DTensor.backward: grad can be implicitly created only for scalar outputs "
-                           f"(shape {tuple(self._gshape)}); pass gradient=")
-    if inputs is not None:
-        inputs = [i._local_tensor if isinstance(i, DTensor) else i for i in inputs]
-    self._local_tensor.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
-
-
-def _hp_seed(t, gradient):
-    """HyperParallel's reading of a plain ``backward`` gradient on its meshes: each rank's share.
-
-    HyperParallel's autograd sums over ranks (the backward of its all_reduce is an
-    all_reduce), so its programs seed ``loss.backward(1 / loss.layout.repeat_num())``:
-    every rank holding a replica of the loss contributes its share and the shares add
-    up to the whole gradient. Here the shares are summed over the mesh dims on which
-    ``t`` is replicated (one small all_reduce), which gives the same single-process
-    gradients (docs/migrating_from_hyperparallel.md, "Gradient convention").
-    """
-    if t._mesh._coord is None:
-        return gradient
-    for d, p in enumerate(t._layout.placements):
-        if isinstance(p, Replicate) and t._mesh.size(d) > 1:
-            gradient = platform.collectives.all_reduce(gradient, t._mesh.get_comm_group(d), "sum")
-    return gradient
-
-
-def _as_list(x):
-    return [x] if isinstance(x, _Tensor) else list(x)
-
-
-def _grad_outputs(outputs, grads, what):
-    """Local outputs and their local upstream gradients for a backward over (possibly DTensor) outputs."""
-    outs = _as_list(outputs)
-    grads = [None] * len(outs) if grads is None else _as_list(grads)
-    if len(grads) != len(outs):
-        raise ValueError(f"{what}: got {len(grads)} gradients for {len(outs)} outputs")
-    louts, lgrads = [], []
-    for i, (o, g) in enumerate(zip(outs, grads)):
-        if isinstance(o, DTensor):
-            if g is None and o.numel() != 1:
-                raise RuntimeError(f"{what}: grad can be implicitly created only for scalar outputs; output {i} "
-                                   f"is a DTensor of global shape {tuple(o._gshape)}: pass its gradient")
-            if g is not None:
-                if not isinstance(g, DTensor):
-                    raise TypeError(f"{what}: the gradient of DTensor output {i} must be a DTensor, "
-                                    f"got {type(g).__name__}")
-                want = _grad_layout(o._layout)
-                g = (g if g._layout == want else g.redistribute(o._mesh, want))._local_tensor
-            o = o._local_tensor
-        elif isinstance(g, DTensor):
-            raise TypeError(f"{what}: output {i} is a plain tensor but its gradient is a DTensor")
-        louts.append(o)
-        lgrads.append(g)
-    return louts, lgrads
-
-
-def _autograd_grad(outputs, inputs, grad_outputs=None, **kwargs):
-    """``torch.autograd.grad`` over DTensors: runs on local tensors; DTensor inputs get DTensor gradients."""
-    louts, lgrads = _grad_outputs(outputs, grad_outputs, "torch.autograd.grad")
-    ins = _as_list(inputs)
-    lins = [i._local_tensor if isinstance(i, DTensor) else i for i in ins]
-    res = platform.autograd_grad(louts, lins, lgrads, **kwargs)
-    return tuple(DTensor._wrap(g, i._mesh, _grad_layout(i._layout), i._gshape)
-                 if g is not None and isinstance(i, DTensor) else g for g, i in zip(res, ins))
-
-
-def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
-                       inputs=None):
-    """``torch.autograd.backward`` over DTensors (see :func:`_autograd_grad`)."""
-    louts, lgrads = _grad_outputs(tensors, grad_tensors if grad_tensors is not None else grad_variables,
-                                  "torch.autograd.backward")
-    if inputs is not None:
-        inputs = [i._local_tensor if isinstance(i, DTensor) else i for i in _as_list(inputs)]
-    platform.autograd_backward(louts, lgrads, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
-
-
-def _retain_grad(self):
-    self._local_tensor.retain_grad()
-
-
-def _register_hook(self, hook):
-    mesh, layout, shape = self._mesh, _grad_layout(self._layout), self._gshape
-
-    def local_hook(g):
-        out = hook(DTensor._wrap(g, mesh, layout, shape))
-        if out is None:
-            return None
-        return out._local_tensor if isinstance(out, DTensor) else out
-    return self._local_tensor.register_hook(local_hook)
-
-
-def _item(self):
-    if self._layout.is_replicated():
-        return self._local_tensor.item()
-    return self.full_tensor().item()
-
-
-def _tolist(self):
-    return self.full_tensor().tolist()
-
-
-def _len(self):
-    if not self._gshape:
-        raise TypeError("len() of a 0-d tensor")
-    return self._gshape[0]
-
-
-def _setstate(self, state):
-    raise TypeError("DTensor cannot be unpickled")
-
-
-def _compatible_shallow_copy(a, b):
-    if isinstance(a, DTensor) and isinstance(b, DTensor):
-        # the local tensors decide: a meta local cannot take a CPU local by ``.data =``, so
-        # ``module.to_empty(device=...)`` replaces such a parameter (as for plain tensors)
-        return platform.has_compatible_shallow_copy_type(a._local_tensor, b._local_tensor)
-    if isinstance(a, DTensor) or isinstance(b, DTensor):
-        return False  # a DTensor and a plain tensor: ``.data =`` would mix the two kinds
-    return platform.has_compatible_shallow_copy_type(a, b)
-
-
-def _build_special():
-    T = platform.Tensor
-    table = {
-        T.detach: _detach,
-        T.requires_grad_: _requires_grad_,
-        T.backward: _backward,
-        T.retain_grad: _retain_grad,
-        T.register_hook: _register_hook,
-        T.item: _item,
-        T.tolist: _tolist,
-        T.__len__: _len,
-        T.__repr__: lambda self, *a, **k: repr(self),
-        T.__format__: lambda self, spec: repr(self),
-        T.__setstate__: _setstate,
-        platform.autograd_grad: _autograd_grad,
-        platform.autograd_backward: _autograd_backward,
-        # nn.Module._apply (module.to(dtype/device), .double()...) asks whether ``param.data =``
-        # may take the converted value; two DTensors always can (see the ``data`` setter)
-        platform.has_compatible_shallow_copy_type: _compatible_shallow_copy,
-    }
-    return table
-
-
-_SPECIAL = _build_special()
-
-
-def _dtype_code(dtype) -> int:
-    """A small integer naming ``dtype`` the same way on every rank (for the run_check table)."""
-    h = 0
-    for c in str(dtype):
-        h = (h * 131 + ord(c)) % 1000003
-    return h
-
-
-def _run_check(local, mesh, layout, gshape, check_stride=True):
-    """Validate every rank's local shape against one global layout and sync replicated data (collective).
-
-    Every rank's local and global shape is gathered over the mesh (one small
-    all_gather per mesh dim); the global shape of the mesh's first rank is the
-    reference. A rank whose shapes disagree raises a ValueError describing its
-    own shape; every other rank raises one naming those ranks, so no rank is left
-    waiting in a later collective. Then the data of each replicated mesh dim is
-    broadcast from that dim's first rank, also when ``local`` requires grad: the
-    result's gradient flows to ``local`` unchanged (as in PyTorch).
-    """
-    from hyper_parallel.core.dtensor.layout import coordinate_of
-
-    plat = get_platform()
-    coll = plat.collectives
-    nd = len(gshape)
-    # one row per rank: ndim, local shape, global shape, then dtype, requires_grad and local
-    # stride (the metadata PyTorch's run_check compares across ranks)
-    meta = (_dtype_code(local.dtype), int(local.requires_grad)) + tuple(local.stride())
-    table = plat.int_tensor((nd,) + tuple(local.shape) + tuple(gshape) + meta,
-                            device=local.device).reshape(1, -1)
-    for d in reversed(range(mesh.ndim)):  # innermost dim first: rows end up in row-major mesh order
-        if mesh.size(d) > 1:
-            table = coll.all_gather(table, 0, mesh.get_comm_group(d))
-    rows = [tuple(r) for r in table.tolist()]
-    first = mesh.rank_list[0]
-    ref = rows[0][1 + nd:1 + 2 * nd]
-    bad = []
-    for i, row in enumerate(rows):
-        want = layout.local_shape(ref, coord=coordinate_of(i, mesh.shape))
-        if row[0] != nd or row[1 + nd:1 + 2 * nd] != ref or row[1:1 + nd] != tuple(want):
-            bad.append(mesh.rank_list[i])
-    me = mesh.get_rank()
-    if me in bad:
-        want = layout.local_shape(ref, coord=mesh.get_coordinate())
-        raise ValueError(f"DTensor.from_local(run_check=True): rank {me} has local shape {tuple(local.shape)} "
-                         f"(global shape {tuple(gshape)}), but with placements {layout.placements} and the global "
-                         f"shape {ref} of rank {first} it should have local shape {want}; pass shape= (and "
-                         "stride=) for uneven shards")
-    if bad:
-        raise ValueError(f"DTensor.from_local(run_check=True): the local shapes of rank(s) {bad} do not match "
-                         f"placements {layout.placements} with the global shape {ref} of rank {first} "
-                         "(see the error raised there)")
-    ref_meta = rows[0][1 + 2 * nd:]
-    odd = [mesh.rank_list[i] for i, row in enumerate(rows)
-           if row[1 + 2 * nd:3 + 2 * nd] != ref_meta[:2] or (check_stride and row[3 + 2 * nd:] != ref_meta[2:])]
-    if odd:
-        raise ValueError(f"DTensor.from_local(run_check=True): inconsistent tensor metadata across ranks: rank(s) "
-                         f"{odd} differ from rank {mesh.rank_list[0]} in dtype, requires_grad"
-                         + (" or stride" if check_stride else "") + f" (this rank: dtype {local.dtype}, "
-                         f"requires_grad={local.requires_grad}, stride {tuple(local.stride())})")
-    for d, p in enumerate(layout.placements):
-        if p.is_replicate() and mesh.size(d) > 1:
-            group = mesh.get_comm_group(d)
-            synced = coll.broadcast(local.detach(), group, group.ranks[0])
-            if not local.requires_grad:
-                local = synced
-            elif synced.data_ptr() != local.data_ptr():  # the source keeps its own tensor
-                local = plat.functions.WithValue.apply(local, synced)
-    return local
-
-
-__all__ = ["DTensor", "build_layout"]
-
-# names HyperParallel imports from this module (see hyper_parallel.core.dtensor.api)
-_API_NAMES = frozenset({"distribute_tensor", "distribute_module", "ones", "empty", "full", "zeros", "rand", "randn"})
-
-
-def _build_layout(device_mesh: DeviceMesh, placements, tensor_dim: int) -> Layout:
-    """HyperParallel's name: the (cached) layout of a ``tensor_dim``-d tensor from placements or aliases."""
-    return build_layout(device_mesh, placements, tensor_dim)
-
-
-_is_alias_placements = is_alias_spelling  # HyperParallel's name
+__all__ = ["DTensor", "build_layout", "install_dispatcher", "register_special", "unregister_special",
+           "settle_pending_grads"]
 
 
 def __getattr__(name):
-    # HyperParallel documents ``from hyper_parallel.core.dtensor.dtensor import SkipDTensorDispatch``;
-    # it lives in the (higher) shard layer, so resolve it lazily instead of importing upwards.
-    if name == "SkipDTensorDispatch":
-        from hyper_parallel.core.shard.skip import SkipDTensorDispatch
-        return SkipDTensorDispatch
-    if name in _API_NAMES:
-        # HyperParallel's module layout: these live in api.py here (which imports this module)
-        from hyper_parallel.core.dtensor import api
-        return getattr(api, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # HyperParallel's names kept in this module there (distribute_tensor, SkipDTensorDispatch...)
+    return dtensor_module_getattr(__name__, name)

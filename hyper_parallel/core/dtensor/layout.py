@@ -19,7 +19,9 @@ from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.core.dtensor._hp_compat import LayoutCompatMixin, unit_repeat_num  # noqa: F401
+from hyper_parallel.core.dtensor._coords import coordinate_of  # noqa: F401  (its historical home)
+from hyper_parallel.core.dtensor._hp_layout_compat import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh  # noqa: F401  (HyperParallel imports it from here)
 
 NONE_ALIAS = "None"
 
@@ -38,15 +40,6 @@ def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> Tuple[int, 
 def chunk_sizes(size: int, num_chunks: int) -> Tuple[int, ...]:
     """Extents of all ``num_chunks`` pieces of ``size`` (torch.chunk rules, zeros padded in)."""
     return tuple(chunk_size_and_offset(size, num_chunks, i)[0] for i in range(num_chunks))
-
-
-def coordinate_of(flat_index: int, mesh_shape: Sequence[int]) -> Tuple[int, ...]:
-    """Row-major coordinate of position ``flat_index`` in a mesh of ``mesh_shape``."""
-    coord = []
-    for s in reversed(mesh_shape):
-        coord.append(flat_index % s)
-        flat_index //= s
-    return tuple(reversed(coord))
 
 
 def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int],
@@ -141,7 +134,6 @@ class Layout(LayoutCompatMixin):
         """
         pls = aliases[0] if len(aliases) == 1 and isinstance(aliases[0], (list, tuple)) else aliases
         if pls and all(isinstance(p, Placement) for p in pls):
-            from hyper_parallel.core.dtensor._hp_compat import PlacementSpec
             return PlacementSpec(self, tuple(pls))
         return self.with_aliases(aliases)
 
@@ -428,14 +420,6 @@ def _get_slice_tensor_by_layout(tensor, layout: "Layout"):
         if n != tensor.shape[d]:
             out = out.narrow(d, o, n)
     return out.clone() if out is tensor else out.contiguous()
-
-
-def __getattr__(name):
-    # HyperParallel imports ``DeviceMesh`` from this module; device_mesh.py imports this one, so lazily
-    if name == "DeviceMesh":
-        from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
-        return DeviceMesh
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Layout", "chunk_sizes", "chunk_size_and_offset", "local_shape_and_offset", "is_alias_spelling"]

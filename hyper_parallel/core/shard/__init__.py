@@ -1,5 +1,5 @@
 """Op dispatch, sharding rules and custom distributed functions."""
-from hyper_parallel.core.shard import _op_dispatch  # noqa: F401  (installs the DTensor op handler)
+from hyper_parallel.core.shard import dispatcher  # noqa: F401  (installs the DTensor op handler)
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, OpCall
 from hyper_parallel.core.shard.ops.op_table import load_all as _load_all
 

@@ -26,20 +26,29 @@ METHODS = (
 )
 
 
-def install(cls, dispatch, platform):
-    """Define each of :data:`METHODS` on ``cls`` (the DTensor class).
+def make_methods(cls, dispatch, platform) -> dict:
+    """``{name: method}`` for each of :data:`METHODS` the framework's Tensor has, for ``cls`` (the
+    DTensor class); ``dtensor.install_dispatcher`` defines them on the class.
 
-    ``dispatch``: the ``_op_dispatch`` module, whose fast cache (``_FAST``) and
-    fast-path helpers the methods share; ``platform``: the framework platform
+    ``dispatch``: the dispatcher module (``core/shard/dispatcher.py``), whose fast cache
+    (``_FAST``) and fast-path helpers the methods share; ``platform``: the framework platform
     (original methods, torch-function state checks, and the function object
     ``__torch_function__`` receives for each method, which keys the cache:
     ``a + b`` arrives as ``Tensor.add``).
     """
+    out = {}
     for name in METHODS:
         orig = getattr(platform.Tensor, name, None)
         key_func = platform.torch_function_func(name) if orig is not None else None
         if key_func is not None:
-            setattr(cls, name, _make(orig, key_func, name, cls, dispatch, platform))
+            out[name] = _make(orig, key_func, name, cls, dispatch, platform)
+    return out
+
+
+def install(cls, dispatch, platform):
+    """Define the methods of :func:`make_methods` on ``cls``."""
+    for name, fn in make_methods(cls, dispatch, platform).items():
+        setattr(cls, name, fn)
 
 
 def _make(orig, kf, name, DT, dispatch, platform):

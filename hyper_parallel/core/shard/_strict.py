@@ -23,7 +23,7 @@ import warnings
 
 from hyper_parallel.core.shard import modes as _modes
 
-_WARNED: set = set()
+_WARNED = _modes.STRICT_WARNED  # (op, layouts) warned about; cleared by modes._reset
 _SDPA = "scaled_dot_product_attention"
 
 

@@ -33,7 +33,7 @@ Example::
 from __future__ import annotations
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.shard._op_dispatch import _OP_DISPATCHER
+from hyper_parallel.core.shard.dispatcher import dispatch as _dispatch
 from hyper_parallel.platform import get_platform
 
 platform = get_platform()
@@ -71,7 +71,7 @@ class DFunction(platform.Function):
                 raise ValueError(
                     f"{cls.__name__} received DTensor inputs but '_op_name' is not set. Set '_op_name' on the "
                     "subclass and register a matching DistributedOp (e.g. MyRule('MyOp')).")
-            return _OP_DISPATCHER.dispatch(cls._local_callable(), args, kwargs)
+            return _dispatch(cls._local_callable(), args, kwargs)
         return super().apply(*args, **kwargs)
 
     @classmethod

@@ -1,4 +1,13 @@
-"""Dispatch switches (public home): strict layouts.
+"""Dispatch switches and flags (public home): strict layouts, implicit replication, replicate
+fallback, debug logging, SkipDTensorDispatch and HyperParallel's no-skip set.
+
+State only: this module imports nothing of the dispatcher; the dispatcher reads the
+flags here on every call and registers (:func:`on_switch_change`) the function that
+clears its caches when a switch that changes cached answers is flipped.
+``implicit_replication`` and ``SkipDTensorDispatch`` are the very objects of
+``core/dtensor/dispatch_state.py`` (the DTensor layer needs them too).
+
+**Strict layouts.**
 
 ``strict_layouts`` decides what the dispatcher does when an op's sharding rule
 needs an input redistributed *implicitly* (a sharded tensor dim gathered or
@@ -20,6 +29,11 @@ from __future__ import annotations
 
 import os
 
+from hyper_parallel.core.dtensor import dispatch_state as _ds
+from hyper_parallel.core.dtensor.dispatch_state import (  # noqa: F401  (public home of these names)
+    SkipDTensorDispatch, add_no_skip_ops, disable_dtensor_dispatch, enable_dtensor_dispatch, get_no_skip_ops,
+    implicit_replication, remove_no_skip_ops)
+
 OFF, STRICT, WARN = 0, 1, 2
 _NAMES = {OFF: "off", STRICT: "strict", WARN: "warn"}
 ENV_VAR = "HYPER_PARALLEL_STRICT_LAYOUTS"
@@ -40,6 +54,8 @@ def _mode_from_env(environ=os.environ) -> int:
 
 # STATE[0] is read by the dispatcher on every call that needs a redistribution (one list index)
 STATE = [_mode_from_env()]
+# (op, layouts) the warn-only mode has warned about (core/shard/_strict.py)
+STRICT_WARNED: set = set()
 
 
 class ImplicitRedistributionWarning(UserWarning):
@@ -101,12 +117,59 @@ def strict_layouts_mode() -> str:
     return _NAMES[STATE[0]]
 
 
+def _debug_from_env(environ=os.environ) -> bool:
+    """``HYPER_PARALLEL_DEBUG`` set to anything but empty/``0``/``false`` turns debug logging on."""
+    return environ.get("HYPER_PARALLEL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+# read by the dispatcher: "fallback" on a cache miss without a rule, "debug" when a miss redistributes
+FLAGS = {"fallback": False, "debug": _debug_from_env()}
+WARNED_FALLBACK: set = set()  # ops the replicate fallback has warned about
+_ON_CHANGE: list = []
+
+
+def on_switch_change(fn) -> None:
+    """Call ``fn()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
+    cache clearing)."""
+    if not callable(fn):
+        raise TypeError(f"on_switch_change: fn must be callable, got {fn!r}")
+    _ON_CHANGE.append(fn)
+
+
+def _changed() -> None:
+    for fn in _ON_CHANGE:
+        fn()
+
+
+def allow_replicate_fallback(enabled: bool = True) -> None:
+    """Run ops without a rule replicated (inputs gathered), warning once per op.
+
+    Every call starts afresh: ops that warned before warn again once.
+    """
+    FLAGS["fallback"] = bool(enabled)
+    WARNED_FALLBACK.clear()
+    _changed()
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Log every redistribution the dispatcher inserts (logger ``hyper_parallel.dispatch``)."""
+    FLAGS["debug"] = bool(enabled)
+    _changed()
+
+
 def _reset() -> None:
-    """Back to the environment's mode (test harness) and forget which warnings were shown."""
+    """Back to the environment's modes (test harness) and forget which warnings were shown."""
     STATE[0] = _mode_from_env()
-    from hyper_parallel.core.shard import _strict
-    _strict._WARNED.clear()
+    STRICT_WARNED.clear()
+    WARNED_FALLBACK.clear()
+    _ds.IMPLICIT_REPLICATION[0] = False
+    if FLAGS["fallback"]:
+        allow_replicate_fallback(False)
+    if FLAGS["debug"] != _debug_from_env():
+        set_debug(_debug_from_env())
 
 
 __all__ = ["strict_layouts", "set_strict_layouts", "strict_layouts_mode", "StrictLayoutError",
-           "StrictLayoutNotImplementedError", "ImplicitRedistributionWarning"]
+           "StrictLayoutNotImplementedError", "ImplicitRedistributionWarning", "implicit_replication",
+           "allow_replicate_fallback", "set_debug", "SkipDTensorDispatch", "add_no_skip_ops", "remove_no_skip_ops",
+           "get_no_skip_ops", "disable_dtensor_dispatch", "enable_dtensor_dispatch", "on_switch_change"]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from hyper_parallel.core.dtensor import dtensor as _dt
-from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.dtensor import DTensor, register_special, unregister_special
 from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.core.shard import dispatcher
 from hyper_parallel.core.shard.ops import base as _base
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy
 from hyper_parallel.platform import get_platform
@@ -69,7 +69,8 @@ class _LossParallelCE(DistributedOp):
 
     def __init__(self, op_name, previous):
         self.previous = previous
-        super().__init__(op_name)
+        # not registered here: loss_parallel installs it with base.override (undone on exit)
+        super().__init__(op_name, register=False)
 
     def strategy(self, call):
         lay = call.layouts[0]
@@ -136,9 +137,8 @@ def _cross_entropy_plain_target(input, target=None, *args, **kwargs):
     """``F.cross_entropy`` inside ``loss_parallel()``: accept a plain class-index target (see module doc)."""
     if getattr(_tls, "active", False):
         # re-entered from the op handler below: go straight to the rule-based dispatch
-        from hyper_parallel.core.shard._op_dispatch import _OP_DISPATCHER
         call_args = (input,) + args if target is None else (input, target) + args
-        return _OP_DISPATCHER.dispatch(platform.F.cross_entropy, call_args, kwargs)
+        return dispatcher.dispatch(platform.F.cross_entropy, call_args, kwargs)
     in_kwargs = target is None and "target" in kwargs
     if in_kwargs:
         target = kwargs["target"]
@@ -162,7 +162,7 @@ def _cross_entropy_plain_target(input, target=None, *args, **kwargs):
     # through the regular handler, so that SkipDTensorDispatch and friends still apply
     _tls.active = True
     try:
-        return _dt._OP_HANDLER(platform.F.cross_entropy, (), call_args, kwargs)
+        return dispatcher.handle(platform.F.cross_entropy, call_args, kwargs)
     finally:
         _tls.active = False
 
@@ -180,19 +180,10 @@ def loss_parallel():
     no communication.
     """
     prev = _base.get_rule("cross_entropy")
-    _LossParallelCE("cross_entropy", prev)
     ce = platform.F.cross_entropy
-    prev_special = _dt._SPECIAL.get(ce)
-    _dt._SPECIAL[ce] = _cross_entropy_plain_target
-    try:
-        yield
-    finally:
-        if prev_special is not None:
-            _dt._SPECIAL[ce] = prev_special
-        else:
-            _dt._SPECIAL.pop(ce, None)
-        if prev is not None:
-            _base._REGISTRY["cross_entropy"] = prev
-        else:
-            _base._REGISTRY.pop("cross_entropy", None)
-        _base._invalidate()
+    with _base.override("cross_entropy", _LossParallelCE("cross_entropy", prev)):
+        prev_special = register_special(ce, _cross_entropy_plain_target)
+        try:
+            yield
+        finally:
+            unregister_special(ce, prev_special)

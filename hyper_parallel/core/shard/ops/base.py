@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.core.dtensor import redistribute_plan as rp
 
@@ -73,12 +74,13 @@ class DistributedOp:
         MyAddDistOp("MyAdd")
     """
 
-    def __init__(self, op_name: str):
+    def __init__(self, op_name: str, *, register: bool = True):
+        """``register=False`` builds the rule without serving ``op_name`` with it (for :class:`override`)."""
         if not isinstance(op_name, str) or not op_name:
             raise TypeError(f"DistributedOp(op_name): op_name must be a non-empty string, got {op_name!r}")
         self.op_name = op_name
-        _REGISTRY[op_name] = self
-        _invalidate()
+        if register:
+            _register(op_name, self)
 
     @property
     def float_args_matter(self) -> bool:
@@ -121,7 +123,6 @@ class DistributedOp:
 
 
 def _is_dtensor(x):
-    from hyper_parallel.core.dtensor.dtensor import DTensor
     return isinstance(x, DTensor)
 
 
@@ -137,12 +138,69 @@ def bind_args(args, kwargs, names) -> Dict[str, Any]:
     return v
 
 
+# ----------------------------------------------------------------------------- the registry
 _INVALIDATE_HOOKS: List[Callable[[], None]] = []
+
+
+def on_registry_change(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever a rule or decomposition is registered or removed (the dispatcher's
+    cache clearing)."""
+    if not callable(fn):
+        raise TypeError(f"on_registry_change: fn must be callable, got {fn!r}")
+    _INVALIDATE_HOOKS.append(fn)
 
 
 def _invalidate():
     for h in _INVALIDATE_HOOKS:
         h()
+
+
+def _check_entry(what, name, op):
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what}: name must be a non-empty op name string, got {name!r}")
+    if not isinstance(op, DistributedOp):
+        raise TypeError(f"{what}: op must be a DistributedOp instance, got {type(op).__name__}")
+
+
+def register(name: str, op: "DistributedOp") -> None:
+    """Serve op ``name`` with the rule instance ``op`` from now on (replaces any earlier rule)."""
+    _check_entry("register", name, op)
+    _REGISTRY[name] = op
+    _invalidate()
+
+
+_register = register  # (DistributedOp.__init__'s keyword shadows the name there)
+
+
+class override:
+    """Serve op ``name`` with ``op`` until undone: ``with override(name, op): ...`` or
+    ``h = override(name, op); ...; h.undo()``. Undoing restores the rule registered before
+    (or none); dispatch caches are cleared both times."""
+
+    def __init__(self, name: str, op: "DistributedOp"):
+        _check_entry("override", name, op)
+        self.name, self.op = name, op
+        self.previous = _REGISTRY.get(name)
+        self._active = True
+        _REGISTRY[name] = op
+        _invalidate()
+
+    def undo(self) -> None:
+        if not self._active:
+            return
+        self._active = False
+        if self.previous is not None:
+            _REGISTRY[self.name] = self.previous
+        else:
+            _REGISTRY.pop(self.name, None)
+        _invalidate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+        return False
 
 
 def get_rule(name: str) -> Optional[DistributedOp]:
@@ -297,7 +355,6 @@ def register_decomposition(func: Callable, fn: Callable) -> None:
 
 def meta_run(func, args, kwargs):
     """Run ``func`` on meta tensors with the global shapes of the inputs (shape inference)."""
-    from hyper_parallel.core.dtensor.dtensor import DTensor
     from hyper_parallel.platform import get_platform
     plat = get_platform()
 

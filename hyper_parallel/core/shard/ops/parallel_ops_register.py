@@ -12,8 +12,7 @@ def register_distributed_op(op_name: str, op) -> None:
         raise TypeError(f"register_distributed_op: op_name must be a non-empty string, got {op_name!r}")
     if not isinstance(op, _base.DistributedOp):
         raise TypeError(f"register_distributed_op: op must be a DistributedOp instance, got {type(op).__name__}")
-    _base._REGISTRY[op_name] = op
-    _base._invalidate()
+    _base.register(op_name, op)
 
 
 def get_distributed_op(op_name: str):

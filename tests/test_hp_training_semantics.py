@@ -181,3 +181,26 @@ def _seed_conventions():
 
 def test_plain_backward_seed_follows_the_mesh_semantics(dist_runner):
     assert dist_runner.run(2, _seed_conventions) == [True] * 2
+
+
+def _redistribute_to_layout():
+    """HyperParallel's ``x.redistribute(dst_layout)``: one tensor Layout gives mesh and placements."""
+    layout = Layout((2,), ("dp",))
+    x = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    d = distribute_tensor(x, layout.mesh, layout("dp", "None"))
+    y = d.redistribute(layout("None", "dp"))
+    assert y.placements == (Shard(1),) and y.device_mesh == layout.mesh
+    torch.testing.assert_close(y.full_tensor(), x)
+    p = distribute_tensor(x, layout.mesh, layout("dp", "None")).sum(0)   # Partial(sum) over dp
+    r = p.redistribute(layout("None",))
+    assert r.placements == (Replicate(),)
+    torch.testing.assert_close(r.to_local(), x.sum(0))
+    with pytest.raises(TypeError, match="already carries the placements"):
+        d.redistribute(layout("None", "dp"), [Replicate()])
+    with pytest.raises(ValueError, match="device-matrix Layout has no tensor map"):
+        d.redistribute(layout)
+    return True
+
+
+def test_redistribute_to_a_layout(dist_runner):
+    assert dist_runner.run(2, _redistribute_to_layout) == [True] * 2

@@ -366,6 +366,9 @@ class DTensor(platform.DTensorBase):
                      forward_dtype=None, backward_dtype=None) -> "DTensor":
         """Return this tensor laid out as ``placements`` (differentiable; cheapest plan).
 
+        HyperParallel's form ``redistribute(dst_layout)`` takes a tensor ``Layout`` (mesh and
+        placements in one, ``Partial`` included) as the only argument.
+
         ``device_mesh`` may be another mesh (other ranks or another shape): the
         overlapping pieces then move point to point (see ``docs/dtensor.md``,
         "Cross-mesh redistribution").
@@ -380,6 +383,16 @@ class DTensor(platform.DTensorBase):
         the gradient's collectives run in; the gradient reaching this tensor has its
         dtype either way.
         """
+        if isinstance(device_mesh, Layout):
+            # HyperParallel's form, ``x.redistribute(dst_layout)``: a tensor Layout carries mesh and placements
+            if placements is not None:
+                raise TypeError("redistribute(layout): a Layout already carries the placements; got placements="
+                                f"{placements!r} too")
+            if device_mesh.dim_map is None:
+                raise ValueError(f"redistribute({device_mesh!r}): a device-matrix Layout has no tensor map; call "
+                                 "it with one alias per tensor dim first, e.g. layout('dp', 'None')")
+            return self._redistribute(device_mesh.mesh, device_mesh, forward_dtype=forward_dtype,
+                                      backward_dtype=backward_dtype)
         if device_mesh is not None:
             device_mesh = resolve_mesh(device_mesh, "redistribute")  # a torch mesh is adopted first
         same_mesh = device_mesh is None or device_mesh is self._mesh or device_mesh == self._mesh

@@ -613,12 +613,8 @@ _COMPILE = platform.compile_support
 _COMPILING = _COMPILE.is_compiling
 
 
-def _dynamo_loaded_from_state():
-    return _COMPILE._STATE["dynamo_loaded"]
-
-
-# the compile support's accessor (falls back to its state dict on platforms that predate it)
-_DYNAMO_LOADED = getattr(_COMPILE, "is_dynamo_loaded", None) or _dynamo_loaded_from_state
+# the compile state is read through the platform's function, never its private table
+_DYNAMO_LOADED = _COMPILE.is_dynamo_loaded
 _COMPILE.install(DTensor, _torch_function, (_Layout, _dt.DeviceMesh, _dt.Shard, _dt.Replicate, _dt.Partial),
                  _fast_methods.METHODS)
 

@@ -43,6 +43,11 @@ is_compiling = torch.compiler.is_compiling
 _STATE = {"dtensor": None, "handler": None, "compile_mode": False, "removed": {}, "fast_names": (),
           "dynamo_loaded": False, "api_traced": {}}
 
+def is_dynamo_loaded() -> bool:
+    """Whether dynamo has met a DTensor in this process (the dispatcher's compile-time branch is live)."""
+    return bool(_STATE["dynamo_loaded"])
+
+
 # overridden methods dynamo cannot inline on a subclass (besides the fast methods): removed in compile mode
 _OVERRIDDEN = ("size", "dim", "numel", "to", "float")
 

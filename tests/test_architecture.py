@@ -26,7 +26,7 @@ pytest.importorskip("importlinter")
 def _lint(cwd: Path, config: Path):
     exe = Path(sys.executable).with_name("lint-imports")
     env = dict(os.environ, PYTHONPATH=str(cwd))
-    return subprocess.run([str(exe), "--no-cache", str(config)], cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run([str(exe), "--no-cache", "--no-logo", str(config)], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -1,19 +1,12 @@
-"""The house in one look (issue 22, core side): import layers, no import cycles, public hooks.
+"""The public hooks between packages (issue 22): one home for the switches, checked hook arguments.
 
-The import graph is read from the source (every ``import`` statement, at module level
-and inside functions, as import-linter's grimp reads it). Layers, bottom to top:
-``platform`` < ``core.dtensor`` < ``core.shard`` < ``core.tensor_parallel`` / ``core.fsdp`` /
-``core.hsdp`` / ``core.utils`` < ``debug`` < the rest. The public hooks that replaced
-writes into private tables (``register`` / ``override``, ``register_special``,
-``install_dispatcher``, ``provide_dtensor_names``, ``register_export``) are exercised on
-real DTensors (2 ranks).
+The hooks that replaced writes into private tables (``register`` / ``override``,
+``register_special``, ``install_dispatcher``, ``provide_dtensor_names``, ``register_export``)
+are exercised on real DTensors (2 ranks). The import layers and the absence of import cycles
+are checked by ``tests/test_architecture.py`` (import-linter contracts and grimp).
 """
 from __future__ import annotations
 
-import ast
-import os
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -21,134 +14,6 @@ import torch
 import hyper_parallel
 from hyper_parallel import Replicate, Shard
 
-ROOT = os.path.dirname(hyper_parallel.__file__)
-
-
-def import_graph(pkg_dir, pkg_name):
-    """``{module: {(imported module, line)}}`` for every module under ``pkg_dir`` (all import statements)."""
-    mods = {}
-    for dirpath, _, files in os.walk(pkg_dir):
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, f), pkg_dir)[:-3].split(os.sep)
-            if rel[-1] == "__init__":
-                rel = rel[:-1]
-            mods[".".join([pkg_name] + rel)] = os.path.join(dirpath, f)
-    graph = {}
-    for name, path in mods.items():
-        edges = set()
-        with open(path, encoding="utf-8") as fh:
-            tree = ast.parse(fh.read(), path)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                           for a in node.names]
-            else:
-                continue
-            for t in targets:
-                while t and t not in mods and "." in t:
-                    t = t.rsplit(".", 1)[0]
-                if t in mods and t != name:
-                    edges.add((t, node.lineno))
-        graph[name] = edges
-    return graph
-
-
-def cycles(graph):
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-    sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w, _ in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_scanner_sees_deferred_import_cycles(tmp_path):
-    # the checks below would pass vacuously if the scanner missed imports inside functions
-    pkg = tmp_path / "pk"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from pk.b import g\n")
-    (pkg / "b.py").write_text(textwrap.dedent("""
-        def g():
-            from pk import a  # deferred: still an edge
-            return a
-    """))
-    graph = import_graph(str(pkg), "pk")
-    assert ("pk.b", 1) in graph["pk.a"] and any(t == "pk.a" for t, _ in graph["pk.b"])
-    assert cycles(graph) == [["pk.a", "pk.b"]]
-
-
-def test_no_import_cycles_outside_platform():
-    graph = import_graph(ROOT, "hyper_parallel")
-    assert len(graph) > 100 and any(t == "hyper_parallel.core.dtensor.dtensor"
-                                    for t, _ in graph["hyper_parallel.core.shard.dispatcher"])
-    found = [c for c in cycles(graph) if not all(m.startswith("hyper_parallel.platform") for m in c)]
-    assert found == [], found
-
-
-_LAYERS = [("hyper_parallel.platform",), ("hyper_parallel.core.dtensor",), ("hyper_parallel.core.shard",),
-           ("hyper_parallel.core.tensor_parallel", "hyper_parallel.core.fsdp", "hyper_parallel.core.hsdp",
-            "hyper_parallel.core.utils"), ("hyper_parallel.debug",)]
-
-
-def _level(mod):
-    for i, prefixes in enumerate(_LAYERS):
-        if any(mod == p or mod.startswith(p + ".") for p in prefixes):
-            return i
-    return len(_LAYERS)  # facades, checkpoint, the package root: the top
-
-
-@pytest.mark.parametrize("layer", ["hyper_parallel.core.dtensor", "hyper_parallel.core.shard",
-                                   "hyper_parallel.core.tensor_parallel"])
-def test_core_imports_point_downwards(layer):
-    graph = import_graph(ROOT, "hyper_parallel")
-    mine = [m for m in graph if m == layer or m.startswith(layer + ".")]
-    assert mine
-    up = [(m, t, line) for m in mine for t, line in graph[m] if _level(t) > _level(m)]
-    assert up == [], up
-
-
-def test_core_does_not_import_the_framework():
-    core = os.path.join(ROOT, "core")
-    bad = []
-    for dirpath, _, files in os.walk(core):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                with open(path, encoding="utf-8") as fh:
-                    tree = ast.parse(fh.read(), path)
-                for node in ast.walk(tree):
-                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                        [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-                    bad += [(path, node.lineno, n) for n in names if n == "torch" or n.startswith("torch.")]
-    assert bad == [], bad
 
 
 def test_public_homes_are_the_same_objects():

@@ -262,8 +262,9 @@ class ConvRule(DistributedOp):
         out_dm = ([batch] if batched else []) + [out_ch] + [spatial.get(c + 1 + j, ()) for j in range(nsp)]
         out = x.with_dim_map(out_dm, partial)
         local_groups = groups
-        if chan:
-            lshape, _ = targets[0].local_shape_and_offset(xs, coord=call.mesh.get_coordinate())
+        coord = call.mesh.get_coordinate()
+        if chan and coord is not None:  # (a rank outside the mesh runs nothing)
+            lshape, _ = targets[0].local_shape_and_offset(xs, coord=coord)
             local_groups = lshape[c] // (xs[c] // groups)
         return Strategy(targets, out, local_fn=_local_conv(call.func, local_groups, c, pads, kernel, stride,
                                                            dilation))

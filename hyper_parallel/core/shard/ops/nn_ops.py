@@ -11,7 +11,8 @@ signature as the op) that makes a sharded computation exact:
 * ``embedding``: ids keep their shards; a weight sharded on the embedding dim
   shards the output's last dim; a weight sharded on the vocab rows ("vocab
   parallel") looks up only its own rows (other ids give zero rows) and the
-  output is ``Partial(sum)``.
+  output is ``Partial(sum)``; ``scale_grad_by_freq=True`` keeps these layouts and
+  scales the weight gradient by global frequencies (counts all_reduced in backward).
 * ``dropout``: on a sharded or Partial input the mask comes from the
   layout-independent DTensor RNG, so the result does not depend on the mesh or
   the sharding; on a replicated input it is torch's own dropout (``random_ops.py``).

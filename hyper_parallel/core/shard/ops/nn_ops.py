@@ -11,7 +11,8 @@ signature as the op) that makes a sharded computation exact:
 * ``embedding``: ids keep their shards; a weight sharded on the embedding dim
   shards the output's last dim; a weight sharded on the vocab rows ("vocab
   parallel") looks up only its own rows (other ids give zero rows) and the
-  output is ``Partial(sum)``.
+  output is ``Partial(sum)``; ``scale_grad_by_freq=True`` keeps these layouts and
+  scales the weight gradient by global frequencies (counts all_reduced in backward).
 * ``dropout``: on a sharded or Partial input the mask comes from the
   layout-independent DTensor RNG, so the result does not depend on the mesh or
   the sharding; on a replicated input it is torch's own dropout (``random_ops.py``).
@@ -217,10 +218,11 @@ class EmbeddingRule(DistributedOp):
         if a.get("max_norm") is not None:
             # max_norm renormalizes the looked-up rows of the weight in place: keep it whole
             w = w.replicated()
-        if a.get("scale_grad_by_freq", False):
-            # frequencies must be counted over the whole batch and every looked-up row
-            w = _drop_mesh_dims(w, w.dim_map[0])
+        scale = bool(a.get("scale_grad_by_freq", False))
+        if scale and a.get("max_norm") is not None:
+            # max_norm renormalizes the weight in place: frequencies counted on whole ids (torch's own kernel)
             ids = ids.replicated()
+            scale = False
         # candidate A: keep the weight, drop conflicting id shards; B: keep the ids, drop weight shards
         cands = []
         wdims = set(w.dim_map[0]) | set(w.dim_map[1])
@@ -252,10 +254,55 @@ class EmbeddingRule(DistributedOp):
         rows_dims = tw.dim_map[0]
         out = output(best)
         local_fn = None
+        start, rows = 0, wshape[0]
         if rows_dims:
             lshape, off = tw.local_shape_and_offset(wshape, coord=_coord(call))
-            local_fn = _vocab_parallel_embedding(names, off[0], lshape[0], wshape[0])
+            start, rows = off[0], lshape[0]
+            local_fn = _vocab_parallel_embedding(names, start, rows, wshape[0])
+        if scale:
+            # the ids keep their shards: the gradient is scaled by the GLOBAL frequency of each row
+            # (per-row counts all_reduced over the mesh dims sharding the ids, in backward)
+            groups = [call.mesh.get_comm_group(d) for d in ti.sharded_mesh_dims() if call.mesh.size(d) > 1]
+            local_fn = _freq_scaled_embedding(names, local_fn, start, rows, wshape[0], groups)
         return Strategy(a.targets(best), out, local_fn=local_fn, out_shapes=out_shape)
+
+
+class _GlobalFreqGradScale(get_platform().Function):
+    """Identity on the (local) weight; backward divides each row's gradient by the number of times
+    its id occurs in the whole (global) ids tensor: local counts all_reduced over ``groups``."""
+
+    @staticmethod
+    def forward(ctx, w, ids, start, vocab, groups):
+        ctx.save_for_backward(ids)
+        ctx.start, ctx.vocab, ctx.groups = start, vocab, groups
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        plat = get_platform()
+        ids, = ctx.saved_tensors
+        counts = plat.ops.bincount(ids.reshape(-1), minlength=ctx.vocab)
+        for grp in ctx.groups:
+            counts = plat.collectives.all_reduce(counts, grp, "sum")
+        counts = counts[ctx.start:ctx.start + g.shape[0]].clamp(min=1).to(g.dtype)
+        return g / counts.reshape((-1,) + (1,) * (g.dim() - 1)), None, None, None, None
+
+
+def _freq_scaled_embedding(names, inner, start, rows, vocab, groups):
+    """``scale_grad_by_freq=True`` with global frequencies: the lookup runs unscaled (``inner``, or
+    F.embedding) on a weight whose gradient :class:`_GlobalFreqGradScale` scales."""
+    F = get_platform().F
+
+    def fn(*args, **kwargs):
+        v = _bind(args, kwargs, names)
+        ids, w = v["input"], v["weight"]
+        if w.requires_grad and rows:
+            w = _GlobalFreqGradScale.apply(w, ids, start, vocab, groups)
+        if inner is not None:
+            return inner(**dict(v, weight=w, scale_grad_by_freq=False))
+        return F.embedding(ids, w, v.get("padding_idx"), v.get("max_norm"), v.get("norm_type", 2.0), False,
+                           v.get("sparse", False))
+    return fn
 
 
 def _vocab_parallel_embedding(names, start, rows, vocab):

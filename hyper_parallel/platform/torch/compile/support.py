@@ -99,7 +99,21 @@ _NONE = _NoneArg()
 def _register_constants(classes):
     for cls in classes + (_NoneArg,):
         cls.__fx_repr__ = _fx_repr
-        register_opaque_type(cls, typ="value", members=_members(cls))
+        try:
+            register_opaque_type(cls, typ="value", members=_members(cls))
+        except TypeError as e:
+            # an older torch (2.11 asks value types to subclass its OpaqueBase): eager DTensor code
+            # works; compiling DTensor code is refused with this reason (see _require_opaque)
+            _STATE["opaque_error"] = f"{type(e).__name__}: {e}"
+            return
+
+
+def _require_opaque():
+    """Raise a clear error where torch.compile would meet a DTensor on a torch without our opaque constants."""
+    err = _STATE.get("opaque_error")
+    if err:
+        raise RuntimeError(f"torch.compile of DTensor code needs torch 2.13's opaque value types; this torch "
+                           f"({torch.__version__}) refused them ({err[:200]}). Eager DTensor code is unaffected.")
 
 
 # ----------------------------------------------------------------------------- flatten / unflatten
@@ -391,6 +405,7 @@ def _when_dynamo_loads():
 # ----------------------------------------------------------------------------- compile mode
 def _enter_compile_mode():
     """Remove the class-level methods dynamo cannot inline (once per process; see module docstring)."""
+    _require_opaque()
     if _STATE["compile_mode"]:
         return
     DTensor = _STATE["dtensor"]

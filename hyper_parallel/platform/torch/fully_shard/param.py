@@ -85,7 +85,11 @@ class FSDPParam:
         self.compute_device = None
         if offload_pin_memory is not None:
             if local.device.type != "meta":
-                self.compute_device = torch.device(dp_mesh.device_type) if dp_mesh.device_type != "cpu" else None
+                # with its index (cuda:0, not cuda): alloc_unsharded compares devices, and an unindexed
+                # one never equals a tensor's, which re-allocated the unsharded parameter at every
+                # unshard and left the one saved for backward freed (seen on an H100)
+                self.compute_device = (torch.empty(0, device=dp_mesh.device_type).device
+                                       if dp_mesh.device_type != "cpu" else None)
                 local = local.to("cpu")
                 if offload_pin_memory and torch.cuda.is_available():
                     local = local.pin_memory()

@@ -117,16 +117,7 @@ class SkipDTensorDispatch:
     """
 
     def __init__(self, no_skip: Optional[Iterable] = None):
-        entries = set()
-        for op in no_skip or ():
-            if isinstance(op, str):
-                entries.add(op)
-            elif callable(op):
-                entries.add(op)
-                entries.add(get_platform().op_name(op))
-            else:
-                raise TypeError(f"SkipDTensorDispatch(no_skip=...): entries must be callables or op names, got {op!r}")
-        self._no_skip = frozenset(entries)
+        self._no_skip = frozenset(_no_skip_entries(no_skip or (), "SkipDTensorDispatch(no_skip=...)"))
 
     def __enter__(self):
         settle_pending_grads()

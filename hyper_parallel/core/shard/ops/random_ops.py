@@ -100,29 +100,40 @@ class BernoulliRule(DistributedOp):
         return Strategy([tgt], tgt, local_fn=local_fn, out_shapes=shape)
 
 
+def _inplace_draw(call):
+    """Common start of the in-place draw rules: torch's own draw when the tensor is replicated
+    (returned as ``(strategy, None)``), else ``(None, (plat, shape, layout, local shape, offset))``
+    for the layout-independent stream."""
+    _first_dt(call, "tensor")
+    plat = get_platform()
+    shape = plat.Size(call.shapes[0])
+    lay = call.layouts[0]
+    st = torch_draws(call, out_layout=lay, out_shapes=shape)
+    if st is not None:
+        return st, None
+    _no_generator(call, call.kwargs)
+    if lay.has_partial():
+        raise RuntimeError(f"{call.name} on a Partial DTensor is ambiguous; call reduce_partial() first")
+    lshape, off = lay.local_shape_and_offset(tuple(shape), coord=call.mesh.get_coordinate())
+    return None, (plat, shape, lay, lshape, off)
+
+
 class BernoulliInplaceRule(DistributedOp):
     """x.bernoulli_(p): p a float or a DTensor of x's shape (laid out like x)."""
 
     float_args_matter = False
 
     def strategy(self, call):
-        _first_dt(call, "tensor")
-        plat = get_platform()
-        shape = plat.Size(call.shapes[0])
-        lay = call.layouts[0]
-        st = torch_draws(call, out_layout=lay, out_shapes=shape)
+        st, stream = _inplace_draw(call)
         if st is not None:
             return st
-        _no_generator(call, call.kwargs)
-        if lay.has_partial():
-            raise RuntimeError(f"{call.name} on a Partial DTensor is ambiguous; call reduce_partial() first")
+        plat, shape, lay, lshape, off = stream
         targets = [lay]
         if len(call.layouts) > 1:
             if len(call.layouts) != 2 or tuple(call.shapes[1]) != tuple(shape):
                 raise NotImplementedError(f"{call.name}: p must be a float or a DTensor of the same shape "
                                           f"{tuple(shape)}, got shape {tuple(call.shapes[1])}")
             targets.append(lay)
-        lshape, off = lay.local_shape_and_offset(tuple(shape), coord=call.mesh.get_coordinate())
         ops = plat.ops
 
         def local_fn(t, *args, **kwargs):
@@ -164,18 +175,11 @@ class InplaceDistributionRule(DistributedOp):
     float_args_matter = False
 
     def strategy(self, call):
-        _first_dt(call, "tensor")
-        plat = get_platform()
-        shape = plat.Size(call.shapes[0])
-        lay = call.layouts[0]
-        st = torch_draws(call, out_layout=lay, out_shapes=shape)
+        st, stream = _inplace_draw(call)
         if st is not None:
             return st
-        _no_generator(call, call.kwargs)
-        if lay.has_partial():
-            raise RuntimeError(f"{call.name} on a Partial DTensor is ambiguous; call reduce_partial() first")
+        plat, shape, lay, lshape, off = stream
         names, kind, transform = _INPLACE[call.name]
-        lshape, off = lay.local_shape_and_offset(tuple(shape), coord=call.mesh.get_coordinate())
         ops = plat.ops
 
         def local_fn(t, *args, **kwargs):

@@ -158,7 +158,10 @@ def _mesh1d_body():
         # 7 columns over ws: gather along the last dim
         _run("gather last dim", mesh, _gather(-1), [(_randn(4, 7), [S1]), (_idx(7, (4, 9), 2), [R])], [P])
         _run("index_select last dim", mesh, _isel(1), [(_randn(4, 7), [S1]), (torch.tensor([6, 0, 3]), [R])], [P])
-        n += 4
+        # a plain index tensor (an index op: accepted on PyTorch's meshes too, as replicated)
+        pidx = torch.tensor([1, 2, 2, 0])
+        _run("index_select plain index", mesh, lambda x: torch.index_select(x, 0, pidx), [(_randn(3, 5), [S0])], [P])
+        n += 5
     mesh = hp.init_device_mesh("cpu", (ws,))
     x = hp.distribute_tensor(_randn(6, 4), mesh, [S0])
     with pytest.raises(IndexError, match="index 6 is out of bounds for dim of size 6"):
@@ -170,5 +173,5 @@ def _mesh1d_body():
 
 
 def test_local_gather_index_select_on_1d_meshes(dist_runner):
-    assert dist_runner.run(2, _mesh1d_body) == [10] * 2
-    assert dist_runner.run(4, _mesh1d_body) == [10] * 4
+    assert dist_runner.run(2, _mesh1d_body) == [12] * 2
+    assert dist_runner.run(4, _mesh1d_body) == [12] * 4

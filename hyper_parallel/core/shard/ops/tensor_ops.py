@@ -10,11 +10,9 @@
   first. Advanced indexing (tensors, lists, bools) runs replicated.
   ``__setitem__`` (in place) works when the indexed dims are unsharded and the
   target is not Partial; the value is laid out like the indexed region.
-* ``narrow`` / ``select`` / ``index_select`` / ``tril`` / ``triu`` / ``flip`` /
+* ``narrow`` / ``select`` / ``tril`` / ``triu`` / ``flip`` /
   ``fliplr`` / ``flipud`` / ``roll``: the dims they work on are unsharded.
-* ``gather``: the index keeps its shards on the gather dim (and on dims as large
-  as the input's, where the input is sharded alike); the input is replicated
-  otherwise.
+  (``gather`` and ``index_select`` compute locally on a sharded dim: ``gather_ops.py``.)
 * ``*_like``: laid out like the input; ``zeros_like`` / ``empty_like`` keep
   Partial, the others are Replicate there. ``rand_like`` / ``randn_like`` (on sharded inputs) use the
   layout-independent DTensor RNG. ``new_*``: Replicate with the given global size.
@@ -179,34 +177,6 @@ def _roll_dims(v, nd):
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return None
     return [dims] if isinstance(dims, int) else list(dims)
-
-
-# ----------------------------------------------------------------------------- gather
-class GatherRule(DistributedOp):
-    """gather(input, dim, index): output laid out like the index (see module docstring)."""
-
-    def strategy(self, call):
-        v = _bind(call.args, call.kwargs, ("input", "dim", "index"))
-        if not (_is_dt(v.get("input")) and _is_dt(v.get("index"))):
-            raise NotImplementedError("gather: input and index must both be DTensors")
-        (ilay, ishape), (xlay, xshape) = (call.layouts[0], call.shapes[0]), (call.layouts[1], call.shapes[1])
-        if call.args[0] is not v["input"]:  # kwargs order: make (input, index) explicit
-            raise NotImplementedError("gather: pass input positionally")
-        nd = len(ishape)
-        dim = v["dim"] % nd if nd else 0
-        x_dm = []
-        for t in range(len(xshape)):
-            m = xlay.dim_map[t]
-            if t != dim and (not m or xshape[t] != ishape[t]):
-                m = ()
-            x_dm.append(m)
-        used = {d for m in x_dm for d in m}
-        in_dm = [() if t == dim else x_dm[t] for t in range(nd)]
-        in_partial = tuple(None if d in used else p for d, p in enumerate(ilay.partial))
-        in_tgt = ilay.with_dim_map(in_dm, in_partial)
-        x_tgt = xlay.with_dim_map(x_dm, (None,) * xlay.mesh_ndim)
-        out = xlay.with_dim_map(x_dm, in_partial)
-        return Strategy([in_tgt, x_tgt], out)
 
 
 # ----------------------------------------------------------------------------- indexing
@@ -402,14 +372,12 @@ def register_all():
     SetItemRule("__setitem__")
     UnshardDimsRule("narrow", ("input", "dim", "start", "length"), _dim)
     UnshardDimsRule("select", ("input", "dim", "index"), _dim, drop=True)
-    UnshardDimsRule("index_select", ("input", "dim", "index"), _dim)
     UnshardDimsRule("tril", ("input", "diagonal"), _last_two)
     UnshardDimsRule("triu", ("input", "diagonal"), _last_two)
     UnshardDimsRule("flip", ("input", "dims"), _flip_dims)
     UnshardDimsRule("fliplr", ("input",), lambda v, nd: [1])
     UnshardDimsRule("flipud", ("input",), lambda v, nd: [0])
     UnshardDimsRule("roll", ("input", "shifts", "dims"), _roll_dims)
-    GatherRule("gather")
     LikeRule("zeros_like", keep_partial=True)
     LikeRule("empty_like", keep_partial=True)
     LikeRule("ones_like")

@@ -14,6 +14,7 @@ FAMILIES = (
     "view",
     "reduction",
     "tensor_ops",
+    "triangular",
     "nn_ops",
     "foreach",
     "init_ops",

@@ -1,9 +1,11 @@
 """Ops of HyperParallel's operator list not covered by the other families.
 
-* ``pad``: the padded (trailing) dims are unsharded, the others keep their
-  shards; Partial passes through a zero constant pad (linear), else it is reduced.
+* ``pad``: the padded dims (a pad other than ``(0, 0)``) are unsharded, the
+  others keep their shards; Partial passes through a zero constant pad (linear), else it is reduced.
 * ``repeat_interleave``: the repeated dim is unsharded (``dim=None`` flattens:
-  everything replicated); a tensor of repeats is replicated (plain or DTensor), and
+  with int repeats, dim 0's shards become the output's when the pieces line up
+  (even shards always), the other dims are unsharded; else everything is
+  replicated); a tensor of repeats is replicated (plain or DTensor), and
   with one, dims whose shards are uneven are unsharded as well (the data-dependent
   output shape is derived from the local result).
 * ``outer`` / ``ger``: the first operand's shard goes to output dim 0, the
@@ -33,8 +35,12 @@ from hyper_parallel.platform import get_platform
 
 
 def _self(call, what="input"):
-    if not call.args or not _is_dt(call.args[0]):
+    x = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
+    if not _is_dt(x):
         raise NotImplementedError(f"{call.name}: the {what} must be a DTensor")
+    if call.dtensor_args[0] is not x:
+        raise NotImplementedError(f"{call.name}: pass the {what} DTensor first (positionally) when other DTensor "
+                                  "arguments are given")
     return call.layouts[0], call.shapes[0]
 
 
@@ -50,11 +56,31 @@ class PadRule(DistributedOp):
         v = _bind(call.args, call.kwargs, ("input", "pad", "mode", "value"))
         pad = list(v["pad"])
         nd = len(shape)
-        dims = list(range(nd - len(pad) // 2, nd))
+        # pad[2i], pad[2i + 1] pad dim nd - 1 - i; a dim padded by (0, 0) is untouched and keeps its shards
+        dims = [nd - 1 - i for i in range(len(pad) // 2) if (pad[2 * i], pad[2 * i + 1]) != (0, 0)]
         tgt = unshard_dims(lay, dims)
-        if not (v.get("mode", "constant") == "constant" and not v.get("value")):
+        mode = v.get("mode", "constant")
+        if not (mode == "constant" and not v.get("value")):
             tgt = _np(tgt)
-        return Strategy([tgt], tgt)
+        local_fn = None
+        if mode != "constant" and tgt.sharded_mesh_dims():
+            local_fn = _pad_empty_piece(call.func, pad)
+        return Strategy([tgt], tgt, local_fn=local_fn)
+
+
+def _pad_empty_piece(func, pad):
+    """``pad`` for the reflect / replicate / circular modes, whose kernels refuse an empty dim: an empty
+    piece of a kept (unpadded, sharded) dim gives an empty output of the padded shape, on the graph."""
+
+    def fn(*args, **kwargs):
+        x = _bind(args, kwargs, ("input",))["input"]
+        if x.numel():
+            return func(*args, **kwargs)
+        shape = list(x.shape)
+        for i in range(len(pad) // 2):
+            shape[len(shape) - 1 - i] += pad[2 * i] + pad[2 * i + 1]
+        return x.new_zeros(shape) + x.sum() * 0
+    return fn
 
 
 class RepeatInterleaveRule(DistributedOp):
@@ -64,7 +90,11 @@ class RepeatInterleaveRule(DistributedOp):
         lay, shape = _self(call)
         v = _bind(call.args, call.kwargs, ("input", "repeats", "dim"))
         rest = [l.replicated(len(s)) for l, s in zip(call.layouts[1:], call.shapes[1:])]
-        if v.get("dim") is None:  # flattens: no shard survives (repeating is linear: Partial passes)
+        if v.get("dim") is None:  # flattens (repeating is linear: Partial passes)
+            kept = _flat_repeat_shards(lay, shape, v, rest)
+            if kept:  # rows' shards of dim 0 are the output's shards: computed locally
+                tgt = lay.with_dim_map((kept,) + ((),) * (len(shape) - 1), lay.partial)
+                return Strategy([tgt], lay.with_dim_map((kept,), lay.partial))
             return Strategy([lay.with_dim_map(((),) * len(shape), lay.partial)] + rest,
                             lay.with_dim_map(((),), lay.partial))
         dims = [v["dim"] % len(shape)]
@@ -79,6 +109,27 @@ class RepeatInterleaveRule(DistributedOp):
                     dims.append(t)
         tgt = unshard_dims(lay, dims)
         return Strategy([tgt] + rest, tgt)
+
+
+def _flat_repeat_shards(lay, shape, v, rest):
+    """The mesh dims sharding dim 0 that ``repeat_interleave(x, r)`` (``dim=None``, int ``r``) can keep.
+
+    The output is ``x.flatten()`` with each element repeated ``r`` times, so the rows held by a rank
+    (dim 0 from ``o`` to ``o + e``; the other dims are taken whole) are output elements ``o * m`` to
+    ``(o + e) * m``, ``m = r * (numel / rows)``. That is the rank's ``torch.chunk`` piece of the output
+    exactly when every piece of dim 0, scaled by ``m``, is the matching piece of the output (always
+    for even shards). Otherwise (or with ``output_size``, a global size) nothing is kept: ``()``.
+    """
+    r = v.get("repeats")
+    if rest or not shape or not lay.dim_map[0] or isinstance(r, bool) or not isinstance(r, int) or \
+            v.get("output_size") is not None:
+        return ()
+    m = r
+    for n in shape[1:]:
+        m *= n
+    kept, ms = tuple(lay.dim_map[0]), lay.mesh_shape
+    rows, flat = _pieces(shape[0], kept, ms), _pieces(shape[0] * m, kept, ms)
+    return kept if all((e * m, o * m) == f for (e, o), f in zip(rows, flat)) else ()
 
 
 class OuterRule(DistributedOp):

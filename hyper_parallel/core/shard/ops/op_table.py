@@ -15,6 +15,7 @@ FAMILIES = (
     "reduction",
     "tensor_ops",
     "gather_ops",
+    "triangular",
     "nn_ops",
     "foreach",
     "init_ops",

@@ -4,15 +4,18 @@
   the other dims get the same shards in every input (the cheapest input's
   layout wins). Partials survive when every input has the same ones.
 * ``split`` / ``split_with_sizes`` / ``chunk`` / ``unbind`` / ``tensor_split``:
-  the split dim is unsharded; every piece keeps the other shards.
+  the split dim is unsharded; every piece keeps the other shards (tensor_split with
+  a 1-d index tensor: uneven shards are unsharded too, the shapes derived per call).
 * ``__getitem__``: basic indexing (ints, slices, ``None``, ``Ellipsis``) keeps
   the shards of dims taken whole (``:``); dims indexed otherwise are unsharded
-  first. Advanced indexing (tensors, lists, bools) runs replicated.
+  first. Advanced indexing with integer tensors / lists keeps the shards of dims
+  taken whole too (at their output positions, as torch places them); boolean
+  masks and 0-d index tensors run replicated.
   ``__setitem__`` (in place) works when the indexed dims are unsharded and the
   target is not Partial; the value is laid out like the indexed region.
-* ``narrow`` / ``select`` / ``tril`` / ``triu`` / ``flip`` /
-  ``fliplr`` / ``flipud`` / ``roll``: the dims they work on are unsharded.
-  (``gather`` and ``index_select`` compute locally on a sharded dim: ``gather_ops.py``.)
+* ``narrow`` / ``select`` / ``flip`` / ``fliplr`` / ``flipud`` / ``roll``: the dims they
+  work on are unsharded. (``tril`` / ``triu``: ``triangular.py``, every shard kept; ``gather`` and
+  ``index_select`` compute locally on a sharded dim: ``gather_ops.py``.)
 * ``*_like``: laid out like the input; ``zeros_like`` / ``empty_like`` keep
   Partial, the others are Replicate there. ``rand_like`` / ``randn_like`` (on sharded inputs) use the
   layout-independent DTensor RNG. ``new_*``: Replicate with the given global size.
@@ -33,8 +36,13 @@ from hyper_parallel.platform import get_platform
 
 
 def _self(call):
-    if not call.args or not _is_dt(call.args[0]):
-        raise NotImplementedError(f"{call.name}: the first tensor argument must be a DTensor")
+    """Layout and global shape of the op's input: the first positional argument, or ``input=`` / ``self=``."""
+    x = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
+    if not _is_dt(x):
+        raise NotImplementedError(f"{call.name}: the first tensor argument (input) must be a DTensor")
+    if call.dtensor_args[0] is not x:
+        raise NotImplementedError(f"{call.name}: pass the input DTensor first (positionally) when other DTensor "
+                                  "arguments are given")
     return call.layouts[0], call.shapes[0]
 
 
@@ -120,9 +128,36 @@ class SplitRule(DistributedOp):
         v = _bind(call.args, call.kwargs, self.names)
         dim = v.get("dim", 0) % max(len(shape), 1)
         tgt = unshard_dims(lay, [dim]) if shape else lay
+        sizes = v.get(self.names[1]) if len(self.names) > 1 else None
+        if _is_tensor(sizes):  # tensor_split's indices as a tensor: see _tensor_sizes
+            return self._tensor_sizes(call, lay, shape, dim, tgt, sizes)
         n = len(meta_run(call.func, call.args, call.kwargs))
         out = _drop_dim(tgt, dim) if self.drop else tgt
         return Strategy([tgt] + _rest(call), [out] * n)
+
+    def _tensor_sizes(self, call, lay, shape, dim, tgt, sizes):
+        """``tensor_split(x, tensor, dim)``: torch reads the tensor's values (it must stay on the CPU, so
+        shapes cannot be inferred on the meta device), and the dispatch cache keys a tensor argument by its
+        shape only. A 1-d tensor of k indices always gives k + 1 pieces; their global shapes are derived
+        from each call's local pieces (the split dim is whole on every rank), so dims whose shards are
+        uneven are unsharded too. A 0-d tensor (a number of sections, which sets the number of outputs)
+        is refused."""
+        if sizes.dim() != 1:
+            raise NotImplementedError(
+                f"{call.name}: {self.names[1]} as a tensor of shape {tuple(sizes.shape)} with a DTensor input: "
+                "expected a 1-d tensor of indices (pass a number of sections as an int)")
+        ms = lay.mesh_shape
+        uneven = []
+        for t, m in enumerate(tgt.dim_map):
+            n = 1
+            for d in m:
+                n *= ms[d]
+            if m and shape[t] % n:
+                uneven.append(t)
+        tgt = unshard_dims(tgt, uneven)
+        out = _drop_dim(tgt, dim) if self.drop else tgt
+        # (no out_shapes: meta inference fails on the index tensor, so the dispatcher derives them per call)
+        return Strategy([tgt] + [l.replicated() for l in call.layouts[1:]], [out] * (sizes.shape[0] + 1))
 
 
 # ----------------------------------------------------------------------------- dim-wise ops
@@ -158,10 +193,6 @@ class UnshardDimsRule(DistributedOp):
 
 def _dim(v, nd):
     return [v.get("dim", 0)]
-
-
-def _last_two(v, nd):
-    return [nd - 2, nd - 1] if nd >= 2 else list(range(nd))
 
 
 def _flip_dims(v, nd):
@@ -255,6 +286,84 @@ def _advanced_out_ndim(call, idx, nd):
     return kept + (nd - consumed) + adv
 
 
+def _int_list(x):
+    """A (nested) list of ints, no bools: an integer index tensor to torch."""
+    if isinstance(x, list):
+        return bool(x) and all(_int_list(e) for e in x)
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _advanced_index(idx, shape, dim_map, out_shape):
+    """(input dim_map target, output dim_map) for advanced indexing with integer index tensors or lists
+    (``out_shape``: the op's global output shape), or None when it cannot be told where the dims go.
+
+    Dims taken whole (``:``, or past the index) keep their shards; dims indexed by ints, partial slices or
+    index tensors are unsharded. As torch does: ints are applied first (they remove their dims), then the
+    index tensors' broadcast dims replace the first of them when they are adjacent, else go first.
+    """
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if isinstance(idx, list) and not _int_list(idx):
+        return None  # torch may read such a list as a tuple of indices
+    nd = len(shape)
+    kinds = []
+    for it in items:
+        if it is None or it is Ellipsis or isinstance(it, slice) or _is_int(it):
+            kinds.append(it)
+        elif _is_tensor(it) and it.dim() >= 1 and not it.is_floating_point() and not it.is_complex() and \
+                it.dtype != get_platform().ops.bool:
+            kinds.append("adv")
+        elif isinstance(it, list) and _int_list(it):
+            kinds.append("adv")
+        else:
+            return None  # bool masks, 0-d tensors, bool scalars: replicated
+    consumed = sum(1 for k in kinds if k is not None and k is not Ellipsis)
+    n_ell = sum(1 for k in kinds if k is Ellipsis)
+    if n_ell > 1 or consumed > nd or "adv" not in kinds:
+        return None
+    expanded = []
+    for k in kinds:
+        expanded.extend([slice(None)] * (nd - consumed) if k is Ellipsis else [k])
+    if not n_ell:
+        expanded.extend([slice(None)] * (nd - consumed))
+    in_dm = list(dim_map)
+    seq = []  # what remains after the ints: ("new",), ("dim", t, size, whole) or ("adv",)
+    t = 0
+    for k in expanded:
+        if k is None:
+            seq.append(("new",))
+            continue
+        if isinstance(k, slice):
+            size = len(range(*k.indices(shape[t])))
+            whole = k.indices(shape[t]) == (0, shape[t], 1)
+            if not whole:
+                in_dm[t] = ()
+            seq.append(("dim", t, size, whole))
+        elif k == "adv":
+            in_dm[t] = ()
+            seq.append(("adv",))
+        else:
+            in_dm[t] = ()
+        t += 1
+    adv = [i for i, e in enumerate(seq) if e[0] == "adv"]
+    block = len(out_shape) - (len(seq) - len(adv))
+    if block < 1:
+        return None
+    rest = [e for e in seq if e[0] != "adv"]
+    at = adv[0] if adv == list(range(adv[0], adv[-1] + 1)) else 0
+    order = rest[:at] + [("block",)] + rest[at:]
+    out_dm, p = [], 0
+    for e in order:
+        if e[0] == "block":
+            out_dm.extend([()] * block)
+            p += block
+            continue
+        if out_shape[p] != (1 if e[0] == "new" else e[2]):
+            return None
+        out_dm.append(in_dm[e[1]] if e[0] == "dim" and e[3] else ())
+        p += 1
+    return in_dm, out_dm
+
+
 class GetItemRule(DistributedOp):
     """Tensor.__getitem__ (see module docstring)."""
 
@@ -266,7 +375,16 @@ class GetItemRule(DistributedOp):
             in_dm, out_dm = res
             return Strategy([lay.with_dim_map(in_dm, lay.partial)] + _rest(call),
                             lay.with_dim_map(out_dm, lay.partial))
-        nd_out = _advanced_out_ndim(call, idx, len(shape))
+        try:
+            out_shape = tuple(meta_run(call.func, call.args, call.kwargs).shape)
+        except Exception:  # noqa: BLE001 - boolean masks have data-dependent shapes on meta
+            out_shape = None
+        res = None if out_shape is None else _advanced_index(idx, shape, lay.dim_map, out_shape)
+        if res is not None:
+            in_dm, out_dm = res
+            rest = [l.replicated() for l in call.layouts[1:]]
+            return Strategy([lay.with_dim_map(in_dm, lay.partial)] + rest, lay.with_dim_map(out_dm, lay.partial))
+        nd_out = len(out_shape) if out_shape is not None else _advanced_out_ndim(call, idx, len(shape))
         tgt = lay.with_dim_map(((),) * len(shape), lay.partial)
         rest = [l.replicated() for l in call.layouts[1:]]
         return Strategy([tgt] + rest, lay.with_dim_map(((),) * nd_out, lay.partial))
@@ -372,8 +490,6 @@ def register_all():
     SetItemRule("__setitem__")
     UnshardDimsRule("narrow", ("input", "dim", "start", "length"), _dim)
     UnshardDimsRule("select", ("input", "dim", "index"), _dim, drop=True)
-    UnshardDimsRule("tril", ("input", "diagonal"), _last_two)
-    UnshardDimsRule("triu", ("input", "diagonal"), _last_two)
     UnshardDimsRule("flip", ("input", "dims"), _flip_dims)
     UnshardDimsRule("fliplr", ("input",), lambda v, nd: [1])
     UnshardDimsRule("flipud", ("input",), lambda v, nd: [0])

@@ -154,7 +154,8 @@ def _pp_train(schedule, n_pp, n_mb, stages_per_rank=1, tp=1, dp=1, args=ARGS):
         for n, v in m.state_dict().items():
             state[n] = _full(v).detach().clone()
     return dict(losses=losses, state=state, grads=grads, rs=rs_counts, groups=groups,
-                stages=[s for s, _ in parts])
+                stages=[s for s, _ in parts],
+                boundary={st.stage_index: (st._hp_in_layouts, st._hp_out_layouts) for st in stages})
 
 
 def _check(results, args=ARGS, dp=1):
@@ -167,8 +168,8 @@ def _check(results, args=ARGS, dp=1):
             losses.append(r["losses"])
     assert set(state) == set(ref_state), sorted(set(state) ^ set(ref_state))
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
-    got = torch.tensor(losses).mean(0)  # dp ranks: mean of equal-size shards' means
-    torch.testing.assert_close(got, torch.tensor(ref_losses, dtype=got.dtype), **TOL)
+    got = torch.tensor(losses, dtype=torch.float64).mean(0)  # dp ranks: mean of equal-size shards' means
+    torch.testing.assert_close(got, torch.tensor(ref_losses, dtype=torch.float64), **TOL)
     for n in ref_state:
         torch.testing.assert_close(state[n], ref_state[n], **TOL, msg=f"parameter {n}")
         torch.testing.assert_close(grads[n], ref_grads[n], **TOL, msg=f"gradient {n}")
@@ -195,6 +196,13 @@ def test_uneven_layers(dist_runner):
 def test_pp_with_tp_dtensor_boundary(dist_runner):
     res = dist_runner.run(4, _pp_train, "1F1B", 2, 4, 1, 2)
     _check(res)
+    # the activation crossed as a DTensor: local [2, 8, 32] shards, rebuilt as Shard(1) of [2, 16, 32]
+    # (microbatch 8 / 4) on the receiving ranks' own tp mesh
+    for r in res:
+        ins, outs = r["boundary"][r["stages"][0]]
+        lay = ins[0] if r["stages"][0] == 1 else outs[0]
+        assert lay.placements == (Shard(1),) and lay.shape == (2, SEQ, 32), lay
+        assert lay.mesh_dim_names == ("tp",) and lay.mesh_shape == (2,), lay
 
 
 def test_pp_with_fully_shard_reduces_once_per_step(dist_runner):
@@ -203,3 +211,62 @@ def test_pp_with_fully_shard_reduces_once_per_step(dist_runner):
     for r in res:
         # every step: one reduce_scatter per fully_shard group, not one per group and microbatch
         assert r["rs"] == [r["groups"]] * (STEPS - 1), (r["rs"], r["groups"])
+
+
+def _bad_inputs():
+    """Each bad argument raises on the rank that holds it, before any message is sent."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    rank = mesh.get_local_rank()
+    (s, m), = pp.split_into_stages(_model(ARGS), mesh, schedule="1F1B")
+    stage = pp.PipelineStage(m, s, 2, torch.device("cpu"), group=mesh)
+    errors = []
+
+    def expect(fn, *needles):
+        with pytest.raises(ValueError) as e:
+            fn()
+        for n in needles:
+            assert n in str(e.value), (n, str(e.value))
+        errors.append(str(e.value))
+
+    expect(lambda: pp.Schedule1F1B(stage, n_microbatches=1, loss_fn=loss_fn), "n_microbatches=1", "(2)")
+    expect(lambda: pp.ScheduleGPipe(stage, n_microbatches=0, loss_fn=loss_fn), "n_microbatches", "0")
+    expect(lambda: pp.ScheduleZBVZeroBubble([stage], n_microbatches=4, loss_fn=loss_fn), "stages", "exactly 2")
+    x, y = _batch(0, ARGS)
+    sched = pp.ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
+    if rank == 0:
+        expect(lambda: sched.step(x[:6]), "args[0]", "size 6", "n_microbatches=4")
+    else:
+        expect(lambda: sched.step(target=y[:6], losses=[]), "target", "size 6", "n_microbatches=4")
+    no_loss = pp.ScheduleGPipe(stage, n_microbatches=4)
+    expect(lambda: no_loss.step(*((x,) if rank == 0 else ()), target=y), "loss_fn=None", "target=")
+    expect(lambda: pp.split_into_stages(_model(ARGS), mesh, num_stages=4, schedule="1F1B"), "num_stages=4")
+    expect(lambda: pp.split_into_stages(_model(ARGS), mesh, num_stages=2, schedule="ZBVZeroBubble"),
+           "num_stages=2", "2 * 2")
+    expect(lambda: pp.split_into_stages(_model(ARGS), mesh, num_stages=7, layers_per_stage=2), "num_stages=7",
+           "layers_per_stage=2")
+    tied = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, multiple_of=32, max_seq_len=16, tie_embeddings=True)
+    expect(lambda: pp.split_into_stages(_model(tied), mesh, schedule="GPipe"), "tok_embeddings.weight",
+           "output.weight")
+    expect(lambda: pp.PipelineStage(m, 2, 2, torch.device("cpu")), "stage_index=2", "num_stages=2")
+    # the processes are still in step: a pipeline runs after the errors
+    dist.barrier()
+    return len(errors)
+
+
+def test_bad_inputs_name_argument_and_value(dist_runner):
+    assert dist_runner.run(2, _bad_inputs) == [10, 10]
+
+
+def test_reexports_and_split_plan():
+    import torch.distributed.pipelining as tpp
+    assert pp.microbatch is tpp.microbatch
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                 "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        ours = getattr(pp, name)
+        assert issubclass(ours, getattr(tpp, name)) and pp.get_schedule_class(name[len("Schedule"):]) is ours
+    assert issubclass(pp.PipelineStage, tpp.PipelineStage)
+    # 5 blocks + embedding + head over 2 stages: 4 + 3 layers; over 4 stages with 2 per stage
+    assert pp.plan_stages([str(i) for i in range(5)], 2) == [["0", "1", "2"], ["3", "4"]]
+    assert pp.plan_stages([str(i) for i in range(5)], layers_per_stage=2) == [["0"], ["1", "2"], ["3", "4"], []]
+    assert pp.stage_ids_on_rank(1, 2, 4, "looped") == [1, 3]
+    assert pp.stage_ids_on_rank(0, 2, 4, "v") == [0, 3] and pp.stage_ids_on_rank(1, 2, 4, "v") == [1, 2]

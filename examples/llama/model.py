@@ -229,14 +229,19 @@ class Transformer(nn.Module):
         param.copy_(w)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids -> logits. A pipeline stage (``hyper_parallel.pipelining.split_into_stages``) has
+        some of ``tok_embeddings`` / blocks / ``norm`` / ``output`` deleted (``None``): it takes and
+        returns hidden states [B, S, dim] where its missing parts would be."""
         seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"sequence length {seqlen} > max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     def num_params(self) -> int:
         """Distinct parameters (a tied embedding is counted once)."""

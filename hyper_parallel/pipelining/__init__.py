@@ -1,0 +1,51 @@
+"""Pipeline parallelism: PyTorch's ``torch.distributed.pipelining`` API on hyper_parallel's DTensor.
+
+Design (one screen)
+-------------------
+* **One scheduler: torch's.** The schedules (``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``,
+  ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) are subclasses of torch's classes that only
+  add argument checks (errors naming the argument and value, raised before any message is sent);
+  ``get_schedule_class`` answers them, ``microbatch`` is torch's module. Constructor arguments and
+  ``step(*args, target=, losses=, return_outputs=)`` / ``eval()`` are torch 2.13's.
+* **The value is in the stage.** :class:`PipelineStage` has torch 2.13's signature and is a
+  subclass of torch's stage. Boundary DTensors travel as their local tensors; their layouts go
+  once, with the metadata torch exchanges on the first step, and the receiving stage rebuilds
+  them on its own mesh. Gradients need no layout: autograd runs on local tensors in this
+  library, so the local gradient torch sends back is the DTensor's gradient. Stage modules that
+  are our ``FSDPModule`` accumulate unsharded gradients over the microbatches and reduce-scatter
+  once per step, as torch's schedules arrange for FSDP2.
+* **Splitting keeps names.** :func:`split_into_stages` copies the model per local stage and
+  deletes what the stage does not own, so every parameter keeps its fully qualified name and
+  the union of the stages' ``state_dict()`` is the whole model's (checkpoints reshard across
+  pipeline degrees through the usual DCP path).
+* **Layers.** This package is framework-neutral: it imports ``hyper_parallel.core`` and the
+  platform's accessors only. The torch mechanics live in
+  ``hyper_parallel/platform/torch/pipelining/``, reached by ``get_platform().feature("pipelining")``.
+
+Status and what is left: ``docs/pipelining.md``.
+"""
+from hyper_parallel.platform import get_platform
+from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank
+
+_impl = get_platform().feature("pipelining")
+
+PipelineStage = _impl.PipelineStage
+PipelineScheduleSingle = _impl.PipelineScheduleSingle
+PipelineScheduleMulti = _impl.PipelineScheduleMulti
+ScheduleGPipe = _impl.ScheduleGPipe
+Schedule1F1B = _impl.Schedule1F1B
+ScheduleInterleaved1F1B = _impl.ScheduleInterleaved1F1B
+ScheduleLoopedBFS = _impl.ScheduleLoopedBFS
+ScheduleInterleavedZeroBubble = _impl.ScheduleInterleavedZeroBubble
+ScheduleZBVZeroBubble = _impl.ScheduleZBVZeroBubble
+ScheduleDualPipeV = _impl.ScheduleDualPipeV
+get_schedule_class = _impl.get_schedule_class
+microbatch = _impl.microbatch
+
+__all__ = [
+    "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+    "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages",
+    "stage_ids_on_rank",
+]

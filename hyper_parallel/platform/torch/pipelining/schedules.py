@@ -1,0 +1,137 @@
+"""torch's pipeline schedules with hyper_parallel's argument checks in front of them.
+
+Each class here is a subclass of the torch class of the same name that adds nothing but
+checks: the schedule runtime, constructor arguments and ``step`` / ``eval`` semantics are
+torch's. The checks run on every rank that gets the argument, before the schedule issues any
+point-to-point message, and name the argument and its value:
+
+* ``n_microbatches`` a positive int; at least the number of stages for ``Schedule1F1B``;
+* ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``: exactly 2 stages per rank;
+* ``step(..., target=...)`` or ``losses=`` on a schedule built without ``loss_fn``;
+* every tensor a rank passes to ``step`` (positional, keyword, ``target``) must split into
+  ``n_microbatches`` equal microbatches along its chunk dim (torch would cut an uneven batch
+  into uneven microbatches, whose averaged losses are not the whole batch's mean).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.distributed.pipelining import schedules as _ts
+
+__all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+           "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class", "schedule_kind"]
+
+PipelineScheduleSingle = _ts.PipelineScheduleSingle
+PipelineScheduleMulti = _ts.PipelineScheduleMulti
+
+
+def _chunk_dims(spec, n):
+    """Split dims from a torch chunk spec (a tuple / dict of TensorChunkSpec or None), default 0."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {k: getattr(v, "split_dim", 0) for k, v in spec.items()}
+    return tuple(getattr(v, "split_dim", 0) for v in spec)
+
+
+class _Checked:
+    """Mixin: argument checks before torch's ``__init__`` and ``step``."""
+
+    _torch_cls = None
+    _needs_mb_ge_stages = False
+    _stages_per_rank = None
+
+    def __init__(self, *args, **kwargs):
+        name = type(self).__name__
+        bound = inspect.signature(self._torch_cls.__init__).bind(self, *args, **kwargs).arguments
+        n = bound.get("n_microbatches")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}: n_microbatches must be a positive int, got {n!r}")
+        if "stage" in bound:
+            stages = [bound["stage"]]
+        else:
+            stages = bound.get("stages")
+            if not isinstance(stages, (list, tuple)) or not stages:
+                raise ValueError(f"{name}: stages must be a non-empty list of this rank's PipelineStages, "
+                                 f"got {stages!r}")
+            stages = list(stages)
+        num_stages = stages[0].num_stages
+        if self._needs_mb_ge_stages and n < num_stages:
+            raise ValueError(f"{name}: n_microbatches={n} is smaller than the number of stages ({num_stages}); "
+                             f"1F1B needs n_microbatches >= num_stages")
+        if self._stages_per_rank is not None and len(stages) != self._stages_per_rank:
+            raise ValueError(f"{name}: stages has {len(stages)} stage(s) on this rank (stage indices "
+                             f"{[s.stage_index for s in stages]}); {name} needs exactly "
+                             f"{self._stages_per_rank} stages per rank (a V: rank r holds stages r and "
+                             f"{2}*pp-1-r)")
+        super().__init__(*args, **kwargs)
+
+    def step(self, *args, target=None, losses=None, **kwargs):
+        name = type(self).__name__
+        if self._loss_fn is None and (target is not None or losses is not None):
+            given = "target=" if target is not None else "losses="
+            raise ValueError(f"{name}.step: {given} was given but the schedule was built with loss_fn=None; "
+                             f"a training step needs loss_fn (pass loss_fn= to {name}(...)), "
+                             "a forward-only step takes neither target nor losses")
+        self._check_batch(args, kwargs, target)
+        return super().step(*args, target=target, losses=losses, **kwargs)
+
+    def _check_batch(self, args, kwargs, target):
+        n = self._n_microbatches
+        kw_spec = {k: v for k, v in kwargs.items() if k not in ("return_outputs", "loss_kwargs")}
+        adims = _chunk_dims(self._args_chunk_spec, n) or (0,) * len(args)
+        kdims = _chunk_dims(self._kwargs_chunk_spec, n) or {}
+        items = [(f"args[{i}]", a, adims[i] if i < len(adims) else 0) for i, a in enumerate(args)]
+        items += [(f"kwargs[{k!r}]", v, kdims.get(k, 0)) for k, v in kw_spec.items()]
+        items.append(("target", target, 0))
+        for what, t, d in items:
+            if d is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            size = t.shape[d]
+            if size % n:
+                raise ValueError(f"{type(self).__name__}.step: {what} has size {size} along its chunk dim {d}, "
+                                 f"which does not split into n_microbatches={n} equal microbatches; "
+                                 f"expected a multiple of {n}")
+
+
+def _checked(torch_cls, **flags):
+    cls = type(torch_cls.__name__, (_Checked, torch_cls), {"_torch_cls": torch_cls, **flags,
+                                                             "__module__": __name__,
+                                                             "__doc__": torch_cls.__doc__})
+    return cls
+
+
+ScheduleGPipe = _checked(_ts.ScheduleGPipe)
+Schedule1F1B = _checked(_ts.Schedule1F1B, _needs_mb_ge_stages=True)
+ScheduleInterleaved1F1B = _checked(_ts.ScheduleInterleaved1F1B)
+ScheduleLoopedBFS = _checked(_ts.ScheduleLoopedBFS)
+ScheduleInterleavedZeroBubble = _checked(_ts.ScheduleInterleavedZeroBubble)
+ScheduleZBVZeroBubble = _checked(_ts.ScheduleZBVZeroBubble, _stages_per_rank=2)
+ScheduleDualPipeV = _checked(_ts.ScheduleDualPipeV, _stages_per_rank=2)
+
+_OURS = {c._torch_cls: c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+                                   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)}
+
+
+def get_schedule_class(schedule_name: str):
+    """torch's ``get_schedule_class`` (case-insensitive name), answering the checked class where there is one."""
+    if not isinstance(schedule_name, str):
+        raise ValueError(f"get_schedule_class: schedule_name must be a str, got {schedule_name!r}")
+    cls = _ts.get_schedule_class(schedule_name)
+    return _OURS.get(cls, cls)
+
+
+def schedule_kind(schedule) -> tuple:
+    """``(kind, stages_per_rank)`` of a schedule class or name: ``("single", 1)``, ``("looped", None)``
+    or ``("v", 2)`` (ZBV, DualPipeV)."""
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    if not (isinstance(cls, type) and issubclass(cls, _ts._PipelineSchedule)):
+        raise ValueError(f"schedule must be a pipeline schedule class or its name (e.g. '1F1B', "
+                         f"'Interleaved1F1B'), got {schedule!r}")
+    if issubclass(cls, (_ts.ScheduleZBVZeroBubble, _ts.ScheduleDualPipeV)):
+        return "v", 2
+    if issubclass(cls, _ts.PipelineScheduleSingle):
+        return "single", 1
+    return "looped", None

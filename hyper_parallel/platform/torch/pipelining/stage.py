@@ -1,0 +1,277 @@
+"""``PipelineStage``: torch's pipeline stage, with hyper_parallel DTensors at its boundaries.
+
+torch's stage (``torch.distributed.pipelining.PipelineStage``) moves plain tensors: it infers
+their metadata on the first step (a real forward/backward of the first microbatch), allocates
+receive buffers from it and sends and receives tensors point to point. It knows torch's DTensor,
+not ours. This subclass keeps every buffer, message and schedule action torch's and changes what
+the stage's module sees:
+
+* **Boundary = local tensor + layout sent once.** A DTensor a non-last stage returns is handed to
+  torch as its local tensor (made contiguous), and its layout (mesh dim names and shape,
+  placements, global shape and stride, this rank's mesh coordinate) is recorded. The layouts
+  travel once, with the forward metadata torch sends on the first step (``_send_meta`` carries
+  them next to torch's metadata); the receiving stage rebuilds each input with
+  ``DTensor.from_local`` on its own mesh of the same dim names and shape (found among its
+  submodule's DTensor parameters, its example ``input_args``, or through ``get_mesh``). Per
+  microbatch only the local tensor moves.
+* **Gradients need no layout.** autograd runs on local tensors here (``from_local`` and
+  ``to_local`` add no autograd node), so the gradient torch sends back for an output's local
+  tensor *is* the local gradient of that DTensor under the library's convention (Shard: sharded
+  alike; Replicate/Partial: the full gradient on every rank).
+* **Shape inference** works because torch infers the shapes of the local tensors.
+* **Our ``FSDPModule``** stage modules get what torch's schedules give torch's FSDP2: gradient
+  sync and reshard-after-backward off for every microbatch but the last (gradients accumulate
+  unsharded), on for the last, so each group reduce-scatters once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.distributed.pipelining._utils import _StageForwardMeta
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.fsdp.api import FSDPModule
+
+__all__ = ["PipelineStage", "BoundaryLayout"]
+
+
+@dataclass(frozen=True)
+class BoundaryLayout:
+    """How to rebuild one boundary DTensor from its local tensor (picklable, mesh-independent)."""
+
+    mesh_dim_names: Optional[tuple]
+    mesh_shape: tuple
+    placements: tuple
+    shape: tuple
+    stride: tuple
+    coordinate: Optional[tuple]
+
+    @staticmethod
+    def of(t: DTensor) -> "BoundaryLayout":
+        m = t.device_mesh
+        return BoundaryLayout(tuple(m.mesh_dim_names) if m.mesh_dim_names else None, tuple(m.shape),
+                              tuple(t.placements), tuple(t.shape), tuple(t.stride()),
+                              tuple(m.get_coordinate()) if m.get_coordinate() is not None else None)
+
+    def describe(self) -> str:
+        return (f"DTensor{list(self.shape)} on mesh {self.mesh_dim_names or ''}{list(self.mesh_shape)} "
+                f"placements {self.placements}")
+
+
+@dataclass(frozen=True)
+class _MetaWithLayouts:
+    """torch's stage metadata plus the layouts of the DTensor outputs it describes."""
+
+    meta: Any
+    layouts: Optional[tuple]
+
+
+# layouts of the stages on this rank, for a neighbour on the same rank (V schedules pass
+# metadata between same-rank stages by return value, not by message)
+_LOCAL_LAYOUTS: dict = {}
+
+
+def _is_tensor(x):
+    return isinstance(x, torch.Tensor)
+
+
+class PipelineStage(_TorchPipelineStage):
+    """torch 2.13's ``PipelineStage`` whose boundary tensors may be hyper_parallel DTensors.
+
+    Arguments are torch's: ``submodule``, ``stage_index``, ``num_stages``, ``device``, the optional
+    example tensors ``input_args`` / ``output_args`` / ``output_grads`` / ``input_grads`` (static
+    metadata; hyper_parallel DTensors allowed), ``group`` (the pipeline process group; a 1-D
+    hyper_parallel ``DeviceMesh`` is accepted too), ``dw_builder`` and ``get_mesh``. ``get_mesh``
+    is called as ``get_mesh(mesh_dim_names, mesh_shape)`` and returns this rank's hyper_parallel
+    ``DeviceMesh`` for a boundary DTensor whose mesh the stage cannot find among its own
+    DTensors.
+    """
+
+    def __init__(self, submodule, stage_index: int, num_stages: int, device, input_args=None, output_args=None,
+                 output_grads=None, input_grads=None, group=None, dw_builder=None, get_mesh=None):
+        if not isinstance(submodule, torch.nn.Module):
+            raise TypeError(f"PipelineStage: submodule must be an nn.Module, got {type(submodule).__name__}")
+        for arg, v in (("stage_index", stage_index), ("num_stages", num_stages)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"PipelineStage: {arg} must be an int, got {v!r}")
+        if num_stages < 1 or not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage: stage_index={stage_index} is out of range for "
+                             f"num_stages={num_stages}; expected 0 <= stage_index < num_stages")
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise ValueError(f"PipelineStage: group must be a ProcessGroup or a 1-D DeviceMesh (the pipeline "
+                                 f"dim), got a {group.ndim}-D mesh {group}")
+            group = group.get_group()
+        if get_mesh is not None and not callable(get_mesh):
+            raise TypeError(f"PipelineStage: get_mesh must be callable, got {get_mesh!r}")
+        self._hp_get_mesh = get_mesh
+        self._hp_meshes = []
+        in_lay = self._hp_static(input_args)
+        out_lay = self._hp_static(output_args)
+        super().__init__(submodule, stage_index, num_stages, device,
+                         input_args=self._hp_localize_static(input_args),
+                         output_args=self._hp_localize_static(output_args),
+                         output_grads=self._hp_localize_static(output_grads),
+                         input_grads=self._hp_localize_static(input_grads),
+                         group=group, dw_builder=dw_builder)
+        self._hp_in_layouts = in_lay if stage_index > 0 else None
+        self._hp_out_layouts = out_lay
+        for m in submodule.modules():
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                if isinstance(t, DTensor):
+                    self._hp_add_mesh(t.device_mesh)
+
+    # ------------------------------------------------------------------ static example args
+    def _hp_static(self, args):
+        if args is None:
+            return None
+        args = args if isinstance(args, (tuple, list)) else (args,)
+        lay = tuple(BoundaryLayout.of(a) if isinstance(a, DTensor) else None for a in args)
+        for a in args:
+            if isinstance(a, DTensor):
+                self._hp_add_mesh(a.device_mesh)
+        return lay if any(x is not None for x in lay) else None
+
+    @staticmethod
+    def _hp_localize_static(args):
+        if args is None:
+            return None
+        single = not isinstance(args, (tuple, list))
+        seq = (args,) if single else args
+        out = tuple(a._local_tensor.detach().contiguous().requires_grad_(a.requires_grad)
+                    if isinstance(a, DTensor) else a for a in seq)
+        return out[0] if single else out
+
+    def _hp_add_mesh(self, mesh):
+        if mesh not in self._hp_meshes:
+            self._hp_meshes.append(mesh)
+
+    # ------------------------------------------------------------------ mesh lookup
+    def _hp_mesh_for(self, lay: BoundaryLayout):
+        want_names, want_shape = lay.mesh_dim_names, tuple(lay.mesh_shape)
+        for m in self._hp_meshes:
+            names = tuple(m.mesh_dim_names) if m.mesh_dim_names else None
+            if names == want_names and tuple(m.shape) == want_shape:
+                return self._hp_check_coord(m, lay)
+            if want_names and names and set(want_names) <= set(names) and names != want_names:
+                sub = m[want_names if len(want_names) > 1 else want_names[0]]
+                if tuple(sub.shape) == want_shape:
+                    self._hp_add_mesh(sub)
+                    return self._hp_check_coord(sub, lay)
+        if self._hp_get_mesh is not None:
+            m = self._hp_get_mesh(want_names, want_shape)
+            if not isinstance(m, DeviceMesh) or tuple(m.shape) != want_shape:
+                raise ValueError(f"PipelineStage {self.stage_index}: get_mesh({want_names}, {want_shape}) returned "
+                                 f"{m!r}; expected a hyper_parallel DeviceMesh of shape {want_shape}")
+            self._hp_add_mesh(m)
+            return self._hp_check_coord(m, lay)
+        raise ValueError(f"PipelineStage {self.stage_index}: stage {self.stage_index - 1} sends a "
+                         f"{lay.describe()}, and this stage has no mesh with dim names {want_names} and shape "
+                         f"{want_shape} (looked at its submodule's DTensor parameters and its input_args); "
+                         f"pass get_mesh=lambda names, shape: <this rank's mesh> to PipelineStage")
+
+    def _hp_check_coord(self, mesh, lay):
+        coord = mesh.get_coordinate()
+        if lay.coordinate is not None and coord is not None and tuple(coord) != tuple(lay.coordinate):
+            raise ValueError(f"PipelineStage {self.stage_index}: this rank is at coordinate {tuple(coord)} of "
+                             f"its mesh {mesh}, but its peer on stage {self.stage_index - 1} holds the shard at "
+                             f"coordinate {lay.coordinate} of a {lay.describe()}; the pipeline group must pair "
+                             "ranks with equal coordinates on the other mesh dims (build it as mesh['pp'] of "
+                             "one root mesh)")
+        return mesh
+
+    # ------------------------------------------------------------------ boundary conversion
+    def _hp_wrap_inputs(self, args):
+        lay = self._hp_in_layouts
+        if self.is_first or not lay:
+            return args
+        out = list(args)
+        for i, (a, b) in enumerate(zip(args, lay)):
+            if b is None or not _is_tensor(a) or isinstance(a, DTensor):
+                continue
+            # a fresh alias per microbatch: gradient views cached on the local tensor stay per microbatch
+            local = a.view_as(a) if a.requires_grad and torch.is_grad_enabled() else a
+            out[i] = DTensor.from_local(local, self._hp_mesh_for(b), b.placements, shape=b.shape, stride=b.stride)
+        return tuple(out)
+
+    def _hp_unwrap_outputs(self, output):
+        if self.is_last:
+            return output
+        seq = output if isinstance(output, (tuple, list)) else (output,)
+        lay = tuple(BoundaryLayout.of(o) if isinstance(o, DTensor) else None for o in seq)
+        if not any(x is not None for x in lay):
+            lay = None
+        known = self._hp_out_layouts
+        if known is not None and lay is not None and known != lay:
+            diffs = [f"output {i}: {a.describe() if a else 'plain tensor'} now, "
+                     f"{b.describe() if b else 'plain tensor'} on the first step"
+                     for i, (a, b) in enumerate(zip(lay, known)) if a != b]
+            raise ValueError(f"PipelineStage {self.stage_index}: the stage's outputs changed layout between "
+                             f"microbatches ({'; '.join(diffs)}); the next stage rebuilds them from the "
+                             "first step's layouts")
+        if lay is not None:
+            self._hp_out_layouts = lay
+        if lay is None:
+            return output
+        locs = [o.to_local().contiguous() if isinstance(o, DTensor) else o for o in seq]
+        return locs[0] if not isinstance(output, (tuple, list)) else type(output)(locs)
+
+    def _hp_forward(self, call, args, kwargs):
+        return self._hp_unwrap_outputs(call(*self._hp_wrap_inputs(args), **kwargs))
+
+    # torch's two module calls: the runtime forward and the metadata-inference forward
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        return self._hp_forward(super().forward_maybe_with_nosync, args, kwargs)
+
+    def _compute_outputs(self, *args, module, **kwargs):
+        return self._hp_forward(lambda *a, **k: super(PipelineStage, self)._compute_outputs(*a, module=module, **k),
+                                args, kwargs)
+
+    # ------------------------------------------------------------------ layouts with torch's metadata
+    def _hp_local_key(self, stage_index):
+        return (id(self.group), stage_index)
+
+    def _forward_metadata_inference(self, args, kwargs=None, has_backward=False):
+        if not self.is_first and self._is_same_rank(self.stage_index - 1):
+            self._hp_in_layouts = _LOCAL_LAYOUTS.get(self._hp_local_key(self.stage_index - 1), self._hp_in_layouts)
+        res = super()._forward_metadata_inference(args, kwargs, has_backward)
+        _LOCAL_LAYOUTS[self._hp_local_key(self.stage_index)] = self._hp_out_layouts
+        return res
+
+    def _send_meta(self, meta, dst_stage):
+        lay = self._hp_out_layouts if isinstance(meta, _StageForwardMeta) else None
+        super()._send_meta(_MetaWithLayouts(meta, lay), dst_stage)
+
+    def _recv_meta(self, src_stage):
+        obj = super()._recv_meta(src_stage)
+        if isinstance(obj, _MetaWithLayouts):
+            if isinstance(obj.meta, _StageForwardMeta) and obj.layouts is not None:
+                self._hp_in_layouts = obj.layouts
+            return obj.meta
+        return obj
+
+    # ------------------------------------------------------------------ our FSDPModule
+    def _hp_fsdp(self):
+        return self.submod if isinstance(self.submod, FSDPModule) else None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        m = self._hp_fsdp()
+        if m is not None:
+            # as torch's schedules do for FSDP2: accumulate unsharded gradients over the microbatches,
+            # reduce-scatter once, on the last backward of the step
+            m.set_is_last_backward(last_backward)
+            m.set_requires_gradient_sync(last_backward)
+            m.set_reshard_after_backward(last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    def _post_metadata_inference_cleanup(self):
+        super()._post_metadata_inference_cleanup()
+        for mod in self.submod.modules():
+            if isinstance(mod, FSDPModule):
+                mod.reshard()
+                for p in mod.parameters():
+                    p.grad = None

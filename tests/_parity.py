@@ -115,6 +115,51 @@ def _no_comm(f, *args):
     return out
 
 
+def _outputs(out):
+    return out if isinstance(out, (list, tuple)) else [out]
+
+
+def local_rule(f, placements, strict=True):
+    """``f`` on DTensors runs with no collective (under strict layouts) and every output has ``placements``.
+
+    Plain-tensor calls (the one-process reference) run ``f`` unchanged.
+    """
+    def g(*args):
+        if not any(isinstance(a, hp.DTensor) for a in args):
+            return f(*args)
+        with hp.strict_layouts(strict), hp.CommDebugMode() as comm:
+            out = f(*args)
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        for o in _outputs(out):
+            assert tuple(o.placements) == tuple(placements), (o.placements, placements)
+        return out
+    return g
+
+
+def check_local(label, mesh, f, inputs, placements, tol=None, strict=True):
+    """Parity of ``f`` with one process, with the no-collective and output-placement checks of ``local_rule``."""
+    _check(label, mesh, local_rule(f, placements, strict), inputs, tol=tol or TOL)
+
+
+def check_redistributes(label, mesh, f, inputs, placements, match, tol=None):
+    """A layout a rule must still gather: ``StrictLayoutError`` under strict layouts, one process's results
+    (and output ``placements``) without."""
+    import pytest
+    dts = [hp.distribute_tensor(t, mesh, pl) for t, pl in inputs]
+    with pytest.raises(hp.StrictLayoutError, match=match):
+        with hp.strict_layouts():
+            f(*dts)
+
+    def checked(*args):
+        out = f(*args)
+        if any(isinstance(a, hp.DTensor) for a in args):
+            for o in _outputs(out):
+                if isinstance(o, hp.DTensor):
+                    assert tuple(o.placements) == tuple(placements), (label, o.placements)
+        return out
+    _check(label, mesh, checked, inputs, tol=tol or TOL)
+
+
 def _sweep(cases, partial=True):
     """cases: (label, full tensor, fn). Every placement of the sweep, every mesh. Returns the count."""
     n = 0

@@ -8,34 +8,20 @@ float64 at 1e-10. Uneven and empty pieces are included; layouts the rules cannot
 (kernel 3 on a spatial shard, groups not aligned with the shards) still redistribute, raise under
 strict layouts and give one process's results without it.
 """
-import pytest
 import torch
 import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
 
-from tests._parity import _check, _randn
+from tests._parity import _randn, check_local, check_redistributes
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 R, S0, S1, S2, S3, S4, P = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3), Shard(4), Partial()
 
 
-def _local(f, placements, strict=True):
-    """``f`` on DTensors with no collective (under strict layouts) and output ``placements``."""
-    def g(*args):
-        if not any(isinstance(a, hp.DTensor) for a in args):
-            return f(*args)
-        with hp.strict_layouts(strict), hp.CommDebugMode() as comm:
-            out = f(*args)
-        assert comm.get_total_counts() == 0, comm.get_comm_counts()
-        assert tuple(out.placements) == tuple(placements), (out.placements, placements)
-        return out
-    return g
 
 
-def _run(label, mesh, f, inputs, placements):
-    _check(label, mesh, _local(f, placements), inputs, tol=TOL)
 
 
 def _ids(shape, vocab, seed):
@@ -160,17 +146,7 @@ def _mesh1d_body():
          [(_randn(2, 5, 8), [R]), (_randn(10, 1, 3, seed=1), [S0])], [R]),
     ]
     for label, f, inputs, out_pl in cases:
-        dts = [hp.distribute_tensor(t, mesh, pl) for t, pl in inputs]
-        with pytest.raises(hp.StrictLayoutError, match="conv"):
-            with hp.strict_layouts():
-                f(*dts)
-
-        def checked(*args, f=f, out_pl=out_pl):
-            out = f(*args)
-            if isinstance(out, hp.DTensor):
-                assert tuple(out.placements) == tuple(out_pl), (label, out.placements)
-            return out
-        _check(label, mesh, checked, inputs, tol=TOL)
+        check_redistributes(label, mesh, f, inputs, out_pl, "conv", tol=TOL)
         n += 1
     return n
 
@@ -210,3 +186,7 @@ def _freq_body():
 
 def test_scale_grad_by_freq_uses_global_counts(dist_runner):
     assert dist_runner.run(2, _freq_body) == [1.0, 1.0]
+
+
+def _run(label, mesh, f, inputs, placements):
+    check_local(label, mesh, f, inputs, placements, tol=TOL)

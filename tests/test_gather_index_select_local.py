@@ -17,27 +17,14 @@ import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
 from hyper_parallel.device_mesh import init_device_mesh as torch_style_mesh
 
-from tests._parity import _check, _randn
+from tests._parity import _randn, check_local, check_redistributes
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
 
 
-def _local(f, placements):
-    """``f`` on DTensors with no collective (under strict layouts) and output ``placements``."""
-    def g(*args):
-        if not any(isinstance(a, hp.DTensor) for a in args):
-            return f(*args)
-        with hp.strict_layouts(), hp.CommDebugMode() as comm:
-            out = f(*args)
-        assert comm.get_total_counts() == 0, comm.get_comm_counts()
-        assert tuple(out.placements) == tuple(placements), (out.placements, placements)
-        return out
-    return g
 
 
-def _run(label, mesh, f, inputs, placements):
-    _check(label, mesh, _local(f, placements), inputs, tol=TOL)
 
 
 def _idx(high, shape, seed):
@@ -52,19 +39,6 @@ def _isel(dim):
     return lambda x, i: torch.index_select(x, dim, i)
 
 
-def _still_redistributes(mesh, label, f, inputs, out_pl, match):
-    """A layout the rule cannot compute locally: StrictLayoutError under strict, one process's results without."""
-    dts = [hp.distribute_tensor(t, mesh, pl) for t, pl in inputs]
-    with pytest.raises(hp.StrictLayoutError, match=match):
-        with hp.strict_layouts():
-            f(*dts)
-
-    def checked(*args):
-        out = f(*args)
-        if isinstance(out, hp.DTensor):
-            assert tuple(out.placements) == tuple(out_pl), (label, out.placements)
-        return out
-    _check(label, mesh, checked, inputs, tol=TOL)
 
 
 # ----------------------------------------------------------------------------- (2, 2) mesh, 4 ranks
@@ -134,9 +108,9 @@ def _mesh22_body():
     n += 2
     # layouts that still redistribute: the index sharded on the gather dim by the mesh dim that shards
     # the input's gather dim (the output cannot be sharded and Partial on one mesh dim)
-    _still_redistributes(mesh, "gather conflict", _gather(0),
+    _still_gathers(mesh, "gather conflict", _gather(0),
                          [(_randn(8, 6), [S0, R]), (_idx(8, (8, 6), 13), [S0, R])], [S0, R], "gather")
-    _still_redistributes(mesh, "index_select conflict", _isel(0),
+    _still_gathers(mesh, "index_select conflict", _isel(0),
                          [(_randn(8, 6), [S0, R]), (torch.tensor([1, 6, 2, 7]), [S0, R])], [P, R], "index_select")
     n += 2
     return n
@@ -175,3 +149,11 @@ def _mesh1d_body():
 def test_local_gather_index_select_on_1d_meshes(dist_runner):
     assert dist_runner.run(2, _mesh1d_body) == [12] * 2
     assert dist_runner.run(4, _mesh1d_body) == [12] * 4
+
+
+def _run(label, mesh, f, inputs, placements):
+    check_local(label, mesh, f, inputs, placements, tol=TOL)
+
+
+def _still_gathers(mesh, label, f, inputs, out_pl, match):
+    check_redistributes(label, mesh, f, inputs, out_pl, match, tol=TOL)

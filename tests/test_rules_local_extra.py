@@ -17,44 +17,16 @@ import torch.nn.functional as F
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
 
-from tests._parity import _check, _randn
+from tests._parity import _randn, check_local, check_redistributes
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 R, S0, S1, S2, S3, P = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3), Partial()
 
 
-def _local(f, placements):
-    """``f`` on DTensors with no collective under strict layouts; every output has ``placements``."""
-    def g(*args):
-        if not any(isinstance(a, hp.DTensor) for a in args):
-            return f(*args)
-        with hp.strict_layouts(), hp.CommDebugMode() as comm:
-            out = f(*args)
-        assert comm.get_total_counts() == 0, comm.get_comm_counts()
-        for o in (out if isinstance(out, (list, tuple)) else [out]):
-            assert tuple(o.placements) == tuple(placements), (o.placements, placements)
-        return out
-    return g
 
 
-def _run(label, mesh, f, inputs, placements):
-    _check(label, mesh, _local(f, placements), inputs, tol=TOL)
 
 
-def _redistributes(label, mesh, f, inputs, placements, match):
-    """A layout the rules gather: StrictLayoutError under strict layouts, one process's results without."""
-    dts = [hp.distribute_tensor(t, mesh, pl) for t, pl in inputs]
-    with pytest.raises(hp.StrictLayoutError, match=match):
-        with hp.strict_layouts():
-            f(*dts)
-
-    def checked(*args):
-        out = f(*args)
-        if any(isinstance(a, hp.DTensor) for a in args):
-            for o in (out if isinstance(out, (list, tuple)) else [out]):
-                assert tuple(o.placements) == tuple(placements), (label, o.placements)
-        return out
-    _check(label, mesh, checked, inputs, tol=TOL)
 
 
 def _tri_cases(mesh, k):
@@ -101,7 +73,7 @@ def _mesh1d_body():
         x.tensor_split(torch.tensor(2), dim=1)
     n += 3
     # rows uneven (5 over ws) with the index tensor: the row shards are gathered (shapes come per call)
-    _redistributes("tensor_split tensor uneven", mesh, lambda x: x.tensor_split(torch.tensor([1]), dim=1),
+    _gathers("tensor_split tensor uneven", mesh, lambda x: x.tensor_split(torch.tensor([1]), dim=1),
                    [(_randn(5, 4), [S0])], [R], "tensor_split")
 
     # advanced indexing: dims taken whole keep their shards (at their output positions)
@@ -114,7 +86,7 @@ def _mesh1d_body():
     _run("getitem int + list", mesh, lambda x: x[1, :, [0, 2]], [(_randn(3, 5, 4), [S1])], [S0])
     _run("getitem partial", mesh, lambda x: x[..., [3, 1]], [(_randn(4, 5), [P])], [P])
     n += 6
-    _redistributes("getitem list on the sharded dim", mesh, lambda x: x[[0, 2]],
+    _gathers("getitem list on the sharded dim", mesh, lambda x: x[[0, 2]],
                    [(_randn(8, 6), [S0])], [R], "__getitem__")
 
     # pad: a dim padded by (0, 0) keeps its shards (HyperParallel: pad_ops_zero_on_sharded_dim)
@@ -129,7 +101,7 @@ def _mesh1d_body():
     _run("pad replicate empty piece", mesh, lambda x: F.pad(x, (1, 1), mode="replicate"),
          [(_randn(2, 3, 4), [S1])], [S1])
     n += 5
-    _redistributes("pad on the sharded dim", mesh, lambda x: F.pad(x, (0, 0, 1, 0)),
+    _gathers("pad on the sharded dim", mesh, lambda x: F.pad(x, (0, 0, 1, 0)),
                    [(_randn(6, 3), [S0])], [R], "pad")
 
     # repeat_interleave, dim=None (HyperParallel: repeat_interleave_ops_dim_none)
@@ -139,7 +111,7 @@ def _mesh1d_body():
     _run("repeat_interleave flat partial", mesh, lambda x: x.repeat_interleave(2), [(_randn(4, 3), [P])], [P])
     n += 3
     # 5 rows x 6 elements: on 2 ranks 18 + 12, not torch.chunk's 15 + 15 (4 ranks alike) -> gathered
-    _redistributes("repeat_interleave flat uneven", mesh, lambda x: torch.repeat_interleave(x, 3),
+    _gathers("repeat_interleave flat uneven", mesh, lambda x: torch.repeat_interleave(x, 3),
                    [(_randn(5, 2), [S0])], [R], "repeat_interleave")
     return n
 
@@ -191,10 +163,18 @@ def _mesh22_body():
          [(_randn(4, 3), [S0, P])], [S0, P])
     n += 8
     # 6 rows over (2, 2) -> 2 + 1 + 2 + 1 (nested chunks) x 2 each; the output's 12 -> 3 + 3 + 3 + 3
-    _redistributes("repeat_interleave rows nested uneven", mesh, lambda x: torch.repeat_interleave(x, 2),
+    _gathers("repeat_interleave rows nested uneven", mesh, lambda x: torch.repeat_interleave(x, 2),
                    [(_randn(6, 1), [S0, S0])], [R, R], "repeat_interleave")
     return n
 
 
 def test_local_rules_on_2x2(dist_runner):
     assert dist_runner.run(4, _mesh22_body) == [40] * 4
+
+
+def _run(label, mesh, f, inputs, placements):
+    check_local(label, mesh, f, inputs, placements, tol=TOL)
+
+
+def _gathers(label, mesh, f, inputs, placements, match):
+    check_redistributes(label, mesh, f, inputs, placements, match, tol=TOL)

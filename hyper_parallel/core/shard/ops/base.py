@@ -253,6 +253,34 @@ def is_local_move(src: Layout, dst: Layout) -> bool:
     return len({p for p in src.partial + dst.partial if p is not None}) <= 1
 
 
+def input_layout(call, what: str = "input"):
+    """Layout and global shape of an op's input: the first positional argument, or ``input=`` / ``self=``.
+
+    Raises ``NotImplementedError`` naming the op when it is not a DTensor, or when another DTensor
+    argument comes before it.
+    """
+    x = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
+    if not is_dtensor(x):
+        raise NotImplementedError(f"{call.name}: the first tensor argument ({what}) must be a DTensor")
+    if call.dtensor_args[0] is not x:
+        raise NotImplementedError(f"{call.name}: pass the {what} DTensor first (positionally) when other DTensor "
+                                  "arguments are given")
+    return call.layouts[0], call.shapes[0]
+
+
+def uneven_dims(layout: Layout, shape) -> list:
+    """The tensor dims whose sharding does not divide their global size."""
+    out = []
+    ms = layout.mesh_shape
+    for t, m in enumerate(layout.dim_map):
+        n = 1
+        for d in m:
+            n *= ms[d]
+        if m and shape[t] % n:
+            out.append(t)
+    return out
+
+
 def unshard_dims(layout: Layout, dims: Sequence[int]) -> Layout:
     """``layout`` with tensor ``dims`` made unsharded (other shards kept; partials kept)."""
     dims = {d % layout.ndim for d in dims} if layout.ndim else set()

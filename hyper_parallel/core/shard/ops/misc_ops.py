@@ -30,18 +30,12 @@ from __future__ import annotations
 from hyper_parallel.core.dtensor.layout import chunk_size_and_offset
 from hyper_parallel.core.shard.ops.base import (
     DistributedOp, Strategy, register_decomposition, unshard_dims)
-from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind, input_layout, uneven_dims
 from hyper_parallel.platform import get_platform
 
 
 def _self(call, what="input"):
-    x = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
-    if not _is_dt(x):
-        raise NotImplementedError(f"{call.name}: the {what} must be a DTensor")
-    if call.dtensor_args[0] is not x:
-        raise NotImplementedError(f"{call.name}: pass the {what} DTensor first (positionally) when other DTensor "
-                                  "arguments are given")
-    return call.layouts[0], call.shapes[0]
+    return input_layout(call, what)
 
 
 def _np(layout):
@@ -100,13 +94,7 @@ class RepeatInterleaveRule(DistributedOp):
         dims = [v["dim"] % len(shape)]
         if rest:  # a tensor of repeats: the output size is data-dependent, so its global shape is derived from
             # the local result assuming even shards; dims that do not split evenly are unsharded too
-            ms = lay.mesh_shape
-            for t, m in enumerate(lay.dim_map):
-                n = 1
-                for d in m:
-                    n *= ms[d]
-                if m and shape[t] % n:
-                    dims.append(t)
+            dims += uneven_dims(lay, shape)
         tgt = unshard_dims(lay, dims)
         return Strategy([tgt] + rest, tgt)
 

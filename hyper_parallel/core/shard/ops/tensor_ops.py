@@ -27,7 +27,7 @@ from __future__ import annotations
 
 
 from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, meta_run, redistribution_cost, unshard_dims
-from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind
+from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind, input_layout, uneven_dims
 from hyper_parallel.platform import get_platform
 
 
@@ -36,14 +36,7 @@ from hyper_parallel.platform import get_platform
 
 
 def _self(call):
-    """Layout and global shape of the op's input: the first positional argument, or ``input=`` / ``self=``."""
-    x = call.args[0] if call.args else call.kwargs.get("input", call.kwargs.get("self"))
-    if not _is_dt(x):
-        raise NotImplementedError(f"{call.name}: the first tensor argument (input) must be a DTensor")
-    if call.dtensor_args[0] is not x:
-        raise NotImplementedError(f"{call.name}: pass the input DTensor first (positionally) when other DTensor "
-                                  "arguments are given")
-    return call.layouts[0], call.shapes[0]
+    return input_layout(call)
 
 
 def _rest(call):
@@ -146,15 +139,7 @@ class SplitRule(DistributedOp):
             raise NotImplementedError(
                 f"{call.name}: {self.names[1]} as a tensor of shape {tuple(sizes.shape)} with a DTensor input: "
                 "expected a 1-d tensor of indices (pass a number of sections as an int)")
-        ms = lay.mesh_shape
-        uneven = []
-        for t, m in enumerate(tgt.dim_map):
-            n = 1
-            for d in m:
-                n *= ms[d]
-            if m and shape[t] % n:
-                uneven.append(t)
-        tgt = unshard_dims(tgt, uneven)
+        tgt = unshard_dims(tgt, uneven_dims(tgt, shape))
         out = _drop_dim(tgt, dim) if self.drop else tgt
         # (no out_shapes: meta inference fails on the index tensor, so the dispatcher derives them per call)
         return Strategy([tgt] + [l.replicated() for l in call.layouts[1:]], [out] * (sizes.shape[0] + 1))

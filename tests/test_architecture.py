@@ -41,6 +41,7 @@ def test_lint_imports_contracts_hold():
     ("core/shard/skip.py", "import hyper_parallel.core.tensor_parallel.style", "Layers"),
     ("platform/torch/functions.py", "import hyper_parallel.core.dtensor.placement_types", "platform's root"),
     ("core/dtensor/placement_types.py", "import torch", "Nothing in core imports a framework"),
+    ("pipelining/split.py", "import hyper_parallel.core.fsdp.api", "Sibling parallelism packages are independent"),
 ])
 def test_contracts_are_live(tmp_path, module, line, contract):
     """One bad import in a copy of the package breaks the named contract."""

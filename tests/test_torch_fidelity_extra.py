@@ -36,6 +36,10 @@ def _as_strided_body():
             assert torch.equal(out.full_tensor(), ref)
             (out * out).sum().backward()
             assert torch.allclose(x.grad.full_tensor(), 2 * full)
+            # views report PyTorch's propagated global strides, so the identity on a permuted view holds
+            assert want.stride() == ref.stride(), (pl, perm, want.stride(), ref.stride())
+            same = want.as_strided(ref.size(), ref.stride())
+            assert same.placements == want.placements and torch.equal(same.full_tensor(), ref)
         x = distribute_tensor(full, mesh, pl)
         with pytest.raises(RuntimeError, match="as_strided not supported"):
             x.as_strided((2, 2), (1, 1))

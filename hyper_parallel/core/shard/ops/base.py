@@ -322,16 +322,56 @@ def is_inplace(name: str) -> bool:
         name.startswith("_foreach") and name.endswith("_"))
 
 
+def _dense_order(shape, stride):
+    """The dims from outermost to innermost when ``stride`` is a dense (permuted contiguous) layout of
+    ``shape``, else None. Size-1 dims do not constrain the order (ties go to the lower dim)."""
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    acc = 1
+    for d in reversed(order):
+        if shape[d] > 1 and stride[d] != acc:
+            return None
+        acc *= max(shape[d], 1)
+    return order
+
+
+def _memory_order(self):
+    """The global memory order of a DTensor whose local shard is a permuted view (``x.t()``,
+    ``x.permute(...)``), as PyTorch's stride propagation gives it; None for row-major.
+
+    Decided from the local strides only where every rank's piece is at least 2 long on each
+    sharded dim (worked out from the global shape and layout, so every rank decides alike):
+    a piece of size 0 or 1 leaves the order ambiguous on that rank.
+    """
+    local = self._local_tensor
+    lshape, lstride = tuple(local.shape), tuple(local.stride())
+    order = _dense_order(lshape, lstride)
+    if order is None or order == sorted(order):
+        return None
+    lay, gshape = self._layout, tuple(self._gshape)
+    ms = lay.mesh_shape
+    for t, m in enumerate(lay.dim_map or ()):
+        if m:
+            n = 1
+            for d in m:
+                n *= ms[d]
+            if gshape[t] < 2 * n:  # some rank's piece is shorter than 2
+                return None
+    return order
+
+
 def _global_stride(self, dim=None):
     given = self.__dict__.get("_gstride")
     if given is not None:
         return given if dim is None else given[dim]
     shape = tuple(self._gshape)
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    strides = tuple(reversed(strides))
+    order = _memory_order(self) if self._layout.dim_map is not None else None
+    if order is None:
+        order = range(len(shape))
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(list(order)):
+        strides[d] = acc
+        acc *= max(shape[d], 1)
+    strides = tuple(strides)
     return strides if dim is None else strides[dim]
 
 

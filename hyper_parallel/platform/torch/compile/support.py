@@ -185,26 +185,24 @@ def _make_unflatten(DTensor):
 
 
 # ----------------------------------------------------------------------------- argument encoding
-def _enc(x):
-    if x is None:
-        return _NONE
+def _map_leaves(x, leaf):
+    """``leaf`` applied to every non-container value of nested tuples, lists and dicts."""
     t = type(x)
     if t is tuple or t is list:
-        return t(_enc(v) for v in x)
+        return t(_map_leaves(v, leaf) for v in x)
     if t is dict:
-        return {k: _enc(v) for k, v in x.items()}
-    return x
+        return {k: _map_leaves(v, leaf) for k, v in x.items()}
+    return leaf(x)
+
+
+def _enc(x):
+    """Arguments for a traced node: ``None`` becomes the opaque ``_NONE`` constant."""
+    return _map_leaves(x, lambda v: _NONE if v is None else v)
 
 
 def _dec(x):
-    if isinstance(x, _NoneArg):
-        return None
-    t = type(x)
-    if t is tuple or t is list:
-        return t(_dec(v) for v in x)
-    if t is dict:
-        return {k: _dec(v) for k, v in x.items()}
-    return x
+    """The inverse of :func:`_enc`."""
+    return _map_leaves(x, lambda v: None if isinstance(v, _NoneArg) else v)
 
 
 # ----------------------------------------------------------------------------- ops

@@ -18,6 +18,7 @@ import inspect
 
 import torch
 from torch.distributed.pipelining import schedules as _ts
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
@@ -66,7 +67,32 @@ class _Checked:
                              f"{[s.stage_index for s in stages]}); {name} needs exactly "
                              f"{self._stages_per_rank} stages per rank (a V: rank r holds stages r and "
                              f"{2}*pp-1-r)")
+        self._hp_check_stage_map(name, stages, num_stages)
         super().__init__(*args, **kwargs)
+
+    def _hp_check_stage_map(self, name, stages, num_stages):
+        """The stages' count and indices must fit the pipeline group (the pp mesh dim) and the schedule's map."""
+        for st in stages:
+            if not isinstance(st, _PipelineStageBase):
+                raise ValueError(f"{name}: stages must be PipelineStages, got {type(st).__name__}")
+            if st.num_stages != num_stages:
+                raise ValueError(f"{name}: stage {st.stage_index} has num_stages={st.num_stages} but stage "
+                                 f"{stages[0].stage_index} has num_stages={num_stages}; every stage must agree")
+        size, rank = stages[0].group_size, stages[0].group_rank
+        mine = [st.stage_index for st in stages]
+        if self._stages_per_rank is None and issubclass(self._torch_cls, _ts.PipelineScheduleSingle):
+            per_rank, expect = 1, [rank]
+        elif self._stages_per_rank == 2:  # V: rank r holds r and 2 pp - 1 - r
+            per_rank, expect = 2, sorted([rank, 2 * size - 1 - rank])
+        else:  # looped: rank r holds r, r + pp, ...
+            per_rank, expect = len(stages), [rank + i * size for i in range(len(stages))]
+        if num_stages != size * per_rank:
+            raise ValueError(f"{name}: num_stages={num_stages} does not match the pipeline group of {size} ranks "
+                             f"with {per_rank} stage(s) per rank; expected num_stages == {size * per_rank} "
+                             "(build the stages with num_stages = pp mesh size x stages per rank)")
+        if sorted(mine) != expect:
+            raise ValueError(f"{name}: this rank (rank {rank} of the pipeline group) holds stage indices {mine}, "
+                             f"but {name}'s stage-to-rank map puts stages {expect} on it")
 
     def step(self, *args, target=None, losses=None, **kwargs):
         name = type(self).__name__

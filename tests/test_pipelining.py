@@ -128,7 +128,7 @@ def _pp_train(schedule, n_pp, n_mb, stages_per_rank=1, tp=1, dp=1, args=ARGS):
     has_first = any(s == 0 for s, _ in parts)
     has_last = any(s == num_stages - 1 for s, _ in parts)
     dp_rank = mesh["dp_shard"].get_local_rank() if dp > 1 else 0
-    losses, rs_counts = [], []
+    losses, rs_counts, stats = [], [], []
     for step in range(STEPS):
         x, y = _batch(step, args)
         lo, hi = dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp
@@ -136,11 +136,13 @@ def _pp_train(schedule, n_pp, n_mb, stages_per_rank=1, tp=1, dp=1, args=ARGS):
         mb_losses = []
         # not on the first step: torch's metadata inference runs autograd.grad, which CommDebugMode's
         # module tracker (torch's multi-grad hooks) does not support
-        comm = hp.CommDebugMode() if step > 0 else contextlib.nullcontext()
+        # (and only with FSDP: zero-bubble schedules' split backward runs autograd.grad too)
+        comm = hp.CommDebugMode() if step > 0 and dp > 1 else contextlib.nullcontext()
         with comm:
             sched.step(*((x,) if has_first else ()), target=y if has_last else None,
                        losses=mb_losses if has_last else None)
-        if step > 0:
+        stats.append({st.stage_index: st.step_stats for st in stages})
+        if step > 0 and dp > 1:
             rs_counts.append(comm.get_comm_counts().get("reduce_scatter", 0))
         if has_last:
             losses.append(sum(_full(l).item() for l in mb_losses) / n_mb)
@@ -153,7 +155,7 @@ def _pp_train(schedule, n_pp, n_mb, stages_per_rank=1, tp=1, dp=1, args=ARGS):
     for _, m in parts:
         for n, v in m.state_dict().items():
             state[n] = _full(v).detach().clone()
-    return dict(losses=losses, state=state, grads=grads, rs=rs_counts, groups=groups,
+    return dict(losses=losses, state=state, grads=grads, rs=rs_counts, groups=groups, stats=stats,
                 stages=[s for s, _ in parts],
                 boundary={st.stage_index: (st._hp_in_layouts, st._hp_out_layouts) for st in stages})
 

@@ -254,6 +254,45 @@ class PipelineStage(_TorchPipelineStage):
             return obj.meta
         return obj
 
+    # ------------------------------------------------------------------ per-step statistics
+    def _hp_stats(self):
+        st = self.__dict__.get("_hp_step_stats")
+        if st is None:
+            st = self.__dict__["_hp_step_stats"] = dict(sent_messages=0, sent_bytes=0, live_microbatches=0,
+                                                        peak_live_microbatches=0)
+        return st
+
+    @property
+    def step_stats(self) -> dict:
+        """This stage's counts for the current (or last) step: ``sent_messages`` / ``sent_bytes`` (boundary
+        activations and gradients it sent point to point), ``peak_live_microbatches`` (most microbatches
+        whose forward activations it held at once, waiting for their backward)."""
+        return dict(self._hp_stats())
+
+    def _hp_count_sends(self, ops):
+        st = self._hp_stats()
+        for op in ops:
+            st["sent_messages"] += 1
+            st["sent_bytes"] += op.tensor.numel() * op.tensor.element_size()
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._hp_count_sends(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._hp_count_sends(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+        st = self._hp_stats()
+        st["live_microbatches"] = len(self.fwd_cache)
+        st["peak_live_microbatches"] = max(st["peak_live_microbatches"], len(self.fwd_cache))
+        return out
+
+    def clear_runtime_states(self):
+        super().clear_runtime_states()
+        self.__dict__["_hp_step_stats"] = None
+
     # ------------------------------------------------------------------ our FSDPModule
     def _hp_fsdp(self):
         return self.submod if isinstance(self.submod, FSDPModule) else None

@@ -1,0 +1,85 @@
+"""More schedules and layouts of hyper_parallel.pipelining, against one process.
+
+Each job is ``tests.test_pipelining._pp_train``: the example Llama split into stages, 3 AdamW
+steps with a global clip_grad_norm_ in float64; losses, every parameter and every gradient equal
+one process's to 1e-10. On top:
+
+* boundary point-to-point messages per step, counted where our stage hands torch its send ops
+  (``PipelineStage.step_stats``): 2 x M x (boundaries between stages on different ranks), and
+  their bytes are the activations' bytes;
+* live microbatch activations (the stage's forward cache of microbatches awaiting backward):
+  with 1F1B at most ``num_stages`` on stage 0, with GPipe all M.
+"""
+import pytest
+
+from examples.llama.model import ModelArgs
+from tests.test_pipelining import ARGS, BATCH, SEQ, _check, _pp_train
+
+# 6 blocks + embedding + head = 8 layers: one per stage of an 8-stage (4 ranks x 2) pipeline
+ARGS6 = ModelArgs(dim=32, n_layers=6, n_heads=4, vocab_size=64, multiple_of=32, max_seq_len=16)
+
+
+def _sent(res, step):
+    """Messages sent by all ranks in one step (the same on every step: no metadata after the first)."""
+    return sum(s["sent_messages"] for r in res for s in r["stats"][step].values())
+
+
+def _cross_rank_boundaries(res):
+    where = {s: i for i, r in enumerate(res) for s in r["stages"]}
+    n = len(where)
+    return sum(1 for s in range(n - 1) if where[s] != where[s + 1])
+
+
+def _check_p2p(res, n_mb):
+    b = _cross_rank_boundaries(res)
+    for step in range(len(res[0]["stats"])):
+        assert _sent(res, step) == 2 * n_mb * b, (step, _sent(res, step), n_mb, b)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_schedules_two_ranks(dist_runner, schedule):
+    res = dist_runner.run(2, _pp_train, schedule, 2, 4, 2)
+    assert [r["stages"] for r in res] == [[0, 3], [1, 2]]  # V-shaped map; stage 1 -> 2 stays on rank 1
+    _check(res)
+    assert _cross_rank_boundaries(res) == 2
+    _check_p2p(res, 4)
+
+
+@pytest.mark.parametrize("schedule,per_rank,args", [("GPipe", 1, ARGS), ("1F1B", 1, ARGS),
+                                                    ("Interleaved1F1B", 2, ARGS6)])
+def test_four_rank_pipelines(dist_runner, schedule, per_rank, args):
+    res = dist_runner.run(4, _pp_train, schedule, 4, 4, per_rank, 1, 1, args)
+    _check(res, args)
+    assert [r["stages"] for r in res] == [[i, i + 4] if per_rank == 2 else [i] for i in range(4)]
+    _check_p2p(res, 4)
+
+
+def test_pp_dp_tp_eight_ranks(dist_runner):
+    """pp 2 x dp_shard 2 x tp 2: TP+SP and fully_shard inside each stage, 1F1B."""
+    res = dist_runner.run(8, _pp_train, "1F1B", 2, 2, 1, 2, 2, timeout=300)
+    _check(res, dp=2)
+    for r in res:
+        assert r["rs"] == [r["groups"]] * (len(r["rs"])), (r["rs"], r["groups"])  # once per group and step
+    # every (dp, tp) pair of ranks has its own pipeline: 4 pipelines x 2 x M=2 x 1 boundary
+    assert _sent(res, 0) == 4 * 2 * 2 * 1
+
+
+def test_p2p_bytes_are_activation_bytes(dist_runner):
+    res = dist_runner.run(2, _pp_train, "1F1B", 2, 4)
+    _check_p2p(res, 4)
+    act = (BATCH // 4) * SEQ * ARGS.dim * 8  # one microbatch's hidden states, float64
+    for step in range(3):
+        sent = {s: v["sent_bytes"] for r in res for s, v in r["stats"][step].items()}
+        assert sent == {0: 4 * act, 1: 4 * act}, sent  # activations forward, their gradients back
+
+
+def test_live_activations_1f1b_bounded_gpipe_grows(dist_runner):
+    n_mb = 8
+    peaks = {}
+    for schedule in ("1F1B", "GPipe"):
+        res = dist_runner.run(2, _pp_train, schedule, 2, n_mb)
+        _check(res)
+        peaks[schedule] = [r["stats"][-1][r["stages"][0]]["peak_live_microbatches"] for r in res]
+    num_stages = 2
+    assert peaks["1F1B"][0] <= num_stages and peaks["GPipe"][0] == n_mb, peaks
+    assert peaks["1F1B"] == [2, 1], peaks  # stage 0 holds num_stages, the last stage one at a time

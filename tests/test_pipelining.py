@@ -143,7 +143,10 @@ def _pp_train(schedule, n_pp, n_mb, stages_per_rank=1, tp=1, dp=1, args=ARGS):
                        losses=mb_losses if has_last else None)
         stats.append({st.stage_index: st.step_stats for st in stages})
         if step > 0 and dp > 1:
-            rs_counts.append(comm.get_comm_counts().get("reduce_scatter", 0))
+            # the data-parallel group's reduce_scatters (TP+SP adds its own on the tp group)
+            dp_ranks = set(mesh["dp_shard"].rank_list)
+            rs_counts.append(sum(1 for kind, _, ranks in comm.events
+                                 if "reduce_scatter" in str(kind) and set(ranks) == dp_ranks))
         if has_last:
             losses.append(sum(_full(l).item() for l in mb_losses) / n_mb)
         _clip_global(params, CLIP, pp_mesh.get_group())

@@ -81,6 +81,31 @@ def _check_param(where, fqn, p, mesh, d):
                          f"{fqn!r} of shape {tuple(p.shape)}; expected -{ndim} <= dim < {ndim}")
 
 
+def _module_list(module, plat):
+    """``fully_shard``'s module argument as a list: one module, or a list of disjoint modules (one group)."""
+    if not isinstance(module, (list, tuple)):
+        if not isinstance(module, plat.Module):
+            raise TypeError(f"fully_shard: module must be an nn.Module or a list of them, got {type(module).__name__}")
+        return [module]
+    mods = list(module)
+    if not mods:
+        raise ValueError("fully_shard: module is an empty list; expected one or more nn.Modules to shard as one group")
+    for i, m in enumerate(mods):
+        if not isinstance(m, plat.Module):
+            raise TypeError(f"fully_shard: module[{i}] must be an nn.Module, got {type(m).__name__}")
+    for i, m in enumerate(mods):
+        for j, o in enumerate(mods):
+            if i == j:
+                continue
+            if m is o:
+                raise ValueError(f"fully_shard: module[{i}] and module[{j}] are the same {type(m).__name__}; "
+                                 "list each module once")
+            if any(x is o for x in m.modules()):
+                raise ValueError(f"fully_shard: module[{j}] ({type(o).__name__}) is inside module[{i}] "
+                                 f"({type(m).__name__}); the modules of one group must be disjoint")
+    return mods
+
+
 def plan_params(module, mesh, ignored_params, shard_placement_fn):
     """Validate ``fully_shard``'s module, mesh, ignored_params and shard_placement_fn; plan the group.
 
@@ -89,14 +114,13 @@ def plan_params(module, mesh, ignored_params, shard_placement_fn):
     once, with every owner). Nothing is changed, so an error leaves the module untouched.
     """
     plat = get_platform()
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: a list of modules sharing one group is not supported yet; "
-                                  "call fully_shard on a common parent module")
-    if not isinstance(module, plat.Module):
-        raise TypeError(f"fully_shard: module must be an nn.Module, got {type(module).__name__}")
-    where = type(module).__name__
-    if "_hp_fsdp_state" in module.__dict__:
-        raise RuntimeError(f"fully_shard was already applied to this {where} module; apply it once per module")
+    mods = _module_list(module, plat)
+    where = type(module).__name__ if len(mods) == 1 and not isinstance(module, (list, tuple)) else \
+        "[" + ", ".join(type(m).__name__ for m in mods) + "]"
+    for m in mods:
+        if "_hp_fsdp_state" in m.__dict__:
+            raise RuntimeError(f"fully_shard was already applied to this {type(m).__name__} module; apply it once "
+                               "per module")
     if mesh is None:
         mesh = _default_mesh()
     else:
@@ -107,14 +131,17 @@ def plan_params(module, mesh, ignored_params, shard_placement_fn):
                          f"got a {mesh.ndim}-D mesh {mesh}; pass mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
     ignored = set()
     if ignored_params is not None:
-        own = {id(p) for p in module.parameters()}
+        own = {id(p) for m in mods for p in m.parameters()}
         for p in ignored_params:
             if id(p) not in own:
                 raise ValueError(f"fully_shard({where}): ignored_params holds a parameter of shape "
                                  f"{tuple(p.shape)} that is not a parameter of this module")
             ignored.add(id(p))
     by_id = {}
-    for fqn, owner, name, p in _collect(module, ignored):
+    listed = isinstance(module, (list, tuple))
+    found = [(f"[{i}].{fqn}" if listed else fqn, owner, name, p)
+             for i, m in enumerate(mods) for fqn, owner, name, p in _collect(m, ignored)]
+    for fqn, owner, name, p in found:
         other = getattr(p, "_hp_fsdp_owner", None)
         if other is not None:
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} is tied to a parameter already sharded by "
@@ -184,7 +211,14 @@ class FSDPModule:
         return None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the step (the root waits for reductions then)."""
+        """Whether the next backward is the last one of the step (FSDP2's semantics).
+
+        ``True`` (the default): at the end of that backward the root waits for every gradient
+        reduction issued so far (this backward's and any left pending), adds the reduced rows to
+        the sharded gradients and finishes stray prefetches. ``False``: the reductions this
+        backward issues (with gradient sync on) are left in flight; the sharded gradients are
+        complete only after a later backward with ``is_last_backward=True`` (gradient sync is
+        :meth:`set_requires_gradient_sync`'s business, not this flag's)."""
         self._hp_fsdp_state.ctx_set("is_last_backward", bool(is_last_backward))
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -238,7 +272,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch 2.13 FSDP2 semantics).
 
     Args:
-        module: an ``nn.Module`` (or a list of them, sharing one group).
+        module: an ``nn.Module``, or a list of disjoint modules sharded as ONE group (one all_gather
+            before the first of them runs forward, one reduce_scatter after the backward of all of
+            them; torchtitan groups a stage's final norm and output this way). Each listed module
+            becomes an :class:`FSDPModule` and they share one state; the list is returned.
         mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP); default: the whole world, 1-D.
             When the parameters are already DTensors on another dim of the same root mesh (TP),
             they get a 2-D (or 3-D) layout: the dp shard inside their TP placement.

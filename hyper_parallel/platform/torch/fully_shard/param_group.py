@@ -182,8 +182,15 @@ class FSDPParamGroup:
                 self.on_all_grads()
 
     # ------------------------------------------------------------------ reduce_scatter
+    def reduction_pending(self) -> bool:
+        """A reduction was issued and its result is not yet in the sharded gradients."""
+        return self._rs is not None
+
     def reduce_grads(self):
         """Issue one reduce_scatter of the flat unsharded gradients; free the unsharded gradients."""
+        if self._rs is not None:  # one left in flight by a backward that was not the last: land it first
+            with torch.no_grad():
+                self.finish_reduce()
         have = [p.unsharded is not None and p.unsharded.grad is not None for p in self.params]
         if not any(have):
             return

@@ -29,7 +29,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform.torch import deferred_grads
 from hyper_parallel.platform.torch.compile.support import eager_hook
 from hyper_parallel.platform.torch.fully_shard.param import FSDPParam
-from hyper_parallel.platform.torch.fully_shard.param_group import SHARDED, FSDPParamGroup
+from hyper_parallel.platform.torch.fully_shard.param_group import SHARDED, UNSHARDING, FSDPParamGroup
 
 
 def _in_backward() -> bool:
@@ -45,12 +45,15 @@ class _Ctx:
         self.recording = True
         self.callback_queued = False
         self.is_last_backward = True
+        self.pending = []        # groups whose reductions a backward with is_last_backward=False left in flight
         self.inflight_rs = None  # the group whose reduce_scatter was issued last (its input is still alive)
 
 
 class FSDPState:
-    def __init__(self, module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where):
+    def __init__(self, module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where, modules=None):
         self.module, self.group, self.mesh = module, group, mesh
+        self.modules = list(modules) if modules else [module]  # fully_shard([m1, m2]): one state, one group
+        self._fwd_ran = set()
         self.where = where
         self.user_raf = reshard_after_forward
         self.reshard_after_forward = True
@@ -90,11 +93,13 @@ class FSDPState:
     def ctx_set(self, key, value):
         if self.ctx is not None:
             setattr(self.ctx, key, value)
+        else:  # before the first forward: the root's context does not exist yet
+            self.__dict__.setdefault("_ctx_presets", {})[key] = value
 
     # --------------------------------------------------------------- root
     def _lazy_init(self):
         ctx = _Ctx()
-        for m in self.module.modules():
+        for m in (x for top in self.modules for x in top.modules()):
             st = m.__dict__.get("_hp_fsdp_state")
             if st is None or st.ctx is not None:
                 continue
@@ -103,6 +108,8 @@ class FSDPState:
             raf = st.user_raf
             st.reshard_after_forward = (not st.is_root) if raf is None else bool(raf)
             ctx.states.append(st)
+        for k, v in self.__dict__.pop("_ctx_presets", {}).items():
+            setattr(ctx, k, v)
 
     # --------------------------------------------------------------- forward
     def pre_forward(self, module, args, kwargs):
@@ -114,6 +121,8 @@ class FSDPState:
             ctx.order.append(self)
         if self.group is not None:
             self.group.wait_for_unshard()
+        if not backward and len(self.modules) > 1:
+            self._fwd_ran.add(id(module))
         if not backward:
             for st in self._forward_targets():
                 st.group.unshard(async_op=True)
@@ -140,8 +149,15 @@ class FSDPState:
 
     def post_forward(self, module, args, kwargs, output):
         backward = _in_backward()
+        # a group of several modules reshards after the last of them ran forward
+        last_of_group = True
+        if len(self.modules) > 1 and not backward:
+            last_of_group = len(self._fwd_ran) >= len(self.modules)
+            if last_of_group:
+                self._fwd_ran = set()
         # without grad no backward will need the parameters: free them (an optimizer step may come next)
-        if self.group is not None and (self.reshard_after_forward or not torch.is_grad_enabled()) and not backward:
+        if self.group is not None and (self.reshard_after_forward or not torch.is_grad_enabled()) and not backward \
+                and last_of_group:
             self.group.reshard()
         if self.is_root and not backward:
             self.ctx.recording = False
@@ -240,11 +256,25 @@ class FSDPState:
                 st.post_backward()
         with torch.no_grad():
             groups = [st.group for st in reversed(order) if st.group is not None]
-            for g in groups:
-                g.start_replica_reduce()
-            for g in groups:
-                g.finish_reduce()
+            if ctx.is_last_backward:
+                # FSDP2: the last backward waits for every reduction, including those left pending
+                groups = ctx.pending + [g for g in groups if all(g is not p for p in ctx.pending)]
+                ctx.pending = []
+                for g in groups:
+                    g.start_replica_reduce()
+                for g in groups:
+                    g.finish_reduce()
+                for st in order:  # an all_gather prefetched but never used: finish it and free
+                    if st.group is not None and st.group.state == UNSHARDING:
+                        st.group.reshard()
+            else:
+                # not the last backward: leave the reductions in flight (finished by the last backward,
+                # or by the group's next reduction)
+                for g in groups:
+                    if g.reduction_pending() and all(g is not p for p in ctx.pending):
+                        ctx.pending.append(g)
         for st in order:
+            st._fwd_ran = set()
             st._pre_bw_done = st._post_bw_done = False
         ctx.callback_queued = False
         ctx.inflight_rs = None
@@ -267,7 +297,9 @@ def fully_shard(module, *, mesh, params, reshard_after_forward, mp_policy, offlo
     parameters this module's group manages, in order; ``mesh``: the resolved 1-D or 2-D
     mesh; ``module_cls``: the mixin the module's class gets (``FSDPModule`` / ``HSDPModule``).
     """
-    where = type(module).__name__
+    mods = list(module) if isinstance(module, (list, tuple)) else [module]
+    where = type(module).__name__ if len(mods) == 1 and not isinstance(module, (list, tuple)) else \
+        "[" + ", ".join(type(m).__name__ for m in mods) + "]"
     fsdp_params = []
     for fqn, owners, p, d in params:
         pin = getattr(offload_policy, "pin_memory", None)  # set only by CPUOffloadPolicy
@@ -292,17 +324,18 @@ def fully_shard(module, *, mesh, params, reshard_after_forward, mp_policy, offlo
         for owner in {id(m): m for fp in fsdp_params for m, _ in fp.owners}.values():
             owner.register_state_dict_pre_hook(hook)
             owner._register_load_state_dict_pre_hook(hook)
-    state = FSDPState(module, group, mesh, reshard_after_forward, mp_policy, offload_policy, where)
-    module.__dict__["_hp_fsdp_state"] = state
-    # the hooks stay eager when the module is compiled (per-block torch.compile): see eager_hook
-    module.register_forward_pre_hook(eager_hook(state.pre_forward), prepend=True, with_kwargs=True)
-    module.register_forward_hook(eager_hook(state.post_forward), with_kwargs=True)
-    cls = type(module)
-    new_cls = _CLASS_CACHE.get((cls, module_cls))
-    if new_cls is None:
-        prefix = module_cls.__name__[:4]  # FSDP<Class> (fully_shard) or HSDP<Class> (hsdp)
-        new_cls = _CLASS_CACHE[(cls, module_cls)] = type(f"{prefix}{cls.__name__}", (module_cls, cls), {})
-    module.__class__ = new_cls
+    state = FSDPState(mods[0], group, mesh, reshard_after_forward, mp_policy, offload_policy, where, modules=mods)
+    for m in mods:
+        m.__dict__["_hp_fsdp_state"] = state
+        # the hooks stay eager when the module is compiled (per-block torch.compile): see eager_hook
+        m.register_forward_pre_hook(eager_hook(state.pre_forward), prepend=True, with_kwargs=True)
+        m.register_forward_hook(eager_hook(state.post_forward), with_kwargs=True)
+        cls = type(m)
+        new_cls = _CLASS_CACHE.get((cls, module_cls))
+        if new_cls is None:
+            prefix = module_cls.__name__[:4]  # FSDP<Class> (fully_shard) or HSDP<Class> (hsdp)
+            new_cls = _CLASS_CACHE[(cls, module_cls)] = type(f"{prefix}{cls.__name__}", (module_cls, cls), {})
+        m.__class__ = new_cls
     return module
 
 

@@ -83,3 +83,46 @@ def test_live_activations_1f1b_bounded_gpipe_grows(dist_runner):
     num_stages = 2
     assert peaks["1F1B"][0] <= num_stages and peaks["GPipe"][0] == n_mb, peaks
     assert peaks["1F1B"] == [2, 1], peaks  # stage 0 holds num_stages, the last stage one at a time
+
+
+def _boundary_mismatch(static):
+    """Stage 0 outputs [*, 6], stage 1 takes [*, 5]: both ranks raise at the first step, naming both."""
+    import torch
+    import torch.distributed as dist
+    from hyper_parallel import pipelining as pp
+    import hyper_parallel as hp
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    rank = mesh.get_local_rank()
+    torch.manual_seed(0)
+    mod = torch.nn.Linear(8, 6) if rank == 0 else torch.nn.Linear(5, 3)
+    mod = mod.double()
+    mb = 2
+    kw = {}
+    if static:
+        ins = torch.zeros(mb, 8 if rank == 0 else 5, dtype=torch.float64)
+        outs = torch.zeros(mb, 6 if rank == 0 else 3, dtype=torch.float64)
+        kw = dict(input_args=(ins,), output_args=(outs,))
+    stage = pp.PipelineStage(mod, rank, 2, torch.device("cpu"), group=mesh.get_group(), **kw)
+    sched = pp.ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, tgt: out.sum())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=torch.zeros(4) if rank == 1 else None,
+                   losses=[] if rank == 1 else None)
+    except ValueError as e:
+        msg = str(e)
+    else:
+        msg = None
+    dist.barrier()
+    return msg
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_boundary_shape_mismatch_named_on_both_ranks(dist_runner, static):
+    msgs = dist_runner.run(2, _boundary_mismatch, static)
+    for m in msgs:
+        assert m is not None and "stages 0 and 1" in m, msgs
+        assert "[2, 6] float64" in m, msgs  # what stage 0 sends
+    if static:
+        assert all("[2, 5] float64" in m for m in msgs), msgs  # what stage 1 declared
+    else:
+        assert "mat1 and mat2" in msgs[1] or "shape" in msgs[1], msgs  # the module's own error, kept

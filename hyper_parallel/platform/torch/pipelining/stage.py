@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
-from torch.distributed.pipelining._utils import _StageForwardMeta
+from torch.distributed.pipelining._utils import InferenceMode, _StageForwardMeta
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -70,9 +70,31 @@ class _MetaWithLayouts:
     layouts: Optional[tuple]
 
 
+@dataclass(frozen=True)
+class _BoundaryError:
+    """Sent to a neighbour stage instead of its next metadata message: the boundary check failed here."""
+
+    message: str
+
+
 # layouts of the stages on this rank, for a neighbour on the same rank (V schedules pass
 # metadata between same-rank stages by return value, not by message)
 _LOCAL_LAYOUTS: dict = {}
+# declared boundary metadata of the stages on this rank (STATIC mode's check, same-rank neighbours)
+_LOCAL_STATIC: dict = {}
+
+
+def _describe_metas(metas) -> str:
+    if metas is None:
+        return "nothing"
+    parts = []
+    for m in metas:
+        parts.append("None" if m is None else f"{list(m.shape)} {str(m.dtype).replace('torch.', '')}")
+    return "(" + ", ".join(parts) + ")"
+
+
+def _metas_key(metas):
+    return None if metas is None else tuple(None if m is None else (tuple(m.shape), m.dtype) for m in metas)
 
 
 def _is_tensor(x):
@@ -228,8 +250,19 @@ class PipelineStage(_TorchPipelineStage):
         return self._hp_forward(super().forward_maybe_with_nosync, args, kwargs)
 
     def _compute_outputs(self, *args, module, **kwargs):
-        return self._hp_forward(lambda *a, **k: super(PipelineStage, self)._compute_outputs(*a, module=module, **k),
-                                args, kwargs)
+        try:
+            return self._hp_forward(
+                lambda *a, **k: super(PipelineStage, self)._compute_outputs(*a, module=module, **k), args, kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised with the boundary named
+            if self.is_first:
+                raise
+            k = self.stage_index
+            msg = (f"PipelineStage {k}: its module fails on the inputs stage {k - 1} sends it, "
+                   f"{_describe_metas(self._stage_meta.inputs)} ({type(e).__name__}: {e}); the boundary of "
+                   f"stages {k - 1} and {k} disagrees: stage {k - 1}'s outputs must be what stage {k}'s module "
+                   "takes")
+            self._hp_notify(msg, has_backward=torch.is_grad_enabled())
+            raise ValueError(msg) from e
 
     # ------------------------------------------------------------------ layouts with torch's metadata
     def _hp_local_key(self, stage_index):
@@ -242,12 +275,71 @@ class PipelineStage(_TorchPipelineStage):
         _LOCAL_LAYOUTS[self._hp_local_key(self.stage_index)] = self._hp_out_layouts
         return res
 
+    # ------------------------------------------------------------------ boundary checks (first step)
+    def _hp_notify(self, msg, has_backward=True):
+        """Tell the neighbours on other ranks, which wait for a metadata message from this stage."""
+        k = self.stage_index
+        peers = [k + 1] + ([k - 1] if has_backward else [])
+        for peer in peers:
+            if 0 <= peer < self.num_stages and not self._is_same_rank(peer):
+                super()._send_meta(_BoundaryError(msg), peer)
+
+    def _hp_compare(self, declared, received, who_declared, who_sent):
+        """Raise (naming both stages and shapes) when stage ``who_sent``'s outputs disagree with
+        stage ``who_declared``'s declared inputs."""
+        if declared is None or received is None or _metas_key(declared) == _metas_key(received):
+            return None
+        return (f"PipelineStage {self.stage_index}: the boundary of stages {who_sent} and {who_declared} "
+                f"disagrees: stage {who_sent} outputs {_describe_metas(received)}, stage {who_declared} takes "
+                f"{_describe_metas(declared)} (its input_args); build the stages so that they match")
+
+    def _validate_inferred_metadata(self):
+        # DYNAMIC mode: torch only warns when the inputs it received differ from input_args
+        if not self.is_first:
+            msg = self._hp_compare(self._user_meta.inputs, self._stage_meta.inputs, self.stage_index,
+                                   self.stage_index - 1)
+            if msg is not None:
+                self._hp_notify(msg)
+                raise ValueError(msg)
+        super()._validate_inferred_metadata()
+
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+        if self._inference_mode == InferenceMode.STATIC and not getattr(self, "_hp_static_checked", False):
+            self._hp_static_checked = True
+            self._hp_static_boundary_check()
+        return super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
+
+    def _hp_static_boundary_check(self):
+        """STATIC mode (every stage gave example args): torch exchanges nothing, so a boundary whose
+        two sides were declared differently would move wrongly sized buffers. Once, on the first step,
+        each pair of neighbours exchanges its declared metadata (outputs forward, inputs back) and
+        both sides raise on a mismatch."""
+        k, key = self.stage_index, id(self.group)
+        ins, outs = self._user_meta.inputs, self._user_meta.outputs
+        _LOCAL_STATIC[(key, k)] = (ins, outs)
+        err = None
+        if not self.is_first:
+            if self._is_same_rank(k - 1):
+                prev_outs = _LOCAL_STATIC.get((key, k - 1), (None, None))[1]
+            else:
+                prev_outs = super()._recv_meta(k - 1)
+                super()._send_meta(ins, k - 1)
+            err = self._hp_compare(ins, prev_outs, k, k - 1)
+        if not self.is_last and not self._is_same_rank(k + 1):
+            super()._send_meta(outs, k + 1)
+            next_ins = super()._recv_meta(k + 1)
+            err = err or self._hp_compare(next_ins, outs, k + 1, k)
+        if err is not None:
+            raise ValueError(err)
+
     def _send_meta(self, meta, dst_stage):
         lay = self._hp_out_layouts if isinstance(meta, _StageForwardMeta) else None
         super()._send_meta(_MetaWithLayouts(meta, lay), dst_stage)
 
     def _recv_meta(self, src_stage):
         obj = super()._recv_meta(src_stage)
+        if isinstance(obj, _BoundaryError):
+            raise ValueError(f"PipelineStage {self.stage_index}: stage {src_stage} reports: {obj.message}")
         if isinstance(obj, _MetaWithLayouts):
             if isinstance(obj.meta, _StageForwardMeta) and obj.layouts is not None:
                 self._hp_in_layouts = obj.layouts

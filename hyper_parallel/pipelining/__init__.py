@@ -19,6 +19,10 @@ Design (one screen)
   deletes what the stage does not own, so every parameter keeps its fully qualified name and
   the union of the stages' ``state_dict()`` is the whole model's (checkpoints reshard across
   pipeline degrees through the usual DCP path).
+* **HyperParallel's API** (``hyper_parallel.core.pipeline_parallel``, a facade over
+  :mod:`.hp_api`): its ``PipelineStage`` / ``ScheduleGPipe`` / ``Schedule1F1B`` /
+  ``ScheduleInterleaved1F1B(...).run`` build the same stage and torch schedule, with
+  HyperParallel's semantics (the last stage returns the loss; ``run`` returns the outputs).
 * **Layers.** This package is framework-neutral: it imports ``hyper_parallel.core`` and the
   platform's accessors only. The torch mechanics live in
   ``hyper_parallel/platform/torch/pipelining/``, reached by ``get_platform().feature("pipelining")``.

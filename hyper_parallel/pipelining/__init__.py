@@ -30,11 +30,12 @@ Design (one screen)
 Status and what is left: ``docs/pipelining.md``.
 """
 from hyper_parallel.platform import get_platform
-from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank
+from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank, stage_module
 
 _impl = get_platform().feature("pipelining")
 
 PipelineStage = _impl.PipelineStage
+HeteroPipelineStage = _impl.HeteroPipelineStage
 PipelineScheduleSingle = _impl.PipelineScheduleSingle
 PipelineScheduleMulti = _impl.PipelineScheduleMulti
 ScheduleGPipe = _impl.ScheduleGPipe
@@ -48,8 +49,8 @@ get_schedule_class = _impl.get_schedule_class
 microbatch = _impl.microbatch
 
 __all__ = [
-    "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+    "PipelineStage", "HeteroPipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-    "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages",
+    "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages", "stage_module",
     "stage_ids_on_rank",
 ]

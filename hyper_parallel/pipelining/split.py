@@ -142,19 +142,36 @@ def split_into_stages(model, pp_mesh, num_stages=None, layers_per_stage=None, sc
             raise ValueError(f"split_into_stages: one parameter is shared by stages {sorted(stages)} "
                              f"({', '.join(sorted(set(stages.values())))}); tied parameters must live on one "
                              "stage (untie them, e.g. tie_embeddings=False, or put both users on one stage)")
-    out = []
-    for s in mine:
-        keep_blocks = set(plan[s])
-        stage = copy.deepcopy(model)
-        sb = getattr(stage, layers)
-        for k in list(sb.keys()):
-            if k not in keep_blocks:
-                del sb[k]
-        for n in input_modules:
-            if s != 0 and getattr(stage, n, None) is not None:
-                setattr(stage, n, None)
-        for n in output_modules:
-            if s != num_stages - 1 and getattr(stage, n, None) is not None:
-                setattr(stage, n, None)
-        out.append((s, stage))
-    return out
+    return [(s, _build(model, s, plan, layers, input_modules, output_modules)) for s in mine]
+
+
+def _build(model, s, plan, layers, input_modules, output_modules):
+    num_stages = len(plan)
+    keep_blocks = set(plan[s])
+    stage = copy.deepcopy(model)
+    sb = getattr(stage, layers)
+    for k in list(sb.keys()):
+        if k not in keep_blocks:
+            del sb[k]
+    for n in input_modules:
+        if s != 0 and getattr(stage, n, None) is not None:
+            setattr(stage, n, None)
+    for n in output_modules:
+        if s != num_stages - 1 and getattr(stage, n, None) is not None:
+            setattr(stage, n, None)
+    return stage
+
+
+def stage_module(model, stage_index, num_stages=None, layers_per_stage=None, *, layers: str = "layers",
+                 input_modules=("tok_embeddings",), output_modules=("norm", "output")):
+    """Stage ``stage_index`` of ``model`` split as :func:`split_into_stages` does, without a pipeline mesh
+    (e.g. for :class:`HeteroPipelineStage`, whose stages live on meshes of their own)."""
+    blocks = getattr(model, layers, None)
+    if blocks is None or not hasattr(blocks, "keys"):
+        raise ValueError(f"stage_module: model.{layers} must be a ModuleDict of blocks, got {type(blocks).__name__}")
+    w_in = 1 if any(getattr(model, n, None) is not None for n in input_modules) else 0
+    w_out = 1 if any(getattr(model, n, None) is not None for n in output_modules) else 0
+    plan = plan_stages(list(blocks.keys()), num_stages, layers_per_stage, input_weight=w_in, output_weight=w_out)
+    if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < len(plan):
+        raise ValueError(f"stage_module: stage_index={stage_index!r} is out of range for {len(plan)} stages")
+    return _build(model, stage_index, plan, layers, input_modules, output_modules)

@@ -6,10 +6,10 @@ from hyper_parallel.platform.torch.pipelining.schedules import (
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
     get_schedule_class, schedule_kind)
 from hyper_parallel.platform.torch.pipelining import hp
-from hyper_parallel.platform.torch.pipelining.stage import PipelineStage
+from hyper_parallel.platform.torch.pipelining.stage import HeteroPipelineStage, PipelineStage
 
 __all__ = [
-    "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+    "PipelineStage", "HeteroPipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
     "ScheduleDualPipeV", "get_schedule_class", "schedule_kind", "microbatch", "hp",
 ]

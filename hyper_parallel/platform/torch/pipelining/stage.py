@@ -36,7 +36,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.fsdp.api import FSDPModule
 
-__all__ = ["PipelineStage", "BoundaryLayout"]
+__all__ = ["PipelineStage", "HeteroPipelineStage", "BoundaryLayout"]
 
 
 @dataclass(frozen=True)
@@ -406,3 +406,199 @@ class PipelineStage(_TorchPipelineStage):
                 mod.reshard()
                 for p in mod.parameters():
                     p.grad = None
+
+
+def _lay_desc(t: DTensor):
+    """A picklable description of a DTensor's layout (mesh ranks and shape, placements, global shape, dtype)."""
+    lay = t._layout
+    return dict(mesh_shape=tuple(lay.mesh_shape), alias_names=tuple(lay.alias_names), rank_list=tuple(lay.rank_list),
+                placements=tuple(t.placements), shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""))
+
+
+def _lay_from(desc):
+    from hyper_parallel.core.dtensor.layout import Layout
+    return Layout(desc["mesh_shape"], desc["alias_names"], desc["rank_list"]).with_placements(
+        desc["placements"], len(desc["shape"]))
+
+
+def _lay_str(d):
+    return (f"DTensor{list(d['shape'])} {d['dtype']} on ranks {list(d['rank_list'])} (mesh "
+            f"{list(d['mesh_shape'])}) placements {d['placements']}")
+
+
+class HeteroPipelineStage(PipelineStage):
+    """A pipeline stage whose neighbours may live on meshes of other shapes and sizes.
+
+    Stage 0 may run on 4 ranks with TP 4 and stage 1 on 2 ranks with TP 2: the ranks of one stage
+    are the ranks of its mesh, every rank runs exactly one stage, and the boundary activation and
+    its gradient move as the cross-mesh redistribution's point-to-point messages (the minimal-byte
+    plan of ``core/dtensor/cross_mesh_plan.py``: each element a receiver lacks crosses the wire
+    once, all pieces from one rank to another as one message).
+
+    Arguments: torch's ``submodule``, ``stage_index``, ``num_stages``, ``device``, and the example
+    boundary DTensors on this stage's own mesh: ``input_args`` (one DTensor; every stage but the
+    first) and ``output_args`` (one DTensor; every stage but the last). They fix the boundary
+    layouts (torch's STATIC mode: no shape inference); on the first step every rank learns every
+    stage's boundary layouts (one ``all_gather_object`` on the world group) and a boundary whose two
+    sides disagree in global shape or dtype is an error on every rank, naming both stages.
+    """
+
+    def __init__(self, submodule, stage_index: int, num_stages: int, device, input_args=None, output_args=None,
+                 dw_builder=None, get_mesh=None):
+        import torch.distributed as dist
+        where = f"HeteroPipelineStage {stage_index}"
+        for arg, v, need in (("input_args", input_args, stage_index > 0),
+                             ("output_args", output_args, stage_index < num_stages - 1)):
+            if need and not isinstance(v, DTensor):
+                raise ValueError(f"{where}: {arg} must be one example DTensor on this stage's mesh (the boundary "
+                                 f"layout), got {type(v).__name__}")
+            if isinstance(v, DTensor) and v.device_mesh.get_coordinate() is None:
+                raise ValueError(f"{where}: {arg} is on {v.device_mesh}, which does not hold this rank "
+                                 f"({dist.get_rank()}); a stage's ranks are its mesh's ranks")
+            if isinstance(v, DTensor) and v._layout.has_partial():
+                raise ValueError(f"{where}: {arg} has a Partial placement {tuple(v.placements)}; a boundary "
+                                 "activation must be Shard/Replicate")
+        me = dist.get_rank()
+        group = _SELF_GROUPS.get(me)
+        if group is None:
+            group = _SELF_GROUPS[me] = dist.new_group([me], use_local_synchronization=True)
+        self._hp_in_desc = _lay_desc(input_args) if stage_index > 0 else None
+        self._hp_out_desc = _lay_desc(output_args) if stage_index < num_stages - 1 else None
+        super().__init__(submodule, stage_index, num_stages, device,
+                         input_args=input_args if stage_index > 0 else None,
+                         output_args=output_args if stage_index < num_stages - 1 else None,
+                         group=group, dw_builder=dw_builder, get_mesh=get_mesh)
+        # the schedule's view: stage i is "pipeline rank" i (the peers are sets of ranks, below)
+        self.group_rank, self.group_size = stage_index, num_stages
+        self.stage_index_to_group_rank = {i: i for i in range(num_stages)}
+        self._hp_progs = None
+        self._hp_recv = {}
+
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+        if self.is_first and self._user_meta.inputs is None and args is not None:
+            # the first stage's inputs come from step(): their metadata is the first microbatch's
+            from torch.distributed.pipelining._utils import extract_tensor_metas, validate_and_normalize_to_tuple
+            self._user_meta.inputs = extract_tensor_metas(validate_and_normalize_to_tuple(args))
+        if self.is_last and self._user_meta.outputs is None:
+            # the last stage sends nothing: torch only needs to know it has one output (the loss input)
+            self._user_meta.outputs = self._user_meta.inputs[:1]
+        return super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward)
+
+    # every stage gave its boundary layouts: STATIC mode, no vote messages
+    def _warmup_forward_vote(self, has_backward, received_acc=None):
+        return torch.ones(1, dtype=torch.int32)
+
+    def _warmup_backward_result(self, received_result=None):
+        return torch.ones(1, dtype=torch.int32)
+
+    def _hp_static_boundary_check(self):
+        import torch.distributed as dist
+        from hyper_parallel.core.dtensor import cross_mesh_plan as cmp
+        mine = (self.stage_index, self._hp_in_desc, self._hp_out_desc)
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, mine)
+        ins, outs = {}, {}
+        for s, i, o in got:
+            ins.setdefault(s, i)
+            outs.setdefault(s, o)
+        missing = [s for s in range(self.num_stages) if s not in ins]
+        if missing:
+            raise ValueError(f"HeteroPipelineStage {self.stage_index}: no rank runs stage(s) {missing} of "
+                             f"{self.num_stages}; every stage needs its ranks (one stage per rank)")
+        for k in range(self.num_stages - 1):
+            a, b = outs[k], ins[k + 1]
+            if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
+                raise ValueError(f"HeteroPipelineStage {self.stage_index}: the boundary of stages {k} and {k + 1} "
+                                 f"disagrees: stage {k} outputs {_lay_str(a)}, stage {k + 1} takes {_lay_str(b)}")
+            if set(a["rank_list"]) & set(b["rank_list"]):
+                raise ValueError(f"HeteroPipelineStage {self.stage_index}: stages {k} and {k + 1} share ranks "
+                                 f"{sorted(set(a['rank_list']) & set(b['rank_list']))}; every rank runs one stage")
+        me = dist.get_rank()
+        progs = {}
+        esz = torch.empty(0, dtype=getattr(torch, (self._hp_out_desc or self._hp_in_desc)["dtype"])).element_size()
+        if self._hp_in_desc is not None:  # boundary (stage - 1 -> stage): receive forward, send the gradient back
+            d = self._hp_in_desc
+            plan = cmp.cross_mesh_plan(_lay_from(outs[self.stage_index - 1]), _lay_from(d), d["shape"], esz)
+            progs["in"] = (plan.moves.program(me), plan.backward.program(me))
+        if self._hp_out_desc is not None:  # boundary (stage -> stage + 1): send forward, receive the gradient
+            d = self._hp_out_desc
+            plan = cmp.cross_mesh_plan(_lay_from(d), _lay_from(ins[self.stage_index + 1]), d["shape"], esz)
+            progs["out"] = (plan.moves.program(me), plan.backward.program(me))
+        self._hp_progs = progs
+
+    # ------------------------------------------------------------------ the boundary as cross-mesh messages
+    def _hp_send_ops(self, x, prog):
+        from hyper_parallel.platform.torch.p2p import _box
+        ops = []
+        for peer, pieces in prog.sends:
+            parts = [_box(x, st, sh).reshape(-1) for st, sh in pieces]
+            buf = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+            ops.append(dist_p2p_op("isend", buf, peer))
+        return self._hp_count_sends(ops)
+
+    def _hp_recv_ops(self, key, prog, like):
+        from hyper_parallel.platform.torch.p2p import _numel
+        bufs, ops = [], []
+        for peer, pieces in prog.recvs:
+            buf = torch.empty(sum(_numel(sh) for _st, sh in pieces), dtype=like.dtype, device=self.device)
+            bufs.append((buf, pieces))
+            ops.append(dist_p2p_op("irecv", buf, peer))
+        self._hp_recv[key] = bufs
+        return ops
+
+    def _hp_assemble(self, key, prog, dtype):
+        from hyper_parallel.platform.torch.p2p import _box, _numel
+        out = torch.empty(prog.out_shape, dtype=dtype, device=self.device)
+        for buf, pieces in self._hp_recv.pop(key, []):
+            pos = 0
+            for st, sh in pieces:
+                n = _numel(sh)
+                _box(out, st, sh).copy_(buf[pos:pos + n].view(sh))
+                pos += n
+        return out
+
+    def _hp_dtype(self, desc):
+        return getattr(torch, desc["dtype"])
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        if self.is_last:
+            return []
+        output_tuple, _ = self.fwd_cache[fwd_chunk_id]
+        return self._hp_send_ops(output_tuple[0].detach(), self._hp_progs["out"][0])
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        if self.is_first:
+            return []
+        return self._hp_recv_ops(("f", fwd_chunk_id), self._hp_progs["in"][0],
+                                 torch.empty(0, dtype=self._hp_dtype(self._hp_in_desc)))
+
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        x = self._hp_assemble(("f", fwd_chunk_id), self._hp_progs["in"][0], self._hp_dtype(self._hp_in_desc))
+        return (x.requires_grad_(self.has_backward),)
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        if not self.has_backward or self.is_first:
+            return []
+        grads = self.bwd_cache.pop(bwd_chunk_id)
+        g = grads[0]
+        prog = self._hp_progs["in"][1]
+        if g is None:
+            g = torch.zeros(prog.in_shape, dtype=self._hp_dtype(self._hp_in_desc), device=self.device)
+        return self._hp_send_ops(g.detach(), prog)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        if not self.has_backward or self.is_last:
+            return []
+        return self._hp_recv_ops(("b", bwd_chunk_id), self._hp_progs["out"][1],
+                                 torch.empty(0, dtype=self._hp_dtype(self._hp_out_desc)))
+
+    def _retrieve_recv_grads(self, bwd_chunk_id):
+        return (self._hp_assemble(("b", bwd_chunk_id), self._hp_progs["out"][1], self._hp_dtype(self._hp_out_desc)),)
+
+
+_SELF_GROUPS: dict = {}
+
+
+def dist_p2p_op(kind, buf, peer):
+    import torch.distributed as dist
+    return dist.P2POp(dist.isend if kind == "isend" else dist.irecv, buf, peer)

@@ -258,8 +258,8 @@ class PipelineStage(_TorchPipelineStage):
                 raise
             k = self.stage_index
             msg = (f"PipelineStage {k}: its module fails on the inputs stage {k - 1} sends it, "
-                   f"{_describe_metas(self._stage_meta.inputs)} ({type(e).__name__}: {e}); the boundary of "
-                   f"stages {k - 1} and {k} disagrees: stage {k - 1}'s outputs must be what stage {k}'s module "
+                   f"{_describe_metas(self._stage_meta.inputs)} ({type(e).__name__}: {e}); if the boundary of "
+                   f"stages {k - 1} and {k} disagrees, make stage {k - 1}'s outputs what stage {k}'s module "
                    "takes")
             self._hp_notify(msg, has_backward=torch.is_grad_enabled())
             raise ValueError(msg) from e

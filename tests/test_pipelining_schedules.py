@@ -46,12 +46,17 @@ def test_v_schedules_two_ranks(dist_runner, schedule):
 
 
 @pytest.mark.parametrize("schedule,per_rank,args", [("GPipe", 1, ARGS), ("1F1B", 1, ARGS),
-                                                    ("Interleaved1F1B", 2, ARGS6)])
+                                                    ("Interleaved1F1B", 2, ARGS6), ("ZBVZeroBubble", 2, ARGS6),
+                                                    ("DualPipeV", 2, ARGS6)])
 def test_four_rank_pipelines(dist_runner, schedule, per_rank, args):
-    res = dist_runner.run(4, _pp_train, schedule, 4, 4, per_rank, 1, 1, args)
+    n_mb = 8 if schedule == "DualPipeV" else 4
+    res = dist_runner.run(4, _pp_train, schedule, 4, n_mb, per_rank, 1, 1, args)
     _check(res, args)
-    assert [r["stages"] for r in res] == [[i, i + 4] if per_rank == 2 else [i] for i in range(4)]
-    _check_p2p(res, 4)
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        assert [r["stages"] for r in res] == [[i, 7 - i] for i in range(4)]  # V map
+    else:
+        assert [r["stages"] for r in res] == [[i, i + 4] if per_rank == 2 else [i] for i in range(4)]
+    _check_p2p(res, n_mb)
 
 
 def test_pp_dp_tp_eight_ranks(dist_runner):

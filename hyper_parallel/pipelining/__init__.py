@@ -19,6 +19,9 @@ Design (one screen)
   deletes what the stage does not own, so every parameter keeps its fully qualified name and
   the union of the stages' ``state_dict()`` is the whole model's (checkpoints reshard across
   pipeline degrees through the usual DCP path).
+* **Heterogeneous stages.** :class:`HeteroPipelineStage` lets neighbouring stages live on meshes
+  of different shapes and sizes; its boundary moves as the cross-mesh redistribution's
+  minimal-byte point-to-point messages, inside the same torch runtime.
 * **HyperParallel's API** (``hyper_parallel.core.pipeline_parallel``, a facade over
   :mod:`.hp_api`): its ``PipelineStage`` / ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B(...).run`` build the same stage and torch schedule, with

@@ -131,3 +131,30 @@ def test_boundary_shape_mismatch_named_on_both_ranks(dist_runner, static):
         assert all("[2, 5] float64" in m for m in msgs), msgs  # what stage 1 declared
     else:
         assert "mat1 and mat2" in msgs[1] or "shape" in msgs[1], msgs  # the module's own error, kept
+
+
+def _timed_step():
+    """step_stats["compute_s"] with time_compute=True: positive and below the step's wall time."""
+    import time
+    import torch
+    import hyper_parallel as hp
+    from hyper_parallel import pipelining as pp
+    from examples.llama.model import loss_fn
+    from tests.test_pipelining import _batch, _model
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    (s, m), = pp.split_into_stages(_model(ARGS), mesh, schedule="GPipe")
+    stage = pp.PipelineStage(m, s, 2, torch.device("cpu"), group=mesh)
+    sched = pp.ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn)
+    out = []
+    for timed in (False, True):
+        stage.time_compute = timed
+        x, y = _batch(0, ARGS)
+        t0 = time.perf_counter()
+        sched.step(*((x,) if s == 0 else ()), target=y if s == 1 else None, losses=[] if s == 1 else None)
+        out.append((stage.step_stats["compute_s"], time.perf_counter() - t0))
+    return out
+
+
+def test_compute_time_for_bubble_measurement(dist_runner):
+    for (off, _), (on, wall) in dist_runner.run(2, _timed_step):
+        assert off == 0.0 and 0.0 < on < wall, (off, on, wall)

@@ -351,14 +351,16 @@ class PipelineStage(_TorchPipelineStage):
         st = self.__dict__.get("_hp_step_stats")
         if st is None:
             st = self.__dict__["_hp_step_stats"] = dict(sent_messages=0, sent_bytes=0, live_microbatches=0,
-                                                        peak_live_microbatches=0)
+                                                        peak_live_microbatches=0, compute_s=0.0)
         return st
 
     @property
     def step_stats(self) -> dict:
         """This stage's counts for the current (or last) step: ``sent_messages`` / ``sent_bytes`` (boundary
         activations and gradients it sent point to point), ``peak_live_microbatches`` (most microbatches
-        whose forward activations it held at once, waiting for their backward)."""
+        whose forward activations it held at once, waiting for their backward) and ``compute_s`` (seconds
+        in this stage's forward/backward computations, when ``stage.time_compute = True``: the bubble
+        fraction of a rank is ``1 - sum(compute_s of its stages) / step time``)."""
         return dict(self._hp_stats())
 
     def _hp_count_sends(self, ops):
@@ -374,12 +376,36 @@ class PipelineStage(_TorchPipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id):
         return self._hp_count_sends(super().get_bwd_send_ops(bwd_chunk_id))
 
+    # set True to time this stage's compute (step_stats["compute_s"]); on an accelerator each timed
+    # call synchronizes the device, so leave it off outside measurements
+    time_compute = False
+
+    def _hp_timed(self, fn, *args, **kwargs):
+        if not self.time_compute:
+            return fn(*args, **kwargs)
+        import time
+        sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync()
+            st = self._hp_stats()
+            st["compute_s"] = st.get("compute_s", 0.0) + time.perf_counter() - t0
+
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
-        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+        out = self._hp_timed(super().forward_one_chunk, fwd_chunk_id, args, kwargs, *rest, **kw)
         st = self._hp_stats()
         st["live_microbatches"] = len(self.fwd_cache)
         st["peak_live_microbatches"] = max(st["peak_live_microbatches"], len(self.fwd_cache))
         return out
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._hp_timed(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._hp_timed(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
 
     def clear_runtime_states(self):
         super().clear_runtime_states()

@@ -158,3 +158,34 @@ def _timed_step():
 def test_compute_time_for_bubble_measurement(dist_runner):
     for (off, _), (on, wall) in dist_runner.run(2, _timed_step):
         assert off == 0.0 and 0.0 < on < wall, (off, on, wall)
+
+
+def _stage_map_errors():
+    """Stage counts and indices that do not match the pipeline group, and DualPipeV's microbatch floor."""
+    import torch
+    import hyper_parallel as hp
+    from hyper_parallel import pipelining as pp
+    from examples.llama.model import loss_fn
+    from tests.test_pipelining import _model
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    rank = mesh.get_local_rank()
+    parts = pp.split_into_stages(_model(ARGS6), mesh, schedule="DualPipeV")
+    v = [pp.PipelineStage(m, s, 4, torch.device("cpu"), group=mesh) for s, m in parts]
+    errs = []
+    for fn, needles in (
+            (lambda: pp.ScheduleDualPipeV(v, n_microbatches=2, loss_fn=loss_fn), ("n_microbatches=2", "(4)")),
+            # a one-stage-per-rank schedule on stages built for 4 stages over 2 ranks
+            (lambda: pp.Schedule1F1B(v[0], n_microbatches=4, loss_fn=loss_fn), ("num_stages=4", "2 ranks")),
+            # the looped map puts stages r, r + 2 on rank r, not the V's r, 3 - r
+            (lambda: pp.ScheduleInterleaved1F1B(v, n_microbatches=4, loss_fn=loss_fn),
+             (f"stage indices {sorted(s for s, _ in parts)}", f"[{rank}, {rank + 2}]"))):
+        with pytest.raises(ValueError) as e:
+            fn()
+        for n in needles:
+            assert n in str(e.value), (n, str(e.value))
+        errs.append(str(e.value))
+    return len(errs)
+
+
+def test_stage_map_errors(dist_runner):
+    assert dist_runner.run(2, _stage_map_errors) == [3, 3]

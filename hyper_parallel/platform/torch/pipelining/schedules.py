@@ -5,7 +5,8 @@ checks: the schedule runtime, constructor arguments and ``step`` / ``eval`` sema
 torch's. The checks run on every rank that gets the argument, before the schedule issues any
 point-to-point message, and name the argument and its value:
 
-* ``n_microbatches`` a positive int; at least the number of stages for ``Schedule1F1B``;
+* ``n_microbatches`` a positive int; at least the number of stages for ``Schedule1F1B`` and
+  ``ScheduleDualPipeV``;
 * ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``: exactly 2 stages per rank;
 * ``step(..., target=...)`` or ``losses=`` on a schedule built without ``loss_fn``;
 * every tensor a rank passes to ``step`` (positional, keyword, ``target``) must split into
@@ -61,7 +62,7 @@ class _Checked:
         num_stages = stages[0].num_stages
         if self._needs_mb_ge_stages and n < num_stages:
             raise ValueError(f"{name}: n_microbatches={n} is smaller than the number of stages ({num_stages}); "
-                             f"1F1B needs n_microbatches >= num_stages")
+                             f"{name} needs n_microbatches >= num_stages")
         if self._stages_per_rank is not None and len(stages) != self._stages_per_rank:
             raise ValueError(f"{name}: stages has {len(stages)} stage(s) on this rank (stage indices "
                              f"{[s.stage_index for s in stages]}); {name} needs exactly "
@@ -135,7 +136,7 @@ ScheduleInterleaved1F1B = _checked(_ts.ScheduleInterleaved1F1B)
 ScheduleLoopedBFS = _checked(_ts.ScheduleLoopedBFS)
 ScheduleInterleavedZeroBubble = _checked(_ts.ScheduleInterleavedZeroBubble)
 ScheduleZBVZeroBubble = _checked(_ts.ScheduleZBVZeroBubble, _stages_per_rank=2)
-ScheduleDualPipeV = _checked(_ts.ScheduleDualPipeV, _stages_per_rank=2)
+ScheduleDualPipeV = _checked(_ts.ScheduleDualPipeV, _stages_per_rank=2, _needs_mb_ge_stages=True)
 
 _OURS = {c._torch_cls: c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
                                    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)}

@@ -45,6 +45,14 @@ def test_v_schedules_two_ranks(dist_runner, schedule):
     _check_p2p(res, 4)
 
 
+@pytest.mark.parametrize("schedule", ["LoopedBFS", "InterleavedZeroBubble"])
+def test_other_looped_schedules_two_ranks(dist_runner, schedule):
+    res = dist_runner.run(2, _pp_train, schedule, 2, 4, 2)
+    assert [r["stages"] for r in res] == [[0, 2], [1, 3]]  # looped map
+    _check(res)
+    _check_p2p(res, 4)
+
+
 @pytest.mark.parametrize("schedule,per_rank,args", [("GPipe", 1, ARGS), ("1F1B", 1, ARGS),
                                                     ("Interleaved1F1B", 2, ARGS6), ("ZBVZeroBubble", 2, ARGS6),
                                                     ("DualPipeV", 2, ARGS6)])

@@ -27,6 +27,7 @@ Status and what is left: ``docs/pipelining.md``.
 """
 from hyper_parallel.platform import get_platform
 from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank
+from hyper_parallel.pipelining.clip import clip_grad_norm_, get_total_norm
 
 _impl = get_platform().feature("pipelining")
 
@@ -49,3 +50,4 @@ __all__ = [
     "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages",
     "stage_ids_on_rank",
 ]
+__all__ += ["clip_grad_norm_", "get_total_norm"]

@@ -6,9 +6,11 @@ from hyper_parallel.platform.torch.pipelining.schedules import (
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
     get_schedule_class, schedule_kind)
 from hyper_parallel.platform.torch.pipelining.stage import PipelineStage
+from hyper_parallel.platform.torch.pipelining.clip import clip_grad_norm_, get_total_norm  # noqa: E402
 
 __all__ = [
     "PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
     "ScheduleDualPipeV", "get_schedule_class", "schedule_kind", "microbatch",
 ]
+__all__ += ["clip_grad_norm_", "get_total_norm"]

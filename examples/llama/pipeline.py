@@ -206,14 +206,14 @@ class Pipeline:
         if not self.has_last:
             return None, dt, bubble
         vals = [l.full_tensor() if isinstance(l, hp.DTensor) else l for l in losses]
-        return torch.stack([v.detach().float() for v in vals]).mean(), dt, bubble
+        return torch.stack([v.detach() for v in vals]).mean(), dt, bubble
 
 
-def train_pipeline(args, steps, cfg, mesh, log=print):
+def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
     """The ``train.py`` loop with a pipeline; returns (global mean loss of every step, the rank's stages as one
-    module, optimizer)."""
+    module, optimizer). ``model``: the whole model to split (default ``build_model(cfg.model, cfg.seed)``)."""
     from examples.llama import checkpoint
-    pipe = Pipeline(args, cfg, mesh)
+    pipe = Pipeline(args, cfg, mesh, model=model)
     opt = build_optimizer(pipe.params, cfg.optim)
     dp, dp_rank = mesh.size("dp_shard"), mesh.get_local_rank("dp_shard")
     tp, world = mesh.size("tp"), dist.get_world_size()

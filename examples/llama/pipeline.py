@@ -209,6 +209,22 @@ class Pipeline:
         return torch.stack([v.detach() for v in vals]).mean(), dt, bubble
 
 
+    def train_step(self, opt, x, y, max_grad_norm):
+        """zero_grad, the pipelined step, ``clip_grad_norm_`` over all stages, ``opt.step()``. ``x``/``y``: this
+        rank's data-parallel share. Returns (the global mean loss, every rank's bubble fraction as a tensor)."""
+        opt.zero_grad(set_to_none=True)
+        loss, _, bubble = self.step(x, y)
+        pp.clip_grad_norm_(self.params, max_grad_norm, pp_group=self.mesh["pp"])
+        opt.step()
+        # one all_reduce: the loss (held by the dp x tp ranks of the last stage) and every rank's bubble
+        world = dist.get_world_size()
+        stats = torch.zeros(1 + world, dtype=torch.float64)
+        stats[0] = float(loss) if loss is not None else 0.0
+        stats[1 + dist.get_rank()] = bubble
+        dist.all_reduce(stats)
+        return stats[0].item() / (self.mesh.size("dp_shard") * self.mesh.size("tp")), stats[1:]
+
+
 def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
     """The ``train.py`` loop with a pipeline; returns (global mean loss of every step, the rank's stages as one
     module, optimizer). ``model``: the whole model to split (default ``build_model(cfg.model, cfg.seed)``)."""
@@ -216,29 +232,19 @@ def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
     pipe = Pipeline(args, cfg, mesh, model=model)
     opt = build_optimizer(pipe.params, cfg.optim)
     dp, dp_rank = mesh.size("dp_shard"), mesh.get_local_rank("dp_shard")
-    tp, world = mesh.size("tp"), dist.get_world_size()
     ckpt_dir = getattr(args, "checkpoint_dir", None)
     start = 0
     if ckpt_dir and getattr(args, "resume", False):
-        start = checkpoint.resume(ckpt_dir, pipe.module, opt)
+        start = checkpoint.resume(ckpt_dir, pipe.module, opt, stage=True)
         log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
     losses, tokens, t0 = [], 0, time.perf_counter()
     for step in range(start, steps):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
-        opt.zero_grad(set_to_none=True)
-        loss, _, bubble = pipe.step(x, y)
-        pp.clip_grad_norm_(pipe.params, cfg.optim.max_grad_norm, pp_group=mesh["pp"])
-        opt.step()
-        # one all_reduce: the loss (held by the dp x tp ranks of the last stage) and every rank's bubble
-        stats = torch.zeros(1 + world, dtype=torch.float64)
-        stats[0] = float(loss) if loss is not None else 0.0
-        stats[1 + dist.get_rank()] = bubble
-        dist.all_reduce(stats)
-        losses.append(stats[0].item() / (dp * tp))
+        loss, b = pipe.train_step(opt, x, y, cfg.optim.max_grad_norm)
+        losses.append(loss)
         tokens += cfg.global_batch * cfg.seq_len
-        b = stats[1:]
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0),
             note=f"bubble {b.mean().item():.0%} (ranks {b.min().item():.0%}-{b.max().item():.0%})")
         every = getattr(args, "save_every", 0)

@@ -2,6 +2,10 @@
 
     torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
     torchrun --nproc_per_node 4 examples/llama/train.py --dp-shard 2 --tp 2 --sp --steps 40   # FSDP x TP
+    torchrun --nproc_per_node 4 examples/llama/train.py --pp 2 --tp 2 --sp --pp-schedule 1f1b   # pipeline x TP
+
+``--pp N`` (with ``--pp-schedule``, ``--pp-microbatches``, ``--pp-layers-per-stage``) splits the
+model into pipeline stages on a ("pp", "dp_shard", "tp") mesh: examples/llama/pipeline.py.
 
 ``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
 parameters, gradients and optimizer states (``fully_shard`` per block and root);

@@ -157,7 +157,13 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
     rows = []
     for name in SCHEDULES:
         built = {}
-        for lib in ("torch", "ours"):
+        libs = ("torch", "ours")
+        if name == "ZBVZeroBubble" and tp > 1:
+            # torch's split weight-gradient pass assigns a plain tensor to ``param.grad``, which our DTensor
+            # parameters refuse (TypeError): zero-bubble schedules do not run on our TP stages yet
+            libs = ("torch",)
+            rows.append([name, "ours", None, None, None, None, None])
+        for lib in libs:
             parts = pp.split_into_stages(copy.deepcopy(base), mesh["pp"], schedule=name)
             ns = npp * (1 if name in ("GPipe", "1F1B") else 2)
             if lib == "ours":
@@ -195,7 +201,7 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
         times = {"torch": [], "ours": []}
         bub = {"torch": [], "ours": []}
         for _ in range(iters):
-            for lib in ("torch", "ours"):
+            for lib in libs:
                 step, meter, probe, _ = built[lib]
                 dist.barrier()
                 probe.bytes, probe.meta, probe.peak = 0, 0, probe.cur
@@ -203,7 +209,7 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
                     _, dt, b = meter.measure(step)
                 times[lib].append(dt)
                 bub[lib].append(b)
-        for lib in ("torch", "ours"):
+        for lib in libs:
             _, _, probe, parts = built[lib]
             stats = [statistics.median(times[lib]), statistics.median(bub[lib]), probe.bytes / 1, probe.meta,
                      probe.peak]
@@ -223,6 +229,10 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
     act = mb * seq * dim * 4 * tp  # one microbatch's boundary tensor on every tp rank (fp32)
     for name, lib, t, b, nbytes, meta, peak in rows:
         ref = next(r for r in rows if r[0] == name and r[1] == "torch")
+        if t is None:
+            out.append((f"pp{npp}xtp{tp}", name, lib, "fails: ZB weight grad on TP DTensor params", "", "", "", "",
+                        "", "", ""))
+            continue
         p, vv = npp, v[name]
         formula = 0.0 if name == "ZBVZeroBubble" else (p - 1) / (vv * m + p - 1)
         ns = p * vv

@@ -148,3 +148,17 @@ def _clip_body(norm_type):
 def test_clip_grad_norm_over_pipeline_ranks(dist_runner, norm_type):
     res = dist_runner.run(4, _clip_body, norm_type)
     assert len(set(res)) == 1, res
+
+
+def test_pp_flags_bad_input_name_flag_and_value():
+    from examples.llama import pipeline, train
+    cfg = get_config("tiny")   # 2 blocks, global batch 8
+    cases = {("--pp", "2", "--dp", "2"): "--dp 2", ("--pp", "2", "--loss-parallel"): "--loss-parallel",
+             ("--pp", "2", "--pp-microbatches", "3"): "--pp-microbatches 3",
+             ("--pp", "2", "--pp-layers-per-stage", "1"): "makes 4 stages for --pp 2",
+             ("--pp", "2", "--pp-schedule", "zbv", "--pp-layers-per-stage", "4"): "needs exactly 2 stages per rank",
+             ("--pp", "2", "--pp-schedule", "zbv", "--compile"): "refuses compiled stages"}
+    for flags, needle in cases.items():
+        with pytest.raises(SystemExit, match=re.escape(needle)):
+            pipeline.check_args(train.parse_args(list(flags)), cfg, 4)
+    assert pipeline.check_args(train.parse_args(["--pp", "2", "--pp-schedule", "interleaved1f1b"]), cfg, 2) == (4, 4)

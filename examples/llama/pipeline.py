@@ -67,8 +67,11 @@ def num_stages(args, cfg) -> int:
 
 
 def _kind(args):
-    from hyper_parallel.platform import get_platform
-    return get_platform().feature("pipelining").schedule_kind(SCHEDULES[args.pp_schedule])
+    """("single", 1), ("v", 2) or ("looped", None): the schedule's stage-to-rank map and stages per rank."""
+    cls = pp.get_schedule_class(SCHEDULES[args.pp_schedule])
+    if issubclass(cls, (pp.ScheduleZBVZeroBubble, pp.ScheduleDualPipeV)):
+        return "v", 2
+    return ("single", 1) if issubclass(cls, pp.PipelineScheduleSingle) else ("looped", None)
 
 
 def check_args(args, cfg, world):

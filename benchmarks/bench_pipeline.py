@@ -20,7 +20,8 @@ For each schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble) and library, on 
   first step (should be 0);
 * peak activation memory: the largest number of bytes saved for backward (autograd's saved
   tensors, parameters excluded, each storage counted once) alive at once on a rank during a step,
-  the max over the ranks; a count of live activations, not an allocator total.
+  the max over the ranks, above what was alive when the step began; a count of live activations, not an
+  allocator total. "left over" is what was still alive (saved for a backward) when the step began.
 
 The machine is a shared 2-core CPU: absolute times are noisy, ratios within one run are what to read.
 """
@@ -131,7 +132,7 @@ def _torch_tp(stage, tmesh):
         parallelize_module(blk, tmesh, llama_block_plan(TorchLib, False))
 
 
-def worker(tp, dim, layers, seq, mb, mb_factor, iters):
+def worker(tp, dim, layers, seq, mb, mb_factor, iters, schedules=SCHEDULES):
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining as tpp
@@ -155,14 +156,14 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
     x = torch.randint(0, 256, (m * mb, seq), generator=g)
     y = torch.randint(0, 256, (m * mb, seq), generator=g)
     rows = []
-    for name in SCHEDULES:
+    for name in schedules:
         built = {}
         libs = ("torch", "ours")
         if name == "ZBVZeroBubble" and tp > 1:
             # torch's split weight-gradient pass assigns a plain tensor to ``param.grad``, which our DTensor
             # parameters refuse (TypeError): zero-bubble schedules do not run on our TP stages yet
             libs = ("torch",)
-            rows.append([name, "ours", None, None, None, None, None])
+            rows.append([name, "ours", None, None, None, None, (None, None)])
         for lib in libs:
             parts = pp.split_into_stages(copy.deepcopy(base), mesh["pp"], schedule=name)
             ns = npp * (1 if name in ("GPipe", "1F1B") else 2)
@@ -204,7 +205,7 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
             for lib in libs:
                 step, meter, probe, _ = built[lib]
                 dist.barrier()
-                probe.bytes, probe.meta, probe.peak = 0, 0, probe.cur
+                probe.bytes, probe.meta, probe.peak, probe.start = 0, 0, probe.cur, probe.cur
                 with probe.hooks():
                     _, dt, b = meter.measure(step)
                 times[lib].append(dt)
@@ -212,7 +213,7 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
         for lib in libs:
             _, _, probe, parts = built[lib]
             stats = [statistics.median(times[lib]), statistics.median(bub[lib]), probe.bytes / 1, probe.meta,
-                     probe.peak]
+                     probe.peak - probe.start, probe.start]
             gathered = [None] * ws
             dist.all_gather_object(gathered, stats)
             if rank == 0:
@@ -221,7 +222,8 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
                 nbytes = sum(s[2] for s in gathered)
                 meta = sum(s[3] for s in gathered)
                 peak = max(s[4] for s in gathered)
-                rows.append([name, lib, t, b, nbytes, meta, peak])
+                left = max(s[5] for s in gathered)
+                rows.append([name, lib, t, b, nbytes, meta, (peak, left)])
     if rank != 0:
         return None
     v = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
@@ -231,7 +233,7 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
         ref = next(r for r in rows if r[0] == name and r[1] == "torch")
         if t is None:
             out.append((f"pp{npp}xtp{tp}", name, lib, "fails: ZB weight grad on TP DTensor params", "", "", "", "",
-                        "", "", ""))
+                        "", "", "", ""))
             continue
         p, vv = npp, v[name]
         formula = 0.0 if name == "ZBVZeroBubble" else (p - 1) / (vv * m + p - 1)
@@ -240,7 +242,7 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters):
         cross = sum(1 for s in range(ns - 1) if rank_of[s] != rank_of[s + 1])
         out.append((f"pp{p}" + (f"xtp{tp}" if tp > 1 else ""), name, lib, f"{t * 1e3:.0f}", f"{t / ref[2]:.2f}",
                     f"{b:.0%}", f"{formula:.0%}", f"{nbytes / 1e6:.3f}", f"{2 * m * cross * act / 1e6:.3f}",
-                    meta, f"{peak / 1e6:.2f}"))
+                    meta, f"{peak[0] / 1e6:.2f}", f"{peak[1] / 1e6:.2f}"))
     return out
 
 
@@ -253,16 +255,17 @@ def main(argv=None):
     ap.add_argument("--mb", type=int, default=2, help="microbatch size (rows)")
     ap.add_argument("--mb-factor", type=int, default=4, help="microbatches M = factor x pp")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     a = ap.parse_args(argv)
     rows = []
     t0 = time.perf_counter()
     for ws in a.worlds:
         tp = 1 if ws == 2 else 2
-        rows += launch(ws, worker, tp, a.dim, a.layers, a.seq, a.mb, a.mb_factor, a.iters)
+        rows += launch(ws, worker, tp, a.dim, a.layers, a.seq, a.mb, a.mb_factor, a.iters, tuple(a.schedules))
     print(f"example Llama dim {a.dim}, {a.layers} layers, seq {a.seq}, microbatch {a.mb} rows, "
           f"M = {a.mb_factor} x pp microbatches, median of {a.iters} steps ({time.perf_counter() - t0:.0f}s)")
     print(table(("layout", "schedule", "lib", "step ms", "x torch", "bubble", "formula", "p2p MB/step",
-                 "activations MB", "meta msgs", "peak act MB"), rows))
+                 "activations MB", "meta msgs", "peak act MB", "left over MB"), rows))
 
 
 if __name__ == "__main__":

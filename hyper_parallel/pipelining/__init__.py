@@ -19,6 +19,9 @@ Design (one screen)
   deletes what the stage does not own, so every parameter keeps its fully qualified name and
   the union of the stages' ``state_dict()`` is the whole model's (checkpoints reshard across
   pipeline degrees through the usual DCP path).
+* **Clipping over the pipeline.** :func:`clip_grad_norm_` (``pipelining/clip.py``) is torch's
+  ``clip_grad_norm_`` whose norm covers every stage: per-rank norms (DTensor gradients reduced on
+  their own meshes) combined over ``pp_group`` with one all_reduce.
 * **Layers.** This package is framework-neutral: it imports ``hyper_parallel.core`` and the
   platform's accessors only. The torch mechanics live in
   ``hyper_parallel/platform/torch/pipelining/``, reached by ``get_platform().feature("pipelining")``.

@@ -172,7 +172,8 @@ def progress(step, steps, loss, tok_s, width=30, note=""):
         print(loss, flush=True)
         return
     done = int(width * (step + 1) / steps)
-    line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s" + (f"  {note}" if note else "")
+    line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
+    line += f"  {note}" if note else ""  # e.g. the pipeline's measured bubble
     end = "\n" if step + 1 == steps or not sys.stdout.isatty() else ""
     if sys.stdout.isatty():
         print("\r" + line, end=end, flush=True)
@@ -195,12 +196,12 @@ def main(argv=None):
                          f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
+    if args.pp > 1:  # --- pipeline parallelism: flag checks on every rank before any collective
+        from examples.llama import pipeline
+        pipeline.check_args(args, get_config(args.config), world)
     mesh = make_mesh(args)
     cfg = get_config(args.config)
     steps = args.steps or cfg.steps
-    if args.pp > 1:  # --- pipeline parallelism: flag checks on every rank before any collective
-        from examples.llama import pipeline
-        pipeline.check_args(args, cfg, world)
     rank = dist.get_rank()
     if rank == 0:
         n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())

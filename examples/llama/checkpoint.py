@@ -57,7 +57,8 @@ def save(root: str, step: int, model, optimizer) -> str:
     """Save model + optimizer after ``step`` completed steps (collective); returns the step directory."""
     path = step_dir(root, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": step, GROUPS: _groups_by_fqn(optim_sd)},
+             checkpoint_id=path)
     _barrier()
     if _rank() == 0:
         tmp = os.path.join(root, f".{LATEST}.tmp")
@@ -70,16 +71,44 @@ def save(root: str, step: int, model, optimizer) -> str:
     return path
 
 
-def load(path: str, model, optimizer) -> int:
-    """Load a step directory into ``model``/``optimizer`` in their current layout; returns its step."""
+def load(path: str, model, optimizer, *, stage: bool = False) -> int:
+    """Load a step directory into ``model``/``optimizer`` in their current layout; returns its step.
+
+    ``stage=True`` (pipeline stages, ``--pp``): ``model`` holds only some of the checkpoint's parameters;
+    the others are not read (every key of ``model`` must still be in the checkpoint)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": -1}
-    checked_load(state, checkpoint_id=path)  # keys and shapes checked on every rank first
+    if _has_groups_by_fqn(path):
+        state[GROUPS] = _groups_by_fqn(optim_sd)
+    if stage:  # shapes checked first; a key missing from the checkpoint fails DCP's planning on every rank
+        checked_load(state, checkpoint_id=path, strict=False, planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
+    else:
+        checked_load(state, checkpoint_id=path)  # keys and shapes checked on every rank first
+    if GROUPS in state:  # --- pipeline stages: each rank's param_groups name only its stages' parameters
+        optim_sd["param_groups"] = [{**hyper, "params": [fqn]} for fqn, hyper in state[GROUPS].items()]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 
 
-def resume(root: str, model, optimizer) -> int:
+# --- pipeline parallelism (--pp): optimizer hyperparameters per parameter FQN. A rank of a pipeline holds
+# only its stages' parameters, so its ``param_groups`` list names only those; DCP keeps one rank's copy of
+# such a non-tensor entry, which would lose the other stages' names. Keyed by FQN, every name is written by
+# a rank that has it and read back by whichever rank needs it, at any --pp.
+GROUPS = "optim_groups"
+
+
+def _groups_by_fqn(optim_sd) -> dict:
+    return {fqn: {k: v for k, v in g.items() if k != "params"}
+            for g in optim_sd["param_groups"] for fqn in g["params"]}
+
+
+def _has_groups_by_fqn(path: str) -> bool:
+    """Whether the checkpoint at ``path`` has the per-FQN hyperparameters (older checkpoints do not)."""
+    meta = dcp.FileSystemReader(path).read_metadata()
+    return any(k.startswith(GROUPS + ".") for k in meta.state_dict_metadata)
+
+
+def resume(root: str, model, optimizer, *, stage: bool = False) -> int:
     """Load ``latest`` under ``root`` if there is one; returns the number of completed steps (0 if none)."""
     path = latest_dir(root)
-    return 0 if path is None else load(path, model, optimizer)
+    return 0 if path is None else load(path, model, optimizer, stage=stage)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 
 import hyper_parallel as hp
-from hyper_parallel import (ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel, SequenceParallel,
-                            Shard, parallelize_module, replicate)
+from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, Replicate, RowwiseParallel,
+                            SequenceParallel, Shard, parallelize_module, replicate)
 from examples.llama.model import RMSNorm
 
 # The example's hand-written RMSNorm normalises each token on its own, so it may run on
@@ -41,12 +41,15 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
     seq = Shard(1) if sp else Replicate()
 
     if tp_mesh.size() > 1 and ("tp" in names or not {"dp", "dp_shard"} & set(names)):
-        parallelize_module(model, tp_mesh, {
+        ends = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                       use_local_output=not loss_parallel),
             **({"norm": SequenceParallel()} if sp else {}),
-        }, src_data_rank=src_data_rank)
+        }
+        ends = {k: v for k, v in ends.items() if getattr(model, k, None) is not None}  # pipeline stages lack some
+        if ends:
+            parallelize_module(model, tp_mesh, ends, src_data_rank=src_data_rank)
         block_plan = {
             "attention": PrepareModuleInput(input_layouts=(seq, None, None),
                                             desired_input_layouts=(Replicate(), None, None), use_local_output=True),
@@ -64,7 +67,16 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, block_plan, src_data_rank=src_data_rank)
-    if "dp_shard" in names:
+        # --- pipeline stages (--pp, examples/llama/pipeline.py): with SP the hidden state crossing a stage
+        # boundary is a DTensor Shard(1) on mesh["tp"] (sent as its local shard, rebuilt by the next stage)
+        keys = list(model.layers.keys())
+        if sp and keys and getattr(model, "tok_embeddings", 0) is None:
+            parallelize_module(model.layers[keys[0]], tp_mesh, PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(seq, None, None), use_local_output=True))
+        if sp and keys and getattr(model, "output", 0) is None:
+            parallelize_module(model.layers[keys[-1]], tp_mesh, PrepareModuleOutput(
+                output_layouts=seq, desired_output_layouts=seq, use_local_output=False))
+    if "dp_shard" in names and mesh["dp_shard"].size() > 1:
         # FSDP (HSDP when a "dp" replicate dim is present): one fully_shard group per block plus the root
         fsdp_mesh = mesh["dp", "dp_shard"] if "dp" in names else mesh["dp_shard"]
         for block in model.layers.values():

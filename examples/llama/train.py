@@ -2,6 +2,10 @@
 
     torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
     torchrun --nproc_per_node 4 examples/llama/train.py --dp-shard 2 --tp 2 --sp --steps 40   # FSDP x TP
+    torchrun --nproc_per_node 4 examples/llama/train.py --pp 2 --tp 2 --sp --pp-schedule 1f1b   # pipeline x TP
+
+``--pp N`` (with ``--pp-schedule``, ``--pp-microbatches``, ``--pp-layers-per-stage``) splits the
+model into pipeline stages on a ("pp", "dp_shard", "tp") mesh: examples/llama/pipeline.py.
 
 ``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
 parameters, gradients and optimizer states (``fully_shard`` per block and root);
@@ -66,11 +70,17 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last) when "
                    "--checkpoint-dir is set; 0: only after the last step")
     p.add_argument("--resume", action="store_true", help="resume from DIR/latest (any --dp/--tp layout)")
+    # --- pipeline parallelism: --pp, --pp-schedule, --pp-microbatches, --pp-layers-per-stage (pipeline.py)
+    from examples.llama.pipeline import add_pp_args
+    add_pp_args(p)
     return p.parse_args(argv)
 
 
 def make_mesh(args):
-    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given."""
+    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given ("pp", "dp_shard", "tp" with --pp)."""
+    if getattr(args, "pp", 1) > 1:  # --- pipeline parallelism
+        from examples.llama.pipeline import make_mesh as make_pp_mesh
+        return make_pp_mesh(args)
     if getattr(args, "dp_shard", 1) > 1:
         return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -95,6 +105,12 @@ def train(args, steps, cfg, mesh, log=print, report=None):
 
     ``report``, if given, is a dict that receives this rank's state bytes after the last step.
     """
+    if getattr(args, "pp", 1) > 1:  # --- pipeline parallelism: the loop in examples/llama/pipeline.py
+        from examples.llama.pipeline import train_pipeline
+        losses, stages, opt = train_pipeline(args, steps, cfg, mesh, log=log)
+        if report is not None:
+            report["bytes"] = state_bytes(stages, opt)
+        return losses
     names = mesh.mesh_dim_names
     if "dp_shard" in names:
         dp = mesh.size("dp") * mesh.size("dp_shard")
@@ -151,12 +167,13 @@ def compile_blocks(model, backend="inductor"):
     return model
 
 
-def progress(step, steps, loss, tok_s, width=30):
+def progress(step, steps, loss, tok_s, width=30, note=""):
     if step is None:  # a message (checkpoint saved / resumed)
         print(loss, flush=True)
         return
     done = int(width * (step + 1) / steps)
     line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
+    line += f"  {note}" if note else ""  # e.g. the pipeline's measured bubble
     end = "\n" if step + 1 == steps or not sys.stdout.isatty() else ""
     if sys.stdout.isatty():
         print("\r" + line, end=end, flush=True)
@@ -172,12 +189,16 @@ def main(argv=None):
         raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    need = args.dp * args.dp_shard * args.tp
+    need = args.dp * args.dp_shard * args.tp * args.pp
     if need != world:
-        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} = {need} must equal the "
+        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} x --pp {args.pp} = {need} "
+                         "must equal the "
                          f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
+    if args.pp > 1:  # --- pipeline parallelism: flag checks on every rank before any collective
+        from examples.llama import pipeline
+        pipeline.check_args(args, get_config(args.config), world)
     mesh = make_mesh(args)
     cfg = get_config(args.config)
     steps = args.steps or cfg.steps
@@ -187,11 +208,12 @@ def main(argv=None):
         lp = ", loss_parallel" if args.loss_parallel else ""
         lp += f", compiled blocks ({args.compile})" if args.compile else ""
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
+        ds += pipeline.describe(args, cfg) if args.pp > 1 else ""
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
     report = {}
-    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None), report=report)
+    losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a, **k: None), report=report)
     elapsed = time.perf_counter() - t0
     per_rank = torch.zeros(world, dtype=torch.long)
     per_rank[rank] = report["bytes"]
@@ -204,6 +226,7 @@ def main(argv=None):
               + ", ".join(f"rank {r}: {b:,}" for r, b in enumerate(per_rank.tolist()))
               + f" (unsharded total {total:,})")
         ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
+        ds = f"_pp{args.pp}{args.pp_schedule}" + ds if args.pp > 1 else ds
         series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")

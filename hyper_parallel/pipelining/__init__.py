@@ -26,6 +26,9 @@ Design (one screen)
   :mod:`.hp_api`): its ``PipelineStage`` / ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B(...).run`` build the same stage and torch schedule, with
   HyperParallel's semantics (the last stage returns the loss; ``run`` returns the outputs).
+* **Clipping over the pipeline.** :func:`clip_grad_norm_` (``pipelining/clip.py``) is torch's
+  ``clip_grad_norm_`` whose norm covers every stage: per-rank norms (DTensor gradients reduced on
+  their own meshes) combined over ``pp_group`` with one all_reduce.
 * **Layers.** This package is framework-neutral: it imports ``hyper_parallel.core`` and the
   platform's accessors only. The torch mechanics live in
   ``hyper_parallel/platform/torch/pipelining/``, reached by ``get_platform().feature("pipelining")``.
@@ -34,6 +37,7 @@ Status and what is left: ``docs/pipelining.md``.
 """
 from hyper_parallel.platform import get_platform
 from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank, stage_module
+from hyper_parallel.pipelining.clip import clip_grad_norm_, get_total_norm
 
 _impl = get_platform().feature("pipelining")
 
@@ -57,3 +61,4 @@ __all__ = [
     "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages", "stage_module",
     "stage_ids_on_rank",
 ]
+__all__ += ["clip_grad_norm_", "get_total_norm"]

@@ -7,6 +7,14 @@ minimum: without SP 2 all_reduce forward + 2 backward; with SP 2 all_gather +
 2 reduce_scatter in each direction (plus the all_reduce of the two replicated
 norm weights' gradients).
 
+Expert parallelism (MoE configs, mesh dims ``("efsdp", "ep", "tp")``, see ``make_moe_mesh``): the
+``ep`` dim is borrowed from the fully sharded data parallelism (torchtitan's layout): ``dp_shard =
+efsdp x ep``. Experts are sharded ``Shard(0)`` over ``ep`` (``hyper_parallel.moe.ExpertParallel``)
+and ``fully_shard``-ed over the remaining ``efsdp`` ranks; everything else is ``fully_shard``-ed
+over all ``efsdp x ep`` data-parallel ranks. With ``tp`` the router stays replicated, the shared
+expert is Megatron TP like the dense FFN, and the routed experts are replicated over tp (every tp
+rank of a data-parallel rank runs the same tokens through them; no expert-tensor parallelism).
+
 ``loss_parallel=True`` keeps the logits vocabulary-sharded (a DTensor
 ``Shard(-1)`` on ``mesh["tp"]``) instead of gathering them; compute the loss
 inside ``with hyper_parallel.loss_parallel():`` (``train_loss`` below does), which
@@ -18,9 +26,10 @@ from __future__ import annotations
 import contextlib
 
 import hyper_parallel as hp
-from hyper_parallel import (ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel, SequenceParallel,
+from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, Replicate, RowwiseParallel, SequenceParallel,
                             Shard, parallelize_module, replicate)
 from examples.llama.model import RMSNorm
+from examples.llama.moe import MoE
 
 # The example's hand-written RMSNorm normalises each token on its own, so it may run on
 # sequence-sharded activations: let SequenceParallel accept it (nn.RMSNorm is built in).
@@ -36,6 +45,9 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
     ``mesh['dp', 'dp_shard']``, i.e. HSDP, when ``dp`` is present too).
     """
     names = mesh.mesh_dim_names or ()
+    if "ep" in names:
+        return _parallelize_moe(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                src_data_rank=src_data_rank)
     tp_mesh = mesh["tp"] if "tp" in names else mesh
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
@@ -63,7 +75,8 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         if sp:
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         for block in model.layers.values():
-            parallelize_module(block, tp_mesh, block_plan, src_data_rank=src_data_rank)
+            parallelize_module(block, tp_mesh, _moe_tp_plan(seq) if hasattr(block, "moe") else block_plan,
+                               src_data_rank=src_data_rank)
     if "dp_shard" in names:
         # FSDP (HSDP when a "dp" replicate dim is present): one fully_shard group per block plus the root
         fsdp_mesh = mesh["dp", "dp_shard"] if "dp" in names else mesh["dp_shard"]
@@ -72,6 +85,118 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         hp.fully_shard(model, mesh=fsdp_mesh)
     elif "dp" in names and mesh["dp"].size() > 1:
         replicate(model, mesh["dp"])
+    return model
+
+
+# ----------------------------------------------------------------------------- mixture of experts (--ep)
+
+
+def _moe_tp_plan(seq):
+    """TP of an MoE block: attention as in the dense plan; the MoE takes and returns ``seq`` tensors,
+    its router is replicated, its shared expert colwise/rowwise, its routed experts replicated."""
+    plan = {
+        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                        desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "moe.shared_experts.w1": ColwiseParallel(),
+        "moe.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
+        "moe.shared_experts.w3": ColwiseParallel(),
+    }
+    if isinstance(seq, Shard):  # sequence parallel: gather the sequence in, slice it out again
+        plan.update({
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "moe": PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                            use_local_input=True, output_layouts=(Replicate(),),
+                                            desired_output_layouts=(seq,), use_local_output=True)})
+    return plan
+
+
+def expert_parallel_style():
+    """``hyper_parallel.moe.ExpertParallel()`` when the library has it, else the example's stand-in."""
+    try:
+        from hyper_parallel.moe import ExpertParallel  # noqa: PLC0415
+    except ImportError:
+        from examples.llama.moe_ep_standin import ExpertParallel  # noqa: PLC0415
+    return ExpertParallel()
+
+
+def make_moe_mesh(device_type, dp_shard: int, ep: int, tp: int = 1):
+    """The ``("efsdp", "ep", "tp")`` mesh: ``ep`` borrows ranks from ``dp_shard`` (``efsdp = dp_shard/ep``).
+
+    The data-parallel dim over all ``dp_shard`` ranks is the flattening of ``efsdp x ep``
+    (``mesh["dp_shard"]``, registered here; dense layers are fully sharded over it).
+    """
+    if ep < 1 or dp_shard % ep:
+        raise ValueError(f"--ep {ep} must divide --dp-shard {dp_shard}: expert parallelism borrows its ranks from "
+                         "the fully sharded data parallelism")
+    mesh = hp.init_device_mesh(device_type, (dp_shard // ep, ep, tp), mesh_dim_names=("efsdp", "ep", "tp"))
+    mesh["efsdp", "ep"]._flatten("dp_shard")
+    return mesh
+
+
+def dp_group_of(mesh):
+    """The process group of all data-parallel ranks (None when there is one), for the expert-bias all_reduce."""
+    names = mesh.mesh_dim_names or ()
+    if "ep" in names:
+        dp_mesh = mesh["dp_shard"]
+    elif "dp_shard" in names:
+        dp_mesh = mesh["dp", "dp_shard"]._flatten("dp_all") if "dp" in names else mesh["dp_shard"]
+    elif "dp" in names:
+        dp_mesh = mesh["dp"]
+    else:
+        return None
+    return dp_mesh.get_group() if dp_mesh.size() > 1 else None
+
+
+def clip_grad_norm_(parameters, max_norm: float):
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (EP: experts live on the
+    ``(efsdp, ep, tp)`` mesh, the rest on the flattened ``dp_shard`` one): one norm per mesh, combined.
+    Returns the total norm (a plain tensor)."""
+    import torch  # noqa: PLC0415
+    params = [p for p in parameters if p.grad is not None]
+    groups = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, hp.DTensor) else None
+        groups.setdefault(key, []).append(p)
+    sq = None
+    for key, ps in groups.items():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
+        if isinstance(n, hp.DTensor):
+            n = n.full_tensor()
+        sq = n * n if sq is None else sq + n * n
+    if sq is None:
+        return torch.zeros(())
+    total = sq.sqrt()
+    for ps in groups.values():  # one foreach per mesh
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total
+
+
+def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_rank):
+    """EP (+ efsdp) x FSDP x TP on a ``make_moe_mesh`` mesh."""
+    num_experts = [b.moe.experts.num_experts for b in model.layers.values() if hasattr(b, "moe")]
+    ep = mesh.size("ep")
+    for e in num_experts:
+        if e % ep:
+            raise ValueError(f"the MoE layers have {e} experts, which --ep {ep} does not divide")
+    # TP (tp dim of size 1: nothing); experts replicated over tp
+    if mesh.size("tp") > 1:
+        parallelize_llama(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                          src_data_rank=src_data_rank)
+    for block in model.layers.values():
+        if hasattr(block, "moe"):
+            parallelize_module(block.moe.experts, mesh["ep"], expert_parallel_style(), src_data_rank=src_data_rank)
+    dp_mesh, efsdp_mesh = mesh["dp_shard"], mesh["efsdp"]
+    for block in model.layers.values():
+        if hasattr(block, "moe"):
+            hp.fully_shard(block.moe.experts, mesh=efsdp_mesh)
+            # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
+            block.moe.experts.set_gradient_divide_factor(dp_mesh.size())
+        hp.fully_shard(block, mesh=dp_mesh)
+    hp.fully_shard(model, mesh=dp_mesh)
     return model
 
 

@@ -182,21 +182,24 @@ def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_
     for e in num_experts:
         if e % ep:
             raise ValueError(f"the MoE layers have {e} experts, which --ep {ep} does not divide")
-    # TP (tp dim of size 1: nothing); experts replicated over tp
-    if mesh.size("tp") > 1:
-        parallelize_llama(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+    # Dense parts live on a ("dp_shard", "tp") root mesh over the same ranks (dp_shard index =
+    # efsdp index * ep + ep index): fully_shard takes a TP parameter only with a mesh dim of the
+    # TP mesh's root, and the experts' root is ("efsdp", "ep", "tp").
+    dp_shard, tp = mesh.size("efsdp") * ep, mesh.size("tp")
+    dense = hp.init_device_mesh(mesh.device_type, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+    if tp > 1:  # TP of attention, dense FFN, output and shared experts; router and experts replicated over tp
+        parallelize_llama(model, dense["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                           src_data_rank=src_data_rank)
     for block in model.layers.values():
         if hasattr(block, "moe"):
             parallelize_module(block.moe.experts, mesh["ep"], expert_parallel_style(), src_data_rank=src_data_rank)
-    dp_mesh, efsdp_mesh = mesh["dp_shard"], mesh["efsdp"]
     for block in model.layers.values():
         if hasattr(block, "moe"):
-            hp.fully_shard(block.moe.experts, mesh=efsdp_mesh)
+            hp.fully_shard(block.moe.experts, mesh=mesh["efsdp"])
             # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
-            block.moe.experts.set_gradient_divide_factor(dp_mesh.size())
-        hp.fully_shard(block, mesh=dp_mesh)
-    hp.fully_shard(model, mesh=dp_mesh)
+            block.moe.experts.set_gradient_divide_factor(dp_shard)
+        hp.fully_shard(block, mesh=dense["dp_shard"])
+    hp.fully_shard(model, mesh=dense["dp_shard"])
     return model
 
 

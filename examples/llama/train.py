@@ -20,6 +20,18 @@ vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
 ``DIR/latest`` marker written after each completed save); ``--resume`` continues from
 ``DIR/latest`` under any ``--dp/--tp`` (see docs/checkpoint.md).
 
+Mixture of experts (``--config moe-tiny`` / ``moe-demo``, examples/llama/moe.py, docs/moe_example.md):
+
+    torchrun --nproc_per_node 4 examples/llama/train.py --config moe-demo --dp-shard 4 --ep 2 --steps 40
+    torchrun --nproc_per_node 4 examples/llama/train.py --config moe-demo --dp-shard 2 --ep 2 --tp 2
+
+``--ep N`` shards the routed experts over N ranks borrowed from ``--dp-shard`` (N must divide it,
+and the number of experts): the experts are fully sharded over the remaining dp_shard/N ranks,
+everything else over all dp_shard ranks; with ``--tp`` the experts are replicated over tp.
+``--ep`` does not combine with ``--dp`` (HSDP). After each step the per-expert bias (aux-loss-free
+balancing) is updated from the global token counts (one all_reduce) and rank 0 prints the expert
+load (tokens per expert and max/mean per MoE layer) with the progress line.
+
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
 --nproc_per_node P examples/llama/train.py ...`` (dp * tp = N * P).
@@ -53,11 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--dp-shard", type=int, default=1,
                    help="fully sharded data-parallel degree (fully_shard; with --dp: HSDP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE configs; ranks borrowed "
+                   "from --dp-shard, which it must divide)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
     p.add_argument("--loss-parallel", action="store_true",
                    help="cross-entropy on the vocabulary-sharded logits (no vocabulary gather)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
-    p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
+    p.add_argument("--config", default="demo", help="model/training config: tiny, demo, moe-tiny or moe-demo")
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -70,7 +84,11 @@ def parse_args(argv=None):
 
 
 def make_mesh(args):
-    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given."""
+    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given
+    (("efsdp", "ep", "tp") with --ep: expert parallelism borrows ranks from dp_shard)."""
+    if getattr(args, "ep", 1) > 1:  # --- MoE expert parallelism
+        from examples.llama.parallelize import make_moe_mesh
+        return make_moe_mesh("cpu", args.dp_shard, args.ep, args.tp)
     if getattr(args, "dp_shard", 1) > 1:
         return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -96,7 +114,10 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     ``report``, if given, is a dict that receives this rank's state bytes after the last step.
     """
     names = mesh.mesh_dim_names
-    if "dp_shard" in names:
+    if "ep" in names:  # --- MoE expert parallelism: the batch is split over efsdp x ep
+        dp = mesh.size("efsdp") * mesh.size("ep")
+        dp_rank = mesh.get_local_rank("efsdp") * mesh.size("ep") + mesh.get_local_rank("ep")
+    elif "dp_shard" in names:
         dp = mesh.size("dp") * mesh.size("dp_shard")
         dp_rank = mesh.get_local_rank("dp") * mesh.size("dp_shard") + mesh.get_local_rank("dp_shard")
     else:
@@ -116,6 +137,12 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
     tp = mesh.size("tp") if "tp" in names else 1
+    # --- MoE: expert-bias all_reduce group; a gradient clip that spans the experts' and the dense mesh
+    moe = cfg.model.moe is not None
+    if moe:
+        from examples.llama.moe import format_load, update_expert_bias
+        from examples.llama.parallelize import clip_grad_norm_, dp_group_of
+        bias_group = dp_group_of(mesh)
     losses = []
     t0 = time.perf_counter()
     tokens = 0
@@ -124,14 +151,21 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
         opt.zero_grad(set_to_none=True)
         g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-        opt.step()
+        if moe:  # --- MoE: clip over both meshes, then the aux-loss-free bias step from global counts
+            clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            opt.step()
+            load = update_expert_bias(model, bias_group)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            opt.step()
         if dp > 1:  # every tp rank holds the same loss: average over the whole world
             dist.all_reduce(g)
             g /= dp * tp
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
+        if moe:
+            log(None, steps, f"  step {step + 1} {format_load(load)}", 0)
         every = getattr(args, "save_every", 0)
         if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
             from examples.llama import checkpoint
@@ -173,6 +207,15 @@ def main(argv=None):
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     need = args.dp * args.dp_shard * args.tp
+    if args.ep > 1:  # --- MoE expert parallelism: checked before any process group exists
+        n_exp = get_config(args.config).model.moe
+        if n_exp is None:
+            raise SystemExit(f"--ep needs an MoE config (moe-tiny, moe-demo), got --config {args.config}")
+        if args.dp > 1 or args.dp_shard % args.ep:
+            raise SystemExit(f"--ep {args.ep} borrows ranks from --dp-shard (got {args.dp_shard}), which it must "
+                             f"divide; --dp (HSDP) is not supported with --ep (got --dp {args.dp})")
+        if n_exp.num_experts % args.ep:
+            raise SystemExit(f"--ep {args.ep} must divide the {n_exp.num_experts} experts of --config {args.config}")
     if need != world:
         raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} = {need} must equal the "
                          f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
@@ -187,6 +230,7 @@ def main(argv=None):
         lp = ", loss_parallel" if args.loss_parallel else ""
         lp += f", compiled blocks ({args.compile})" if args.compile else ""
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
+        ds += f" ep={args.ep}" if args.ep > 1 else ""
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
@@ -204,6 +248,7 @@ def main(argv=None):
               + ", ".join(f"rank {r}: {b:,}" for r, b in enumerate(per_rank.tolist()))
               + f" (unsharded total {total:,})")
         ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
+        ds += f"_ep{args.ep}" if args.ep > 1 else ""
         series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")

@@ -149,13 +149,15 @@ def test_grouped_experts_with_empty_experts():
     counts = torch.tensor([2, 0, 3, 0])
     x = torch.randn(5, DIM, generator=g, dtype=torch.float64)
     want = torch.cat([_swiglu(x[:2], ge.w1[0], ge.w2[0], ge.w3[0]), _swiglu(x[2:], ge.w1[2], ge.w2[2], ge.w3[2])])
-    torch.testing.assert_close(ge(x, counts), want, rtol=1e-12, atol=1e-12)
+    for use_grouped_mm in (True, False):  # hyper_parallel.moe.grouped_mm, and the example's loop
+        ge.use_grouped_mm = use_grouped_mm
+        torch.testing.assert_close(ge(x, counts), want, rtol=1e-12, atol=1e-12)
+        assert ge(x[:0], torch.zeros(4, dtype=torch.long)).shape == (0, DIM)
+        with pytest.raises(ValueError, match="sums to 4"):
+            ge(x, torch.tensor([2, 0, 2, 0]))
+        with pytest.raises(ValueError, match="3 entries for 4"):
+            ge(x, torch.tensor([2, 0, 3]))
     torch.testing.assert_close(run_experts_loop(ge.w1, ge.w2, ge.w3, x, counts), want, rtol=1e-12, atol=1e-12)
-    assert ge(x[:0], torch.zeros(4, dtype=torch.long)).shape == (0, DIM)
-    with pytest.raises(ValueError, match="sums to 4"):
-        ge(x, torch.tensor([2, 0, 2, 0]))
-    with pytest.raises(ValueError, match="3 entries for 4"):
-        ge(x, torch.tensor([2, 0, 3]))
 
 
 def test_aux_loss_gradient():

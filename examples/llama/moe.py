@@ -26,8 +26,9 @@ Balancing (no tokens are dropped):
 
 * **aux-loss-free** (DeepSeek-V3): ``expert_bias`` [E] (a persistent buffer, so it is
   checkpointed) is updated after every optimizer step by :func:`update_expert_bias` from the
-  GLOBAL token counts of the step: ``bias += coeff * sign(mean(counts) - counts)`` (centred).
-  The counts of all MoE layers travel in ONE all_reduce over the data-parallel ranks.
+  GLOBAL token counts of the step: ``bias += coeff * sign(mean(counts) - counts)`` (centred;
+  the library's ``hyper_parallel.moe.update_expert_bias``). The counts of all MoE layers travel in
+  ONE all_reduce over the data-parallel ranks.
 * **auxiliary loss** (optional, ``aux_loss_coeff > 0``): DeepSeek-V3's sequence-wise balance
   loss ``coeff * mean_over_sequences(sum_e f_e * P_e)`` (``f_e``: the sequence's fraction of
   choices that went to e, times E/top_k; ``P_e``: its mean normalised score of e). Per sequence,
@@ -45,6 +46,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from hyper_parallel.moe import grouped_mm, update_expert_bias as _bias_step
 
 
 @dataclass
@@ -98,19 +101,11 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def _grouped_mm():
-    """The library's grouped matmul if it is there (``hyper_parallel.moe.grouped_mm``), else None."""
-    try:
-        from hyper_parallel.moe import grouped_mm  # noqa: PLC0415
-    except ImportError:
-        return None
-    return grouped_mm
-
-
 def run_experts_loop(w1, w2, w3, x, num_tokens_per_expert):
     """Expert e's SwiGLU on its rows of ``x`` (rows grouped by expert, counts in ``num_tokens_per_expert``).
 
-    A plain loop (one host read of the counts); the reference the grouped matmul is checked against.
+    A plain loop (one host read of the counts); the reference ``hyper_parallel.moe.grouped_mm`` is
+    checked against in tests/test_moe_model.py (``GroupedExperts(use_grouped_mm=False)`` uses it).
     """
     counts = [int(c) for c in num_tokens_per_expert.tolist()]
     if sum(counts) != x.shape[0]:
@@ -146,12 +141,16 @@ class GroupedExperts(nn.Module):
         if num_tokens_per_expert.numel() != w1.shape[0]:
             raise ValueError(f"GroupedExperts: num_tokens_per_expert has {num_tokens_per_expert.numel()} entries "
                              f"for {w1.shape[0]} (local) experts")
-        gmm = _grouped_mm() if self.use_grouped_mm else None
-        if gmm is None:
+        if not self.use_grouped_mm:
             return run_experts_loop(w1, w2, w3, routed_input, num_tokens_per_expert)
-        h = F.silu(gmm(routed_input, w1.transpose(-2, -1), num_tokens_per_expert))
-        h = h * gmm(routed_input, w3.transpose(-2, -1), num_tokens_per_expert)
-        return gmm(h, w2.transpose(-2, -1), num_tokens_per_expert)
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
+        if routed_input.shape[0] != (int(offsets[-1]) if offsets.numel() else 0):
+            raise ValueError(f"GroupedExperts: num_tokens_per_expert sums to {int(offsets[-1])}, but routed_input "
+                             f"has {routed_input.shape[0]} rows")
+        # hyper_parallel.moe.grouped_mm: torch._grouped_mm where torch runs it (CUDA), an exact loop elsewhere
+        h = F.silu(grouped_mm(routed_input, w1.transpose(-2, -1), offsets))
+        h = h * grouped_mm(routed_input, w3.transpose(-2, -1), offsets)
+        return grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -308,9 +307,8 @@ def update_expert_bias(model: nn.Module, group=None) -> Dict[str, torch.Tensor]:
     out = {}
     for (name, m), c in zip(layers, counts.split([m.args.num_experts for _, m in layers])):
         out[name] = c.clone()
-        if m.expert_bias is not None:
-            delta = m.args.load_balance_coeff * torch.sign(c.mean() - c)
-            m.expert_bias.add_((delta - delta.mean()).to(m.expert_bias.dtype))
+        if m.expert_bias is not None:  # the library's DeepSeek-V3 step: coeff * (sign(mean - c) - its mean)
+            _bias_step(m.expert_bias, c, m.args.load_balance_coeff)
         m.tokens_per_expert.zero_()
     return out
 

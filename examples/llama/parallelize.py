@@ -28,6 +28,7 @@ import contextlib
 import hyper_parallel as hp
 from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, Replicate, RowwiseParallel, SequenceParallel,
                             Shard, parallelize_module, replicate)
+from hyper_parallel.moe import ExpertParallel
 from examples.llama.model import RMSNorm
 from examples.llama.moe import MoE
 
@@ -114,15 +115,6 @@ def _moe_tp_plan(seq):
     return plan
 
 
-def expert_parallel_style():
-    """``hyper_parallel.moe.ExpertParallel()`` when the library has it, else the example's stand-in."""
-    try:
-        from hyper_parallel.moe import ExpertParallel  # noqa: PLC0415
-    except ImportError:
-        from examples.llama.moe_ep_standin import ExpertParallel  # noqa: PLC0415
-    return ExpertParallel()
-
-
 def make_moe_mesh(device_type, dp_shard: int, ep: int, tp: int = 1):
     """The ``("efsdp", "ep", "tp")`` mesh: ``ep`` borrows ranks from ``dp_shard`` (``efsdp = dp_shard/ep``).
 
@@ -192,7 +184,7 @@ def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_
                           src_data_rank=src_data_rank)
     for block in model.layers.values():
         if hasattr(block, "moe"):
-            parallelize_module(block.moe.experts, mesh["ep"], expert_parallel_style(), src_data_rank=src_data_rank)
+            parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel(), src_data_rank=src_data_rank)
     for block in model.layers.values():
         if hasattr(block, "moe"):
             hp.fully_shard(block.moe.experts, mesh=mesh["efsdp"])

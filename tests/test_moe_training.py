@@ -5,6 +5,7 @@ Training (float64, 3 AdamW steps with clipping and the aux-loss-free bias step, 
     ep2_efsdp2      --dp-shard 4 --ep 2           moe-tiny (softmax, top-2, 8 experts, shared expert)
     ep2_tp2_sp      --dp-shard 2 --ep 2 --tp 2 --sp   DeepSeek-style variant (sigmoid, group-limited, aux loss)
     ep4             --dp-shard 4 --ep 4           the DeepSeek-style variant
+    fsdp2_tp2_no_ep --dp-shard 2 --tp 2 --sp      the DeepSeek-style variant without EP
 
 Every step's loss and global expert counts, and the final parameters and expert biases, must match
 one process to 1e-10 (float64; counts exactly). Also ``train.py --ep`` itself (its flags, its
@@ -61,7 +62,10 @@ def _build(variant, layout):
     mesh = None
     if layout is not None:
         dps, ep, tp, sp = layout
-        mesh = make_moe_mesh("cpu", dps, ep, tp)
+        if ep:
+            mesh = make_moe_mesh("cpu", dps, ep, tp)
+        else:  # no EP: the dense example's mesh; experts fully sharded like any other parameter
+            mesh = hp.init_device_mesh("cpu", (1, dps, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
         parallelize_llama(model, mesh, sequence_parallel=sp, src_data_rank=None)
     return model, build_optimizer(model.parameters(), cfg.optim), mesh
 
@@ -71,8 +75,9 @@ def _train(variant, model, opt, mesh, start, n):
     data = TokenBatches(seed=cfg.seed)
     dp, dp_rank, group = 1, 0, None
     if mesh is not None:
-        dp = mesh.size("efsdp") * mesh.size("ep")
-        dp_rank = mesh.get_local_rank("efsdp") * mesh.size("ep") + mesh.get_local_rank("ep")
+        outer, inner = ("efsdp", "ep") if "ep" in mesh.mesh_dim_names else ("dp", "dp_shard")
+        dp = mesh.size(outer) * mesh.size(inner)
+        dp_rank = mesh.get_local_rank(outer) * mesh.size(inner) + mesh.get_local_rank(inner)
         group = dp_group_of(mesh)
     losses, counts = [], []
     for step in range(start, start + n):
@@ -109,8 +114,7 @@ def _parity_body(variant, layout, ref):
         model, opt, mesh = _build(variant, layout)
         experts = model.layers["1"].moe.experts.w1
         assert isinstance(experts, hp.DTensor)
-        ep = layout[1]
-        assert experts.to_local().shape[0] * ep * (layout[0] // ep) >= 8  # sharded over ep (and efsdp)
+        assert experts.to_local().shape[0] == 8 // layout[0]  # sharded over ep (and efsdp) / dp_shard
         losses, counts = _train(variant, model, opt, mesh, 0, STEPS)
         full = _full(model, opt)["model"]
     ref_losses, ref_counts, ref_state = ref
@@ -129,6 +133,7 @@ LAYOUTS = {  # name: (variant, (dp_shard, ep, tp, sp))
     "ep2_efsdp2": ("tiny", (4, 2, 1, False)),
     "ep2_tp2_sp": ("ds", (2, 2, 2, True)),
     "ep4": ("ds", (4, 4, 1, False)),
+    "fsdp2_tp2_no_ep": ("ds", (2, 0, 2, True)),  # the MoE model without EP (FSDP x TP x SP)
 }
 _REF = {}
 

@@ -178,9 +178,13 @@ def train(args, steps, cfg, mesh, log=print, report=None):
 
 def compile_blocks(model, backend="inductor"):
     """``torch.compile`` each transformer block separately, as torchtitan does (one graph per block,
-    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager.
+    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager. In an MoE
+    block only the attention is compiled (in place): the MoE layer's token counts are data-dependent.
     ``dynamic=False``: DTensor layouts are compile-time constants, shapes must be too."""
     for name, block in list(model.layers.items()):
+        if hasattr(block, "moe"):  # --- MoE: token counts per expert are data-dependent: compile the attention
+            block.attention.compile(backend=backend, fullgraph=True, dynamic=False)  # in place: FQNs unchanged
+            continue
         model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True, dynamic=False))
     return model
 

@@ -207,3 +207,46 @@ def test_expert_parallel_style(dist_runner, world, ep, E, top_k, score, shared):
 ])
 def test_dispatch_combine_layer(dist_runner, world, ep, E, top_k, score, shared, cf):
     assert all(dist_runner.run(world, _check_layer, ep, E, top_k, score, shared, "dispatch", cf))
+
+
+def _check_etp(E, top_k, score):
+    """ExpertTensorParallel on a ("ep", "tp") = (2, 2) mesh: tokens data-parallel over ep (the same on both
+    tp ranks), each expert column/row-parallel over tp; the experts' output is a partial sum over tp."""
+    rank = dist.get_rank()
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    e_rank, t_rank = mesh.get_local_rank("ep"), mesh.get_local_rank("tp")
+    sizes = [6, 3]
+    xs, gs = _tokens(2, sizes)
+    ref = MoE(E, top_k, score)
+    xr = torch.cat(xs).requires_grad_(True)
+    out_ref, _ = _reference_forward(ref, xr)
+    (out_ref * torch.cat(gs)).sum().backward()
+
+    model = MoE(E, top_k, score)
+    parallelize_module(model, mesh, {"experts": moe.ExpertTensorParallel()})
+    assert tuple(model.experts.w1.placements) == (hp.Shard(0), hp.Shard(1))
+    assert tuple(model.experts.w2.placements) == (hp.Shard(0), hp.Shard(2))
+    x = xs[e_rank].clone().requires_grad_(True)
+    out = model(x)                                       # partial over tp
+    (out * gs[e_rank]).sum().backward()
+    tp = mesh["tp"].get_group()
+    lo = sum(sizes[:e_rank])
+    full = out.detach().clone()
+    dist.all_reduce(full, group=tp)
+    torch.testing.assert_close(full, out_ref[lo:lo + sizes[e_rank]].detach(), **TOL)
+    gx = x.grad.clone()
+    dist.all_reduce(gx, group=tp)
+    torch.testing.assert_close(gx, xr.grad[lo:lo + sizes[e_rank]], **TOL)
+    gr = model.router.grad.clone()
+    dist.all_reduce(gr)
+    torch.testing.assert_close(gr, ref.router.grad, **TOL)
+    el = E // 2
+    for n, tdim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        want = getattr(ref.experts, n).grad[e_rank * el:(e_rank + 1) * el]
+        want = want.chunk(2, dim=tdim)[t_rank]
+        torch.testing.assert_close(getattr(model.experts, n).grad.to_local(), want, **TOL)
+    return rank
+
+
+def test_expert_tensor_parallel(dist_runner):
+    assert dist_runner.run(4, _check_etp, 4, 2, "softmax") == [0, 1, 2, 3]

@@ -70,6 +70,16 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets, row_offset: int =
     return torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
 
 
+def grouped_mm_local(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, row_offset: int = 0,
+                     group_offset: int = 0) -> torch.Tensor:
+    """The local kernel of the ``_grouped_mm`` sharding rule: this rank's rows (from global row
+    ``row_offset``) times its experts (from global expert ``group_offset``), global ``offsets``."""
+    whole = row_offset == 0 and group_offset == 0 and w.shape[0] == offsets.shape[0]
+    if whole and native_supported(x, w):
+        return torch._grouped_mm(x, w, offs=offsets.to(torch.int32))
+    return grouped_mm_loop(x, w, offsets, row_offset, group_offset, w.shape[0])
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     """``out[rows of g] = x[rows of g] @ w[g]`` (see the module docstring); ``impl``: auto, native, loop.
 

@@ -6,6 +6,7 @@ Training (float64, 3 AdamW steps with clipping and the aux-loss-free bias step, 
     ep2_tp2_sp      --dp-shard 2 --ep 2 --tp 2 --sp   DeepSeek-style variant (sigmoid, group-limited, aux loss)
     ep4             --dp-shard 4 --ep 4           the DeepSeek-style variant
     fsdp2_tp2_no_ep --dp-shard 2 --tp 2 --sp      the DeepSeek-style variant without EP
+    ep2_etp2        --dp-shard 2 --ep 2 --tp 2 --expert-tp   moe-tiny, experts tensor parallel over tp
 
 Every step's loss and global expert counts, and the final parameters and expert biases, must match
 one process to 1e-10 (float64; counts exactly). Also ``train.py --ep`` itself (its flags, its
@@ -56,17 +57,18 @@ class _float64:
 
 
 def _build(variant, layout):
-    """layout: None (one process) or (dp_shard, ep, tp, sp)."""
+    """layout: None (one process) or (dp_shard, ep, tp, sp[, expert_tensor_parallel])."""
     cfg = _cfg(variant)
     model = build_model(cfg.model, cfg.seed)
     mesh = None
     if layout is not None:
-        dps, ep, tp, sp = layout
+        dps, ep, tp, sp = layout[:4]
+        etp = len(layout) > 4 and layout[4]
         if ep:
             mesh = make_moe_mesh("cpu", dps, ep, tp)
         else:  # no EP: the dense example's mesh; experts fully sharded like any other parameter
             mesh = hp.init_device_mesh("cpu", (1, dps, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
-        parallelize_llama(model, mesh, sequence_parallel=sp, src_data_rank=None)
+        parallelize_llama(model, mesh, sequence_parallel=sp, src_data_rank=None, expert_tensor_parallel=etp)
     return model, build_optimizer(model.parameters(), cfg.optim), mesh
 
 
@@ -115,6 +117,8 @@ def _parity_body(variant, layout, ref):
         experts = model.layers["1"].moe.experts.w1
         assert isinstance(experts, hp.DTensor)
         assert experts.to_local().shape[0] == 8 // layout[0]  # sharded over ep (and efsdp) / dp_shard
+        if len(layout) > 4:  # expert-tensor parallel: w1 [E, hidden, dim] also split on hidden over tp
+            assert experts.to_local().shape[1] == _cfg(variant).model.moe.hidden_dim // layout[2]
         losses, counts = _train(variant, model, opt, mesh, 0, STEPS)
         full = _full(model, opt)["model"]
     ref_losses, ref_counts, ref_state = ref
@@ -134,6 +138,7 @@ LAYOUTS = {  # name: (variant, (dp_shard, ep, tp, sp))
     "ep2_tp2_sp": ("ds", (2, 2, 2, True)),
     "ep4": ("ds", (4, 4, 1, False)),
     "fsdp2_tp2_no_ep": ("ds", (2, 0, 2, True)),  # the MoE model without EP (FSDP x TP x SP)
+    "ep2_etp2": ("tiny", (2, 2, 2, False, True)),  # ExpertTensorParallel on (ep, tp)
 }
 _REF = {}
 

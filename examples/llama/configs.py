@@ -62,12 +62,14 @@ MOE_TINY = TrainConfig(
 )
 
 # MoE CPU demo, DeepSeek-V3 style routing: 16 experts in 4 groups, a token routes into its best 2
-# groups; sigmoid scores normalised over the top-2; a faster bias step (1e-2) for short runs; ~1.7 M parameters.
+# groups; sigmoid scores normalised over the top-2; a faster bias step (1e-2) and the sequence-wise aux loss
+# (1e-2) so that short runs rebalance; ~1.7 M parameters.
 MOE_DEMO = TrainConfig(
     model=ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=260, multiple_of=64,
                     max_seq_len=128, tie_embeddings=False, n_dense_layers=1,
                     moe=MoEArgs(num_experts=16, top_k=2, hidden_dim=64, n_shared_experts=1, score_func="sigmoid",
-                                route_norm=True, n_groups=4, topk_groups=2, load_balance_coeff=1e-2)),
+                                route_norm=True, n_groups=4, topk_groups=2, load_balance_coeff=1e-2,
+                                aux_loss_coeff=1e-2)),
     seq_len=128, global_batch=16, steps=60,
 )
 

@@ -13,7 +13,9 @@ efsdp x ep``. Experts are sharded ``Shard(0)`` over ``ep`` (``hyper_parallel.moe
 and ``fully_shard``-ed over the remaining ``efsdp`` ranks; everything else is ``fully_shard``-ed
 over all ``efsdp x ep`` data-parallel ranks. With ``tp`` the router stays replicated, the shared
 expert is Megatron TP like the dense FFN, and the routed experts are replicated over tp (every tp
-rank of a data-parallel rank runs the same tokens through them; no expert-tensor parallelism).
+rank of a data-parallel rank runs the same tokens through them), or, with
+``expert_tensor_parallel=True``, ``ExpertTensorParallel`` on ``("ep", "tp")`` (w1/w3 column-, w2
+row-parallel inside each expert; one all_reduce of the routed rows over tp forward and one backward).
 
 ``loss_parallel=True`` keeps the logits vocabulary-sharded (a DTensor
 ``Shard(-1)`` on ``mesh["tp"]``) instead of gathering them; compute the loss
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+import torch.distributed as dist
+
 import hyper_parallel as hp
 from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, Replicate, RowwiseParallel, SequenceParallel,
                             Shard, parallelize_module, replicate)
-from hyper_parallel.moe import ExpertParallel
+from hyper_parallel.moe import ExpertParallel, ExpertTensorParallel
 from examples.llama.model import RMSNorm
 from examples.llama.moe import MoE
 
@@ -38,7 +43,7 @@ SequenceParallel.register_module_type(RMSNorm)
 
 
 def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_parallel: bool = False,
-                      src_data_rank=0):
+                      src_data_rank=0, expert_tensor_parallel: bool = False):
     """Apply TP (+SP) on ``mesh['tp']`` and DP on ``mesh['dp']`` (if present) to ``model`` in place.
 
     A ``dp_shard`` mesh dim makes the data parallelism fully sharded: every block and
@@ -48,7 +53,7 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
     names = mesh.mesh_dim_names or ()
     if "ep" in names:
         return _parallelize_moe(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                src_data_rank=src_data_rank)
+                                src_data_rank=src_data_rank, etp=expert_tensor_parallel)
     tp_mesh = mesh["tp"] if "tp" in names else mesh
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
@@ -167,8 +172,50 @@ def clip_grad_norm_(parameters, max_norm: float):
     return total
 
 
-def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_rank):
-    """EP (+ efsdp) x FSDP x TP on a ``make_moe_mesh`` mesh."""
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, gradient all_reduce over tp backward (the experts' rows under
+    expert-tensor parallelism: each tp rank's column-parallel w1/w3 give a partial input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all_reduce over tp forward (the row-parallel w2's partial sums), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _expert_tensor_parallel(experts, ep_tp_mesh, src_data_rank):
+    """``ExpertTensorParallel`` on the ``("ep", "tp")`` mesh, plus the tp reductions the style leaves to the
+    caller: the rows it hands the local experts get ``f``, the combined (partial over tp) output ``g``, so
+    everything outside the experts stays replicated over tp (router gradients included)."""
+    parallelize_module(experts, ep_tp_mesh, ExpertTensorParallel(), src_data_rank=src_data_rank)
+    group = ep_tp_mesh["tp"].get_group()
+    # registered after the style's own hooks: they run after its dispatch / after its combine
+    experts.register_forward_pre_hook(lambda mod, args: (_CopyToTP.apply(args[0], group),) + tuple(args[1:]))
+    experts.register_forward_hook(lambda mod, args, out: _ReduceFromTP.apply(out, group))
+
+
+def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_rank, etp=False):
+    """EP (+ efsdp) x FSDP x TP on a ``make_moe_mesh`` mesh; ``etp``: experts tensor parallel over tp
+    (``ExpertTensorParallel``), else replicated over tp."""
     num_experts = [b.moe.experts.num_experts for b in model.layers.values() if hasattr(b, "moe")]
     ep = mesh.size("ep")
     for e in num_experts:
@@ -183,7 +230,9 @@ def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_
         parallelize_llama(model, dense["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                           src_data_rank=src_data_rank)
     for block in model.layers.values():
-        if hasattr(block, "moe"):
+        if hasattr(block, "moe") and etp and tp > 1:
+            _expert_tensor_parallel(block.moe.experts, mesh["ep", "tp"], src_data_rank)
+        elif hasattr(block, "moe"):
             parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel(), src_data_rank=src_data_rank)
     for block in model.layers.values():
         if hasattr(block, "moe"):

@@ -27,7 +27,8 @@ Mixture of experts (``--config moe-tiny`` / ``moe-demo``, examples/llama/moe.py,
 
 ``--ep N`` shards the routed experts over N ranks borrowed from ``--dp-shard`` (N must divide it,
 and the number of experts): the experts are fully sharded over the remaining dp_shard/N ranks,
-everything else over all dp_shard ranks; with ``--tp`` the experts are replicated over tp.
+everything else over all dp_shard ranks; with ``--tp`` the experts are replicated over tp, or
+tensor parallel inside each expert with ``--expert-tp`` (``ExpertTensorParallel`` on (ep, tp)).
 ``--ep`` does not combine with ``--dp`` (HSDP). After each step the per-expert bias (aux-loss-free
 balancing) is updated from the global token counts (one all_reduce) and rank 0 prints the expert
 load (tokens per expert and max/mean per MoE layer) with the progress line.
@@ -67,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE configs; ranks borrowed "
                    "from --dp-shard, which it must divide)")
+    p.add_argument("--expert-tp", action="store_true", help="with --ep and --tp: experts tensor parallel over tp "
+                   "(ExpertTensorParallel) instead of replicated")
     p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
     p.add_argument("--loss-parallel", action="store_true",
                    help="cross-entropy on the vocabulary-sharded logits (no vocabulary gather)")
@@ -125,7 +128,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
-                      src_data_rank=None)
+                      src_data_rank=None, expert_tensor_parallel=getattr(args, "expert_tp", False))
     if getattr(args, "compile", None):
         compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)

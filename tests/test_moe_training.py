@@ -189,6 +189,10 @@ def test_train_script_ep_bad_flags():
         main(["--config", "tiny", "--dp-shard", "2", "--ep", "2"])
     with pytest.raises(SystemExit, match="must divide the 16 experts"):
         main(["--config", "moe-demo", "--dp-shard", "6", "--ep", "6"])
+    with pytest.raises(SystemExit, match="--ep must be >= 1, got 0"):
+        main(["--config", "moe-tiny", "--ep", "0"])
+    with pytest.raises(SystemExit, match="--expert-tp .* needs --ep > 1 and --tp > 1"):
+        main(["--config", "moe-tiny", "--dp-shard", "2", "--ep", "2", "--expert-tp"])
 
 
 # ------------------------------------------------------------------------------------ checkpoints

@@ -214,7 +214,12 @@ def main(argv=None):
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     need = args.dp * args.dp_shard * args.tp
-    if args.ep > 1:  # --- MoE expert parallelism: checked before any process group exists
+    if args.ep < 1:  # --- MoE expert parallelism: checked before any process group exists
+        raise SystemExit(f"--ep must be >= 1, got {args.ep}")
+    if args.expert_tp and (args.ep < 2 or args.tp < 2):
+        raise SystemExit(f"--expert-tp shards experts over (ep, tp): it needs --ep > 1 and --tp > 1 "
+                         f"(got --ep {args.ep} --tp {args.tp})")
+    if args.ep > 1:
         n_exp = get_config(args.config).model.moe
         if n_exp is None:
             raise SystemExit(f"--ep needs an MoE config (moe-tiny, moe-demo), got --config {args.config}")

@@ -63,7 +63,7 @@ def _layer_cls():
             T = x.shape[0]
             flat = ids.reshape(-1)
             order = torch.argsort(flat, stable=True)
-            y = self.experts(x[order // self.k], torch.bincount(flat, minlength=self.E))
+            y = self.experts(x[order // self.k], moe.count_ids(flat, self.E))   # bincount without a host sync
             full = torch.zeros_like(y).index_copy(0, order, y).view(T, self.k, -1)
             return (full * w.unsqueeze(-1)).sum(1)
 
@@ -172,8 +172,91 @@ def grouped_mm_bench(T, dim, hidden, E, iters, repeats):
     return list(zip(names, bench_interleaved(fns, iters * 10, repeats)))
 
 
+def gpu_check(iters=20):
+    """One CUDA device, NCCL world size 1: grouped_mm native vs loop (values, gradients, time), and the host
+    syncs of an EP step and of dispatch+combine counted by torch.cuda's sync debug mode."""
+    import os
+    import time
+    import warnings
+    import torch
+    import torch.distributed as dist
+    import hyper_parallel as hp
+    from hyper_parallel import moe, parallelize_module
+    from hyper_parallel.platform import get_platform
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for T, dim, hidden, E in ((4096, 1024, 1024, 8), (16384, 2048, 1408, 16), (32768, 4096, 1536, 64)):
+        for dt in (torch.bfloat16, torch.float32):
+            x = torch.randn(T, dim, device=dev, dtype=dt, generator=g).requires_grad_(True)
+            w = (torch.randn(E, dim, hidden, device=dev, dtype=dt, generator=g) / dim ** 0.5).requires_grad_(True)
+            counts = moe.count_ids(torch.randint(0, E, (T,), device=dev, generator=g), E)
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            ok = get_platform().feature("moe").native_supported(x, w)
+            res = {}
+            for impl in ("native", "loop"):
+                try:
+                    out = moe.grouped_mm(x, w, offs, impl=impl)
+                    gx, gw = torch.autograd.grad(out.float().square().sum(), (x, w))
+                    res[impl] = (out.float(), gx.float(), gw.float())
+
+                    def step():
+                        o = moe.grouped_mm(x, w, offs, impl=impl)
+                        torch.autograd.grad(o.sum(), (x, w))
+                    for _ in range(3):
+                        step()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        step()
+                    torch.cuda.synchronize()
+                    res[impl] += ((time.perf_counter() - t0) / iters * 1e3,)
+                except RuntimeError as e:
+                    res[impl] = (str(e)[:60],)
+            def rel(a, b):
+                return ((a - b).norm() / b.norm()).item()
+            errs = ["-"] * 3
+            if len(res["native"]) == 4 and len(res["loop"]) == 4:
+                errs = [f"{rel(res['native'][i], res['loop'][i]):.1e}" for i in range(3)]
+            tn = f"{res['native'][3]:.2f}" if len(res["native"]) == 4 else res["native"][0]
+            tl = f"{res['loop'][3]:.2f}" if len(res["loop"]) == 4 else res["loop"][0]
+            rows.append([f"{T}x{dim} @ [{E},{dim},{hidden}]", str(dt).replace("torch.", ""), ok, tn, tl] + errs)
+    print(table(["shape", "dtype", "auto picks native", "native fwd+bwd ms", "loop fwd+bwd ms",
+                 "rel err out", "rel err dx", "rel err dw"], rows))
+
+    # host syncs of an EP MoE step (EP degree 1 on one GPU: the same code path, collectives skipped)
+    MoE = _layer_cls()
+    mesh = hp.init_device_mesh("cuda", (1,), mesh_dim_names=("ep",))
+    layer = MoE(16, 1024, 1408, 2).to(dev, torch.bfloat16)
+    parallelize_module(layer, mesh, {"experts": moe.ExpertParallel()})
+    x = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    layer(x).float().sum().backward()
+    torch.cuda.synchronize()
+    moe.reset_stats()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(x).float().sum().backward()
+        ids = torch.topk(torch.randn(8192, 16, device=dev, generator=g), 2, dim=-1).indices
+        routed, counts, h = moe.dispatch(x, ids, mesh, num_experts=16)
+        moe.combine(routed, h).float().sum().backward()
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0][:80] for w in caught if "synchroniz" in str(w.message)]
+    print(f"host syncs seen by torch.cuda sync debug mode in one EP step + one dispatch/combine: {len(syncs)} "
+          f"(moe.STATS host_syncs: {moe.STATS['host_syncs']})")
+    for s_ in syncs:
+        print("   ", s_)
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--gpu", action="store_true", help="one CUDA device: grouped_mm native vs loop, host syncs")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=256)
@@ -183,6 +266,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", default="2,4")
     a = ap.parse_args()
+    if a.gpu:
+        return gpu_check()
     rows, extra = [], []
     for ws in [int(s) for s in a.only.split(",")]:
         r = launch(ws, worker, ws, a.tokens, a.dim, a.hidden, a.experts, a.top_k, a.iters, a.repeats)

@@ -42,6 +42,7 @@ ExpertTensorParallel = _impl.ExpertTensorParallel
 DispatchHandle = _impl.DispatchHandle
 dispatch = _impl.dispatch
 combine = _impl.combine
+count_ids = _impl.count_ids
 grouped_mm = _impl.grouped_mm
 tokens_per_expert = _impl.tokens_per_expert
 update_expert_bias = _impl.update_expert_bias
@@ -50,6 +51,6 @@ load_metrics = _impl.load_metrics
 STATS = _impl.STATS
 reset_stats = _impl.reset_stats
 
-__all__ = ["ExpertParallel", "ExpertTensorParallel", "DispatchHandle", "dispatch", "combine", "grouped_mm",
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "DispatchHandle", "dispatch", "combine", "count_ids", "grouped_mm",
            "tokens_per_expert", "update_expert_bias", "load_balance_loss", "load_metrics", "STATS",
            "reset_stats", "capacity", "kept_counts", "plan"]

@@ -31,9 +31,15 @@ def test_grouped_mm_helper():
     out.sum().backward()
     assert w.grad is not None and w.grad[1].abs().sum() == 0    # the empty group gets a zero gradient
     # torch's CPU kernel (float32, aligned) agrees with the loop
-    xf, wf = x.detach().float(), w.detach().float()
-    torch.testing.assert_close(moe.grouped_mm(xf, wf, offs, impl="native")[:10],
-                               moe.grouped_mm(xf, wf, offs, impl="loop")[:10], rtol=1e-5, atol=1e-5)
+    # (and its backward, which fails on torch's own for out.sum()'s expanded gradient, works through ours)
+    xf, wf = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    offs_all = torch.tensor([3, 3, 9, 11], dtype=torch.int32)
+    out_n = moe.grouped_mm(xf, wf, offs_all, impl="native")
+    gn = torch.autograd.grad(out_n.sum(), (xf, wf))
+    out_l = moe.grouped_mm(xf, wf, offs_all, impl="loop")
+    gl = torch.autograd.grad(out_l.sum(), (xf, wf))
+    for a, b in zip((out_n,) + gn, (out_l,) + gl):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"offsets must be \[G\] = \[4\] cumulative row ends, got shape \(3,\)"):
         moe.grouped_mm(x, w, offs[:3])
     with pytest.raises(ValueError, match="impl must be 'auto', 'native' or 'loop', got 'x'"):

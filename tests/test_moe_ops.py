@@ -125,3 +125,38 @@ def test_load_balance_loss():
     assert abs(loss.item() - 1.0) < 1e-12               # uniform router, uniform load
     loss.backward()
     assert scores.grad is not None
+
+
+def test_route_topk():
+    g = torch.Generator().manual_seed(4)
+    T, E, k = 7, 8, 2
+    logits = torch.randn(T, E, dtype=torch.float64, generator=g)
+    w, ids = moe.route_topk(logits, k)                                   # softmax, no bias
+    s = logits.float().softmax(-1)
+    ref = s.topk(k, dim=-1)
+    assert torch.equal(ids, ref.indices)
+    torch.testing.assert_close(w, ref.values.double())
+    # the bias changes the choice, not the weights; sigmoid weights are normalised
+    bias = torch.zeros(E, dtype=torch.float64)
+    bias[ids[:, 0]] = -10.0                                              # forbid every token's first choice
+    w2, ids2 = moe.route_topk(logits, k, score_func="sigmoid", expert_bias=bias)
+    sg = logits.float().sigmoid()
+    for t in range(T):
+        allowed = [e for e in range(E) if bias[e] == 0]
+        want = sorted(allowed, key=lambda e: -sg[t, e].item())[:k]
+        assert ids2[t].tolist() == want
+        ww = sg[t, ids2[t]] / sg[t, ids2[t]].sum()
+        torch.testing.assert_close(w2[t], ww.double())
+    # group-limited: 4 groups of 2, the 2 best groups by the sum of their two scores are eligible
+    w3, ids3 = moe.route_topk(logits, k, score_func="sigmoid", num_groups=4, top_groups=2, scale=2.5)
+    for t in range(T):
+        gs = sg[t].view(4, 2).sum(-1)
+        groups = gs.topk(2).indices.tolist()
+        cand = [e for e in range(E) if e // 2 in groups]
+        want = sorted(cand, key=lambda e: -sg[t, e].item())[:k]
+        assert ids3[t].tolist() == want
+        torch.testing.assert_close(w3[t], (2.5 * sg[t, ids3[t]] / sg[t, ids3[t]].sum()).double())
+    with pytest.raises(ValueError, match=r"top_k=9 must be an int in \[1, num_experts=8\]"):
+        moe.route_topk(logits, 9)
+    with pytest.raises(ValueError, match="num_groups=3 must divide num_experts=8"):
+        moe.route_topk(logits, 2, num_groups=3, top_groups=1)

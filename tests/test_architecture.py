@@ -42,6 +42,8 @@ def test_lint_imports_contracts_hold():
     ("platform/torch/functions.py", "import hyper_parallel.core.dtensor.placement_types", "platform's root"),
     ("core/dtensor/placement_types.py", "import torch", "Nothing in core imports a framework"),
     ("pipelining/split.py", "import hyper_parallel.core.fsdp.api", "Sibling parallelism packages are independent"),
+    ("moe/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
+    ("platform/torch/moe/comm.py", "import hyper_parallel.moe.plan", "Layers"),
 ])
 def test_contracts_are_live(tmp_path, module, line, contract):
     """One bad import in a copy of the package breaks the named contract."""

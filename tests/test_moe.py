@@ -250,3 +250,41 @@ def _check_etp(E, top_k, score):
 
 def test_expert_tensor_parallel(dist_runner):
     assert dist_runner.run(4, _check_etp, 4, 2, "softmax") == [0, 1, 2, 3]
+
+
+
+def _check_ep_fsdp():
+    """EP borrowing ranks from FSDP (torchtitan's layout) on a (dp 2, ep 2) mesh: ExpertParallel on mesh["ep"],
+    the experts fully_shard-ed over mesh["dp"] (the "efsdp" dim) with the gradient divided by all 4
+    data-parallel ranks, the dense parameters fully_shard-ed over the flattened (dp, ep) mesh. Gradients
+    are the average over the 4 ranks' losses (FSDP's convention): one process's gradient / 4."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    E, top_k = 4, 2
+    sizes = _rank_sizes(world)
+    xs, gs = _tokens(world, sizes)
+    ref = MoE(E, top_k, "sigmoid", shared=True)
+    xr = torch.cat(xs).requires_grad_(True)
+    out_ref, _ = _reference_forward(ref, xr)
+    (out_ref * torch.cat(gs)).sum().backward()
+
+    mesh = _mesh(world, 2)
+    model = MoE(E, top_k, "sigmoid", shared=True)
+    parallelize_module(model, mesh["ep"], {"experts": moe.ExpertParallel()})
+    hp.fully_shard(model.experts, mesh=mesh["dp"])
+    model.experts.set_gradient_divide_factor(world)
+    hp.fully_shard(model, mesh=mesh._flatten("dp_ep"))
+    x = xs[rank].clone().requires_grad_(True)
+    out = model(x)
+    lo = sum(sizes[:rank])
+    torch.testing.assert_close(out, out_ref[lo:lo + sizes[rank]].detach(), **TOL)
+    (out * gs[rank]).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad[lo:lo + sizes[rank]], **TOL)
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), want[name].grad / world, **TOL)
+    assert tuple(model.experts.w1.placements) == (hp.Shard(0), hp.Shard(0))   # dp x ep
+    return True
+
+
+def test_expert_parallel_with_fully_shard(dist_runner):
+    assert all(dist_runner.run(4, _check_ep_fsdp))

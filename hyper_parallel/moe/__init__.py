@@ -22,7 +22,8 @@ Design (one screen)
   ``ExpertTensorParallel`` adds tp inside each expert on a 2-D ``("ep", "tp")`` mesh.
 * **Grouped matmul**: ``grouped_mm`` (``torch._grouped_mm`` where torch runs it, an exact loop
   elsewhere) and a ``_grouped_mm`` sharding rule for DTensors (``core/shard/ops/grouped_mm.py``).
-* **Balancing**: ``tokens_per_expert`` (one small all_reduce), ``update_expert_bias`` (DeepSeek-V3
+* **Routing and balancing**: ``route_topk`` (softmax/sigmoid top-k, bias for selection only,
+  DeepSeek-V3 group-limited), ``tokens_per_expert`` (one small all_reduce), ``update_expert_bias`` (DeepSeek-V3
   aux-loss-free), ``load_balance_loss``, ``load_metrics``.
 * **Layers.** This package is framework-neutral (``plan.py``: checks, split math, capacity rule);
   the torch mechanics live in ``hyper_parallel/platform/torch/moe/``, reached by
@@ -42,7 +43,9 @@ ExpertTensorParallel = _impl.ExpertTensorParallel
 DispatchHandle = _impl.DispatchHandle
 dispatch = _impl.dispatch
 combine = _impl.combine
+count_ids = _impl.count_ids
 grouped_mm = _impl.grouped_mm
+route_topk = _impl.route_topk
 tokens_per_expert = _impl.tokens_per_expert
 update_expert_bias = _impl.update_expert_bias
 load_balance_loss = _impl.load_balance_loss
@@ -50,6 +53,6 @@ load_metrics = _impl.load_metrics
 STATS = _impl.STATS
 reset_stats = _impl.reset_stats
 
-__all__ = ["ExpertParallel", "ExpertTensorParallel", "DispatchHandle", "dispatch", "combine", "grouped_mm",
-           "tokens_per_expert", "update_expert_bias", "load_balance_loss", "load_metrics", "STATS",
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "DispatchHandle", "dispatch", "combine", "count_ids", "grouped_mm",
+           "route_topk", "tokens_per_expert", "update_expert_bias", "load_balance_loss", "load_metrics", "STATS",
            "reset_stats", "capacity", "kept_counts", "plan"]

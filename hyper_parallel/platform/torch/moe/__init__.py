@@ -7,6 +7,7 @@ What it holds:
   expert for the style);
 * :mod:`.style` - ``ExpertParallel`` / ``ExpertTensorParallel`` (torchtitan's contract);
 * :mod:`.grouped_mm` - ``torch._grouped_mm`` where torch runs it, an exact loop elsewhere;
+* :mod:`.routing` - top-k routing (softmax/sigmoid, selection bias, group-limited);
 * :mod:`.balance` - global token counts, aux-loss-free bias update, aux loss, load metrics.
 
 The framework-neutral API is ``hyper_parallel.moe``; it reaches this folder by

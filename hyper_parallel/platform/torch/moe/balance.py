@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from hyper_parallel.platform.torch.moe import comm
+from hyper_parallel.platform.torch.moe.dispatch import count_ids
 
 
 def _groups(mesh):
@@ -35,7 +36,7 @@ def tokens_per_expert(expert_ids_or_counts: torch.Tensor, num_experts: Optional[
     if t.dim() == 2 or num_experts is not None and t.dim() != 1:
         if num_experts is None:
             raise ValueError("tokens_per_expert: num_experts is required with [T, top_k] expert ids")
-        counts = torch.bincount(t.reshape(-1).to(torch.int64), minlength=num_experts)
+        counts = count_ids(t.reshape(-1), num_experts)
     elif t.dim() == 1:
         counts = t.to(torch.int64)
     else:
@@ -73,7 +74,7 @@ def load_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_expert
     router; multiply by a small coefficient and add to the loss.
     """
     T, k = expert_ids.shape
-    f = torch.bincount(expert_ids.reshape(-1).to(torch.int64), minlength=num_experts).to(scores.dtype) / (T * k)
+    f = count_ids(expert_ids.reshape(-1), num_experts).to(scores.dtype) / (T * k)
     p = scores / scores.sum(-1, keepdim=True)
     return num_experts * (f.detach() * p.mean(0)).sum()
 

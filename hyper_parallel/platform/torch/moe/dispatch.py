@@ -26,6 +26,12 @@ from hyper_parallel.platform.torch.moe import _plan
 from hyper_parallel.platform.torch.moe import comm
 
 
+def count_ids(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``bincount`` without its host sync (CUDA's bincount reads the max id on the host)."""
+    out = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return out.scatter_add_(0, flat_ids.to(torch.int64), torch.ones_like(flat_ids, dtype=torch.int64))
+
+
 class LocalGroup:
     """A one-rank group: dispatch without expert parallelism (no collective at all)."""
 
@@ -216,7 +222,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
     _plan.get().check_top_k(k, num_experts, what)
     flat = expert_ids.reshape(-1).to(torch.int64)
     bad = ((flat < 0) | (flat >= num_experts)).sum()
-    counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts)
+    counts = count_ids(flat.clamp(0, num_experts - 1), num_experts)
     tail = torch.stack([counts.new_tensor(x.shape[0]), counts.new_tensor(T), bad])
     names = ("x", "expert_ids has", "expert ids out of range")
     if cf is None:

@@ -268,3 +268,23 @@ def test_no_bias_without_balancing():
     model.moe = m
     load = update_expert_bias(model)
     assert int(load["moe"].sum()) == 8
+
+
+@pytest.mark.parametrize("kw", [dict(score_func="softmax"),
+                                dict(score_func="sigmoid", route_norm=True, route_scale=2.0),
+                                dict(score_func="sigmoid", route_norm=True, n_groups=4, topk_groups=2)])
+def test_router_agrees_with_library_route_topk(kw):
+    """The example's router (kept: it keeps float64 scores in float64) equals ``hyper_parallel.moe.route_topk``
+    in float32."""
+    from hyper_parallel.moe import route_topk
+    m = _moe(**kw).float()
+    bias = torch.linspace(-0.05, 0.05, 8)
+    x = torch.randn(40, DIM, generator=_gen(7))
+    w, ids, _ = m.router(x, bias)
+    a = m.args
+    w2, ids2 = route_topk(m.router.gate(x), a.top_k, score_func=a.score_func, expert_bias=bias,
+                          num_groups=a.n_groups if a.n_groups > 1 else None,
+                          top_groups=a.topk_groups if a.n_groups > 1 else None, normalize=a.route_norm,
+                          scale=a.route_scale)
+    assert torch.equal(ids, ids2)
+    torch.testing.assert_close(w, w2)

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, Replicate, RowwiseParallel, SequenceParallel,
-                            Shard, parallelize_module, replicate)
+from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, Replicate, RowwiseParallel,
+                            SequenceParallel, Shard, parallelize_module, replicate)
 from hyper_parallel.moe import ExpertParallel, ExpertTensorParallel
 from examples.llama.model import RMSNorm
 from examples.llama.moe import MoE

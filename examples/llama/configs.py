@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Tuple
 
 from examples.llama.model import ModelArgs
+from examples.llama.moe import MoEArgs
 
 
 @dataclass
@@ -49,7 +50,30 @@ DEMO = TrainConfig(
     seq_len=128, global_batch=16, steps=60,
 )
 
-CONFIGS = {"tiny": TINY, "demo": DEMO}
+# Mixture of experts (examples/llama/moe.py): block 0 dense, the others MoE. Expert parallelism:
+# --ep must divide num_experts. moe-tiny (tests): 8 experts, top-2, 1 shared, softmax scores,
+# aux-loss-free balancing; ~0.22 M parameters.
+MOE_TINY = TrainConfig(
+    model=ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=260, multiple_of=32,
+                    max_seq_len=32, tie_embeddings=False, n_dense_layers=1,
+                    moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=32, n_shared_experts=1, score_func="softmax",
+                                load_balance_coeff=1e-3)),
+    seq_len=32, global_batch=8, steps=20,
+)
+
+# MoE CPU demo, DeepSeek-V3 style routing: 16 experts in 4 groups, a token routes into its best 2
+# groups; sigmoid scores normalised over the top-2; a faster bias step (1e-2) and the sequence-wise aux loss
+# (1e-2) so that short runs rebalance; ~1.7 M parameters.
+MOE_DEMO = TrainConfig(
+    model=ModelArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=260, multiple_of=64,
+                    max_seq_len=128, tie_embeddings=False, n_dense_layers=1,
+                    moe=MoEArgs(num_experts=16, top_k=2, hidden_dim=64, n_shared_experts=1, score_func="sigmoid",
+                                route_norm=True, n_groups=4, topk_groups=2, load_balance_coeff=1e-2,
+                                aux_loss_coeff=1e-2)),
+    seq_len=128, global_batch=16, steps=60,
+)
+
+CONFIGS = {"tiny": TINY, "demo": DEMO, "moe-tiny": MOE_TINY, "moe-demo": MOE_DEMO}
 
 
 def get_config(name: str, **overrides) -> TrainConfig:
@@ -58,4 +82,5 @@ def get_config(name: str, **overrides) -> TrainConfig:
         cfg = CONFIGS[name]
     except KeyError:
         raise KeyError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}") from None
-    return replace(cfg, model=replace(cfg.model), optim=replace(cfg.optim), **overrides)
+    moe = replace(cfg.model.moe) if cfg.model.moe is not None else None
+    return replace(cfg, model=replace(cfg.model, moe=moe), optim=replace(cfg.optim), **overrides)

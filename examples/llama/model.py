@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from examples.llama.moe import MoE, MoEArgs
+
 
 @dataclass
 class ModelArgs:
@@ -41,6 +43,10 @@ class ModelArgs:
     max_seq_len: int = 128
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    # Mixture of experts (examples/llama/moe.py): None keeps every block dense. With it, blocks
+    # n_dense_layers.. have an MoE feed-forward (``layers.<i>.moe``) instead of ``feed_forward``.
+    moe: Optional[MoEArgs] = None
+    n_dense_layers: int = 1
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -158,16 +164,20 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        if args.moe is not None and layer_id >= args.n_dense_layers:
+            self.moe = MoE(args.dim, args.moe)  # torchtitan's name: layers.<i>.moe.{router,experts,...}
+        else:
+            self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -182,7 +192,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -211,9 +221,15 @@ class Transformer(nn.Module):
             layer = self.layers[str(i)]
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
-            for lin, s in ((layer.attention.wq, std), (layer.attention.wk, std), (layer.attention.wv, std),
-                           (layer.attention.wo, out_std), (layer.feed_forward.w1, std),
-                           (layer.feed_forward.w3, std), (layer.feed_forward.w2, out_std)):
+            attn = ((layer.attention.wq, std), (layer.attention.wk, std), (layer.attention.wv, std),
+                    (layer.attention.wo, out_std))
+            if hasattr(layer, "moe"):  # MoE block: attention, then the MoE layer's own fixed order
+                for lin, s in attn:
+                    self._fill(lin.weight, gen, s)
+                layer.moe.init_weights(gen, self._fill, std, out_std)
+                continue
+            for lin, s in attn + ((layer.feed_forward.w1, std), (layer.feed_forward.w3, std),
+                                  (layer.feed_forward.w2, out_std)):
                 self._fill(lin.weight, gen, s)
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:

@@ -7,6 +7,16 @@ minimum: without SP 2 all_reduce forward + 2 backward; with SP 2 all_gather +
 2 reduce_scatter in each direction (plus the all_reduce of the two replicated
 norm weights' gradients).
 
+Expert parallelism (MoE configs, mesh dims ``("efsdp", "ep", "tp")``, see ``make_moe_mesh``): the
+``ep`` dim is borrowed from the fully sharded data parallelism (torchtitan's layout): ``dp_shard =
+efsdp x ep``. Experts are sharded ``Shard(0)`` over ``ep`` (``hyper_parallel.moe.ExpertParallel``)
+and ``fully_shard``-ed over the remaining ``efsdp`` ranks; everything else is ``fully_shard``-ed
+over all ``efsdp x ep`` data-parallel ranks. With ``tp`` the router stays replicated, the shared
+expert is Megatron TP like the dense FFN, and the routed experts are replicated over tp (every tp
+rank of a data-parallel rank runs the same tokens through them), or, with
+``expert_tensor_parallel=True``, ``ExpertTensorParallel`` on ``("ep", "tp")`` (w1/w3 column-, w2
+row-parallel inside each expert; one all_reduce of the routed rows over tp forward and one backward).
+
 ``loss_parallel=True`` keeps the logits vocabulary-sharded (a DTensor
 ``Shard(-1)`` on ``mesh["tp"]``) instead of gathering them; compute the loss
 inside ``with hyper_parallel.loss_parallel():`` (``train_loss`` below does), which
@@ -17,10 +27,15 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+import torch.distributed as dist
+
 import hyper_parallel as hp
-from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, Replicate, RowwiseParallel,
-                            SequenceParallel, Shard, parallelize_module, replicate)
+from hyper_parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                            Replicate, RowwiseParallel, SequenceParallel, Shard, parallelize_module, replicate)
+from hyper_parallel.moe import ExpertParallel, ExpertTensorParallel
 from examples.llama.model import RMSNorm
+from examples.llama.moe import MoE
 
 # The example's hand-written RMSNorm normalises each token on its own, so it may run on
 # sequence-sharded activations: let SequenceParallel accept it (nn.RMSNorm is built in).
@@ -28,7 +43,7 @@ SequenceParallel.register_module_type(RMSNorm)
 
 
 def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_parallel: bool = False,
-                      src_data_rank=0):
+                      src_data_rank=0, expert_tensor_parallel: bool = False):
     """Apply TP (+SP) on ``mesh['tp']`` and DP on ``mesh['dp']`` (if present) to ``model`` in place.
 
     A ``dp_shard`` mesh dim makes the data parallelism fully sharded: every block and
@@ -36,6 +51,9 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
     ``mesh['dp', 'dp_shard']``, i.e. HSDP, when ``dp`` is present too).
     """
     names = mesh.mesh_dim_names or ()
+    if "ep" in names:
+        return _parallelize_moe(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                src_data_rank=src_data_rank, etp=expert_tensor_parallel)
     tp_mesh = mesh["tp"] if "tp" in names else mesh
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
@@ -66,7 +84,8 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         if sp:
             block_plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         for block in model.layers.values():
-            parallelize_module(block, tp_mesh, block_plan, src_data_rank=src_data_rank)
+            parallelize_module(block, tp_mesh, _moe_tp_plan(seq) if hasattr(block, "moe") else block_plan,
+                               src_data_rank=src_data_rank)
         # --- pipeline stages (--pp, examples/llama/pipeline.py): with SP the hidden state crossing a stage
         # boundary is a DTensor Shard(1) on mesh["tp"] (sent as its local shard, rebuilt by the next stage)
         keys = list(model.layers.keys())
@@ -84,6 +103,156 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         hp.fully_shard(model, mesh=fsdp_mesh)
     elif "dp" in names and mesh["dp"].size() > 1:
         replicate(model, mesh["dp"])
+    return model
+
+
+# ----------------------------------------------------------------------------- mixture of experts (--ep)
+
+
+def _moe_tp_plan(seq):
+    """TP of an MoE block: attention as in the dense plan; the MoE takes and returns ``seq`` tensors,
+    its router is replicated, its shared expert colwise/rowwise, its routed experts replicated."""
+    plan = {
+        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                        desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "moe.shared_experts.w1": ColwiseParallel(),
+        "moe.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
+        "moe.shared_experts.w3": ColwiseParallel(),
+    }
+    if isinstance(seq, Shard):  # sequence parallel: gather the sequence in, slice it out again
+        plan.update({
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "moe": PrepareModuleInputOutput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                            use_local_input=True, output_layouts=(Replicate(),),
+                                            desired_output_layouts=(seq,), use_local_output=True)})
+    return plan
+
+
+def make_moe_mesh(device_type, dp_shard: int, ep: int, tp: int = 1):
+    """The ``("efsdp", "ep", "tp")`` mesh: ``ep`` borrows ranks from ``dp_shard`` (``efsdp = dp_shard/ep``).
+
+    The data-parallel dim over all ``dp_shard`` ranks is the flattening of ``efsdp x ep``
+    (``mesh["dp_shard"]``, registered here; dense layers are fully sharded over it).
+    """
+    if ep < 1 or dp_shard % ep:
+        raise ValueError(f"--ep {ep} must divide --dp-shard {dp_shard}: expert parallelism borrows its ranks from "
+                         "the fully sharded data parallelism")
+    mesh = hp.init_device_mesh(device_type, (dp_shard // ep, ep, tp), mesh_dim_names=("efsdp", "ep", "tp"))
+    mesh["efsdp", "ep"]._flatten("dp_shard")
+    return mesh
+
+
+def dp_group_of(mesh):
+    """The process group of all data-parallel ranks (None when there is one), for the expert-bias all_reduce."""
+    names = mesh.mesh_dim_names or ()
+    if "ep" in names:
+        dp_mesh = mesh["dp_shard"]
+    elif "dp_shard" in names:
+        dp_mesh = mesh["dp", "dp_shard"]._flatten("dp_all") if "dp" in names else mesh["dp_shard"]
+    elif "dp" in names:
+        dp_mesh = mesh["dp"]
+    else:
+        return None
+    return dp_mesh.get_group() if dp_mesh.size() > 1 else None
+
+
+def clip_grad_norm_(parameters, max_norm: float):
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (EP: experts live on the
+    ``(efsdp, ep, tp)`` mesh, the rest on the flattened ``dp_shard`` one): one norm per mesh, combined.
+    Returns the total norm (a plain tensor)."""
+    import torch  # noqa: PLC0415
+    params = [p for p in parameters if p.grad is not None]
+    groups = {}
+    for p in params:
+        key = p.grad.device_mesh if isinstance(p.grad, hp.DTensor) else None
+        groups.setdefault(key, []).append(p)
+    sq = None
+    for key, ps in groups.items():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
+        if isinstance(n, hp.DTensor):
+            n = n.full_tensor()
+        sq = n * n if sq is None else sq + n * n
+    if sq is None:
+        return torch.zeros(())
+    total = sq.sqrt()
+    for ps in groups.values():  # one foreach per mesh
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, gradient all_reduce over tp backward (the experts' rows under
+    expert-tensor parallelism: each tp rank's column-parallel w1/w3 give a partial input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all_reduce over tp forward (the row-parallel w2's partial sums), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _expert_tensor_parallel(experts, ep_tp_mesh, src_data_rank):
+    """``ExpertTensorParallel`` on the ``("ep", "tp")`` mesh, plus the tp reductions the style leaves to the
+    caller: the rows it hands the local experts get ``f``, the combined (partial over tp) output ``g``, so
+    everything outside the experts stays replicated over tp (router gradients included)."""
+    parallelize_module(experts, ep_tp_mesh, ExpertTensorParallel(), src_data_rank=src_data_rank)
+    group = ep_tp_mesh["tp"].get_group()
+    # registered after the style's own hooks: they run after its dispatch / after its combine
+    experts.register_forward_pre_hook(lambda mod, args: (_CopyToTP.apply(args[0], group),) + tuple(args[1:]))
+    experts.register_forward_hook(lambda mod, args, out: _ReduceFromTP.apply(out, group))
+
+
+def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_rank, etp=False):
+    """EP (+ efsdp) x FSDP x TP on a ``make_moe_mesh`` mesh; ``etp``: experts tensor parallel over tp
+    (``ExpertTensorParallel``), else replicated over tp."""
+    num_experts = [b.moe.experts.num_experts for b in model.layers.values() if hasattr(b, "moe")]
+    ep = mesh.size("ep")
+    for e in num_experts:
+        if e % ep:
+            raise ValueError(f"the MoE layers have {e} experts, which --ep {ep} does not divide")
+    # Dense parts live on a ("dp_shard", "tp") root mesh over the same ranks (dp_shard index =
+    # efsdp index * ep + ep index): fully_shard takes a TP parameter only with a mesh dim of the
+    # TP mesh's root, and the experts' root is ("efsdp", "ep", "tp").
+    dp_shard, tp = mesh.size("efsdp") * ep, mesh.size("tp")
+    dense = hp.init_device_mesh(mesh.device_type, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+    if tp > 1:  # TP of attention, dense FFN, output and shared experts; router and experts replicated over tp
+        parallelize_llama(model, dense["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                          src_data_rank=src_data_rank)
+    for block in model.layers.values():
+        if hasattr(block, "moe") and etp and tp > 1:
+            _expert_tensor_parallel(block.moe.experts, mesh["ep", "tp"], src_data_rank)
+        elif hasattr(block, "moe"):
+            parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel(), src_data_rank=src_data_rank)
+    for block in model.layers.values():
+        if hasattr(block, "moe"):
+            hp.fully_shard(block.moe.experts, mesh=mesh["efsdp"])
+            # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
+            block.moe.experts.set_gradient_divide_factor(dp_shard)
+        hp.fully_shard(block, mesh=dense["dp_shard"])
+    hp.fully_shard(model, mesh=dense["dp_shard"])
     return model
 
 

@@ -19,6 +19,7 @@ import torch
 from examples.llama.configs import OptimConfig, get_config
 from examples.llama.data import TokenBatches
 from examples.llama.model import ModelArgs, Transformer, build_model, loss_fn
+from examples.llama.moe import update_expert_bias
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -34,6 +35,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
+    update_expert_bias(model)  # MoE: aux-loss-free balancing from this step's counts (no-op for dense)
     return loss.item(), float(grad_norm)
 
 

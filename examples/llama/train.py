@@ -24,6 +24,19 @@ vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
 ``DIR/latest`` marker written after each completed save); ``--resume`` continues from
 ``DIR/latest`` under any ``--dp/--tp`` (see docs/checkpoint.md).
 
+Mixture of experts (``--config moe-tiny`` / ``moe-demo``, examples/llama/moe.py, docs/moe_example.md):
+
+    torchrun --nproc_per_node 4 examples/llama/train.py --config moe-demo --dp-shard 4 --ep 2 --steps 40
+    torchrun --nproc_per_node 4 examples/llama/train.py --config moe-demo --dp-shard 2 --ep 2 --tp 2
+
+``--ep N`` shards the routed experts over N ranks borrowed from ``--dp-shard`` (N must divide it,
+and the number of experts): the experts are fully sharded over the remaining dp_shard/N ranks,
+everything else over all dp_shard ranks; with ``--tp`` the experts are replicated over tp, or
+tensor parallel inside each expert with ``--expert-tp`` (``ExpertTensorParallel`` on (ep, tp)).
+``--ep`` does not combine with ``--dp`` (HSDP). After each step the per-expert bias (aux-loss-free
+balancing) is updated from the global token counts (one all_reduce) and rank 0 prints the expert
+load (tokens per expert and max/mean per MoE layer) with the progress line.
+
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
 --nproc_per_node P examples/llama/train.py ...`` (dp * tp = N * P).
@@ -57,11 +70,15 @@ def parse_args(argv=None):
     p.add_argument("--dp-shard", type=int, default=1,
                    help="fully sharded data-parallel degree (fully_shard; with --dp: HSDP)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE configs; ranks borrowed "
+                   "from --dp-shard, which it must divide)")
+    p.add_argument("--expert-tp", action="store_true", help="with --ep and --tp: experts tensor parallel over tp "
+                   "(ExpertTensorParallel) instead of replicated")
     p.add_argument("--sp", action="store_true", help="sequence parallelism for norms/activations")
     p.add_argument("--loss-parallel", action="store_true",
                    help="cross-entropy on the vocabulary-sharded logits (no vocabulary gather)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
-    p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
+    p.add_argument("--config", default="demo", help="model/training config: tiny, demo, moe-tiny or moe-demo")
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -77,10 +94,14 @@ def parse_args(argv=None):
 
 
 def make_mesh(args):
-    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given ("pp", "dp_shard", "tp" with --pp)."""
+    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given ("pp", "dp_shard", "tp" with --pp;
+    ("efsdp", "ep", "tp") with --ep: expert parallelism borrows ranks from dp_shard)."""
     if getattr(args, "pp", 1) > 1:  # --- pipeline parallelism
         from examples.llama.pipeline import make_mesh as make_pp_mesh
         return make_pp_mesh(args)
+    if getattr(args, "ep", 1) > 1:  # --- MoE expert parallelism
+        from examples.llama.parallelize import make_moe_mesh
+        return make_moe_mesh("cpu", args.dp_shard, args.ep, args.tp)
     if getattr(args, "dp_shard", 1) > 1:
         return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -112,7 +133,10 @@ def train(args, steps, cfg, mesh, log=print, report=None):
             report["bytes"] = state_bytes(stages, opt)
         return losses
     names = mesh.mesh_dim_names
-    if "dp_shard" in names:
+    if "ep" in names:  # --- MoE expert parallelism: the batch is split over efsdp x ep
+        dp = mesh.size("efsdp") * mesh.size("ep")
+        dp_rank = mesh.get_local_rank("efsdp") * mesh.size("ep") + mesh.get_local_rank("ep")
+    elif "dp_shard" in names:
         dp = mesh.size("dp") * mesh.size("dp_shard")
         dp_rank = mesh.get_local_rank("dp") * mesh.size("dp_shard") + mesh.get_local_rank("dp_shard")
     else:
@@ -120,7 +144,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
-                      src_data_rank=None)
+                      src_data_rank=None, expert_tensor_parallel=getattr(args, "expert_tp", False))
     if getattr(args, "compile", None):
         compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)
@@ -132,6 +156,12 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
     tp = mesh.size("tp") if "tp" in names else 1
+    # --- MoE: expert-bias all_reduce group; a gradient clip that spans the experts' and the dense mesh
+    moe = cfg.model.moe is not None
+    if moe:
+        from examples.llama.moe import format_load, update_expert_bias
+        from examples.llama.parallelize import clip_grad_norm_, dp_group_of
+        bias_group = dp_group_of(mesh)
     losses = []
     t0 = time.perf_counter()
     tokens = 0
@@ -140,14 +170,21 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
         opt.zero_grad(set_to_none=True)
         g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-        opt.step()
+        if moe:  # --- MoE: clip over both meshes, then the aux-loss-free bias step from global counts
+            clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            opt.step()
+            load = update_expert_bias(model, bias_group)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            opt.step()
         if dp > 1:  # every tp rank holds the same loss: average over the whole world
             dist.all_reduce(g)
             g /= dp * tp
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
+        if moe:
+            log(None, steps, f"  step {step + 1} {format_load(load)}", 0)
         every = getattr(args, "save_every", 0)
         if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
             from examples.llama import checkpoint
@@ -160,9 +197,13 @@ def train(args, steps, cfg, mesh, log=print, report=None):
 
 def compile_blocks(model, backend="inductor"):
     """``torch.compile`` each transformer block separately, as torchtitan does (one graph per block,
-    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager.
+    no graph breaks: ``fullgraph=True``); embeddings, final norm, output and loss stay eager. In an MoE
+    block only the attention is compiled (in place): the MoE layer's token counts are data-dependent.
     ``dynamic=False``: DTensor layouts are compile-time constants, shapes must be too."""
     for name, block in list(model.layers.items()):
+        if hasattr(block, "moe"):  # --- MoE: token counts per expert are data-dependent: compile the attention
+            block.attention.compile(backend=backend, fullgraph=True, dynamic=False)  # in place: FQNs unchanged
+            continue
         model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True, dynamic=False))
     return model
 
@@ -190,6 +231,23 @@ def main(argv=None):
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     need = args.dp * args.dp_shard * args.tp * args.pp
+    if args.ep < 1:  # --- MoE expert parallelism: checked before any process group exists
+        raise SystemExit(f"--ep must be >= 1, got {args.ep}")
+    if args.expert_tp and (args.ep < 2 or args.tp < 2):
+        raise SystemExit(f"--expert-tp shards experts over (ep, tp): it needs --ep > 1 and --tp > 1 "
+                         f"(got --ep {args.ep} --tp {args.tp})")
+    if args.ep > 1 and args.pp > 1:
+        raise SystemExit(f"--ep {args.ep} with --pp {args.pp} is not supported yet (MoE stages are not split); "
+                         "use --ep with --dp-shard/--tp")
+    if args.ep > 1:
+        n_exp = get_config(args.config).model.moe
+        if n_exp is None:
+            raise SystemExit(f"--ep needs an MoE config (moe-tiny, moe-demo), got --config {args.config}")
+        if args.dp > 1 or args.dp_shard % args.ep:
+            raise SystemExit(f"--ep {args.ep} borrows ranks from --dp-shard (got {args.dp_shard}), which it must "
+                             f"divide; --dp (HSDP) is not supported with --ep (got --dp {args.dp})")
+        if n_exp.num_experts % args.ep:
+            raise SystemExit(f"--ep {args.ep} must divide the {n_exp.num_experts} experts of --config {args.config}")
     if need != world:
         raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} x --pp {args.pp} = {need} "
                          "must equal the "
@@ -209,6 +267,7 @@ def main(argv=None):
         lp += f", compiled blocks ({args.compile})" if args.compile else ""
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
         ds += pipeline.describe(args, cfg) if args.pp > 1 else ""
+        ds += f" ep={args.ep}" if args.ep > 1 else ""
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
@@ -227,6 +286,7 @@ def main(argv=None):
               + f" (unsharded total {total:,})")
         ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
         ds = f"_pp{args.pp}{args.pp_schedule}" + ds if args.pp > 1 else ds
+        ds += f"_ep{args.ep}" if args.ep > 1 else ""
         series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")

@@ -26,6 +26,7 @@ FAMILIES = (
     "misc_ops",
     "random_ops",
     "device_ops",
+    "grouped_mm",
 )
 
 _LOADED = False

@@ -42,6 +42,7 @@ def test_lint_imports_contracts_hold():
     ("platform/torch/functions.py", "import hyper_parallel.core.dtensor.placement_types", "platform's root"),
     ("core/dtensor/placement_types.py", "import torch", "Nothing in core imports a framework"),
     ("pipelining/split.py", "import hyper_parallel.core.fsdp.api", "Sibling parallelism packages are independent"),
+    ("context_parallel/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
 ])
 def test_contracts_are_live(tmp_path, module, line, contract):
     """One bad import in a copy of the package breaks the named contract."""
@@ -124,7 +125,8 @@ def test_every_platform_root_module_is_under_the_root_contract():
         for f in folder.glob("*.py"):
             if f.name != "__init__.py":
                 found.add(f"{prefix}.{f.stem}")
-    feature_folders = {"hyper_parallel.platform.torch.fully_shard", "hyper_parallel.platform.torch.pipelining"}  # may import core (layers contract)
+    feature_folders = {"hyper_parallel.platform.torch.fully_shard", "hyper_parallel.platform.torch.pipelining",
+                       "hyper_parallel.platform.torch.context_parallel"}  # may import core (layers contract)
     for d in (PKG / "platform" / "torch").iterdir():
         if d.is_dir() and (d / "__init__.py").exists():
             name = f"hyper_parallel.platform.torch.{d.name}"

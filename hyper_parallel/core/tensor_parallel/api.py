@@ -38,12 +38,19 @@ def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
                       "parallelize_module call will do nothing.", UserWarning, stacklevel=2)
         return module
     mesh = resolve_mesh(device_mesh, "parallelize_module")
-    if mesh.ndim != 1:
+    if mesh.ndim != 1 and not _accepts_nd_mesh(parallelize_plan):
         raise ValueError(f"parallelize_module: device_mesh must be 1-D, got a {mesh.ndim}-D mesh {mesh}; slice it "
                          f"first, e.g. mesh['{(mesh.mesh_dim_names or ('tp',))[-1]}']")
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
         raise TypeError(f"parallelize_module: src_data_rank must be an int rank or None, got {src_data_rank!r}")
     return _parallelize(module, mesh, parallelize_plan, src_data_rank, "")
+
+
+def _accepts_nd_mesh(plan) -> bool:
+    """A plan whose every style declares ``accepts_nd_mesh`` (``ContextParallel``: hybrid on a 2-D cp mesh)."""
+    if isinstance(plan, dict):
+        return bool(plan) and all(_accepts_nd_mesh(p) for p in plan.values())
+    return bool(getattr(plan, "accepts_nd_mesh", False))
 
 
 def _parallelize(module, mesh, plan, src_data_rank, prefix: str):

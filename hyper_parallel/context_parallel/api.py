@@ -136,7 +136,7 @@ def _mask_for(mask, is_causal, what):
 def context_parallel_attention(query, key, value, mesh=None, *, method: str = "ring", mask=None,
                                is_causal: bool = False, scale: Optional[float] = None, load_balance: bool = True,
                                seq_len: Optional[int] = None, rotate: Optional[str] = None,
-                               dropout_p: float = 0.0):
+                               dropout_p: float = 0.0, cp_mesh_dim=None):
     """Exact attention over a sequence sharded on the cp mesh: ring, Ulysses or hybrid (Ulysses x ring).
 
     Args:
@@ -156,6 +156,9 @@ def context_parallel_attention(query, key, value, mesh=None, *, method: str = "r
             ``options.rotate_method`` (``"allgather"``, torch's default; ``set_rotate_method`` changes it).
         dropout_p: must be 0 (attention dropout under context parallelism needs a distributed RNG
             stream for the score matrix, which is not implemented).
+        cp_mesh_dim: the cp mesh dim(s) of ``mesh`` (names or indices; two for ``"hybrid"``): plain
+            tensors run on that slice of ``mesh``; DTensors must have their sequence sharded on exactly
+            these dims. Default: the whole ``mesh`` / the dims sharding the DTensors' sequence.
     """
     what = f"context_parallel_attention(method={method!r})"
     _check_method(method, what)
@@ -166,8 +169,16 @@ def context_parallel_attention(query, key, value, mesh=None, *, method: str = "r
                                   "dropout_p=0.0; apply dropout outside attention)")
     mask = _mask_for(mask, is_causal, what)
     if isinstance(query, DTensor) or isinstance(key, DTensor) or isinstance(value, DTensor):
-        return _dtensor_attention(query, key, value, method, mask, scale, rotate, what)
+        return _dtensor_attention(query, key, value, method, mask, scale, rotate, what, cp_mesh_dim)
     mesh = resolve_mesh(mesh, what)
+    if cp_mesh_dim is not None:
+        dims = _resolve_cp_dims(mesh, cp_mesh_dim, what)
+        if len(dims) != mesh.ndim or dims != sorted(dims):
+            names = mesh.mesh_dim_names
+            if not names:
+                raise ValueError(f"{what}: slicing cp_mesh_dim={cp_mesh_dim!r} out of {mesh} needs mesh dim names")
+            sel = tuple(names[d] for d in dims)
+            mesh = mesh[sel if len(sel) > 1 else sel[0]]
     _check_qkv(query, key, value, what)
     L = query.shape[-2]
     S, layout = _seq_layout(mesh, L, seq_len, load_balance, what)
@@ -251,7 +262,22 @@ def _run(q, k, v, layout, U, R, ug, rg, f, mask, scale, rotate, what):
     return out.reshape(lead + tuple(out.shape[-3:]))
 
 
-def _dtensor_attention(q, k, v, method, mask, scale, rotate, what):
+def _resolve_cp_dims(mesh, cp_mesh_dim, what):
+    dims = list(cp_mesh_dim) if isinstance(cp_mesh_dim, (tuple, list)) else [cp_mesh_dim]
+    names = tuple(mesh.mesh_dim_names or ())
+    out = []
+    for d in dims:
+        if isinstance(d, str) and d in names:
+            out.append(names.index(d))
+        elif isinstance(d, int) and not isinstance(d, bool) and -mesh.ndim <= d < mesh.ndim:
+            out.append(d % mesh.ndim)
+        else:
+            raise ValueError(f"{what}: cp mesh dim {d!r} does not exist on the {mesh.ndim}-D mesh {mesh} (its dims: "
+                             f"{names or tuple(range(mesh.ndim))}); expected one of those names or indices")
+    return out
+
+
+def _dtensor_attention(q, k, v, method, mask, scale, rotate, what, cp_mesh_dim=None):
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, DTensor):
             raise TypeError(f"{what}: query, key and value must all be DTensors or all plain tensors; {name} is a "
@@ -265,6 +291,12 @@ def _dtensor_attention(q, k, v, method, mask, scale, rotate, what):
     dims = [i for i, p in enumerate(pl) if isinstance(p, Shard) and p.dim % nd == seq]
     names = mesh.mesh_dim_names
     need = 2 if method == "hybrid" else 1
+    if cp_mesh_dim is not None:
+        want = _resolve_cp_dims(mesh, cp_mesh_dim, what)
+        if want != dims:
+            raise ValueError(f"{what}: the sequence dim {seq} of query (global shape {tuple(q.shape)}) is not sharded "
+                             f"on the cp mesh dim(s) {cp_mesh_dim!r} (mesh dims {want}); its placements are {pl} "
+                             f"(expected Shard({seq}) on exactly those mesh dims)")
     if len(dims) != need:
         raise ValueError(f"{what}: the sequence dim {seq} of query (global shape {tuple(q.shape)}) must be sharded "
                          f"on {need} cp mesh dim(s) (Shard({seq})), got placements {pl} on mesh dims "

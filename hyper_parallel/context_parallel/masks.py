@@ -188,34 +188,32 @@ def _merge(rows, pos):
 def step_calls(q_segs: Sequence[Segment], k_segs: Sequence[Segment], mask: Mask) -> List[Call]:
     """The kernel calls of one (query block, K/V block) pair; fully masked sub-blocks are skipped.
 
-    Query segments that see the same K/V segments, all unmasked, share one call (the head-tail
-    layout's half blocks); a query segment with a partially masked sub-block gets its own call
-    with a dense mask over the K/V segments it sees.
+    Unmasked sub-blocks: query segments that see the same K/V segments share one call (the
+    head-tail layout's half blocks). Partially masked sub-blocks: one call per query segment with
+    a dense mask over those K/V segments (for a causal mask these are the diagonal blocks, which a
+    fused kernel runs with ``is_causal``).
     """
     qr, kr = _rows(q_segs), _rows(k_segs)
     groups: dict = {}
     order = []
     for qi, (qs, qn) in enumerate(q_segs):
-        kinds = tuple((ki, mask.classify(qs, qs + qn, ks, ks + kn)) for ki, (ks, kn) in enumerate(k_segs))
-        seen = tuple((ki, kd) for ki, kd in kinds if kd != EMPTY)
-        if not seen:
-            continue
-        masked = any(kd == PARTIAL for _, kd in seen)
-        key = (tuple(ki for ki, _ in seen), masked, qi if masked else -1)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(qi)
+        kinds = [(ki, mask.classify(qs, qs + qn, ks, ks + kn)) for ki, (ks, kn) in enumerate(k_segs)]
+        full = tuple(ki for ki, kd in kinds if kd == FULL)
+        part = tuple(ki for ki, kd in kinds if kd == PARTIAL)
+        for kis, masked in ((full, False), (part, True)):
+            if not kis:
+                continue
+            key = (kis, masked, qi if masked else -1)
+            if key not in groups:
+                groups[key] = []
+                order.append(key)
+            groups[key].append(qi)
     calls = []
     for key in order:
         kis, masked, _ = key
         qis = groups[key]
-        q_rows = [qr[i] for i in qis]
-        q_pos = [tuple(q_segs[i]) for i in qis]
-        k_rows = [kr[i] for i in kis]
-        k_pos = [tuple(k_segs[i]) for i in kis]
-        q_rows, q_pos = _merge(q_rows, q_pos)
-        k_rows, k_pos = _merge(k_rows, k_pos)
+        q_rows, q_pos = _merge([qr[i] for i in qis], [tuple(q_segs[i]) for i in qis])
+        k_rows, k_pos = _merge([kr[i] for i in kis], [tuple(k_segs[i]) for i in kis])
         calls.append(Call(q_rows, q_pos, k_rows, k_pos, masked))
     return calls
 

@@ -71,13 +71,25 @@ def block_backward(q5, k, v, dout5, lse, delta, mask, scale):
     return dq, dk, dv
 
 
-def merge_into(acc_o, acc_l, o, l, ranges) -> None:
-    """Online-softmax merge of a block result (rows = concatenation of ``ranges``) into the accumulators."""
+def merge_into(acc_o, acc_l, o, l, ranges, written=None) -> None:
+    """Online-softmax merge of a block result (rows = concatenation of ``ranges``) into the accumulators.
+
+    ``written``: the row ranges merged so far (a list this call extends); rows not yet written are
+    copied instead of merged.
+    """
     at = 0
     for lo, hi in ranges:
         n = hi - lo
         ao, al = acc_o.narrow(-2, lo, n), acc_l.narrow(-1, lo, n)
         bo, bl = o.narrow(-2, at, n), l.narrow(-1, at, n)
+        if written is not None:
+            fresh = all(hi <= a or lo >= b for a, b in written)
+            written.append((lo, hi))
+            if fresh:
+                ao.copy_(bo)
+                al.copy_(bl)
+                at += n
+                continue
         new = torch.logaddexp(al, bl)
         safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
         ao.mul_(torch.exp(al - safe).unsqueeze(-1)).add_(bo * torch.exp(bl - safe).unsqueeze(-1))
@@ -94,3 +106,33 @@ def add_rows(acc, x, ranges, dim: int = -2) -> None:
 
 
 __all__ = ["acc_dtype", "dense_mask", "rows", "block_forward", "block_backward", "merge_into", "add_rows"]
+
+
+# torch's fused CPU kernel (returns the lse; its backward takes the final out and lse), used for the
+# unmasked blocks and the causal diagonal blocks of equal positions on CPU; everything else (other
+# masks, rows that could be fully masked, other devices) runs the explicit math above.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+USE_FUSED = True
+
+
+def fused_ok(call, spec, q5, v) -> bool:
+    if not USE_FUSED or _FLASH is None or q5.device.type != "cpu" or v.shape[-1] != q5.shape[-1]:
+        return False
+    if not call.masked:
+        return True
+    return spec[0] == "causal" and q5.shape[2] == 1 and tuple(call.q_pos) == tuple(call.k_pos)
+
+
+def fused_forward(q5, k, v, causal, scale):
+    B, Hk, g, L, D = q5.shape
+    o, lse = _FLASH(q5.reshape(B, Hk, g * L, D), k, v, 0.0, causal, scale=scale)
+    return o.view(B, Hk, g, L, v.shape[-1]), lse.view(B, Hk, g, L)
+
+
+def fused_backward(q5, k, v, dout5, out5, lse, causal, scale):
+    B, Hk, g, L, D = q5.shape
+    dq, dk, dv = _FLASH_BWD(dout5.reshape(B, Hk, g * L, -1), q5.reshape(B, Hk, g * L, D), k, v,
+                            out5.reshape(B, Hk, g * L, -1), lse.reshape(B, Hk, g * L).contiguous(), 0.0, causal,
+                            scale=scale)
+    return dq.view(B, Hk, g, L, D), dk, dv

@@ -29,6 +29,8 @@ from hyper_parallel.platform import comm_record as rec
 from hyper_parallel.platform.torch import collectives as C
 from hyper_parallel.platform.torch.context_parallel import kernels as K
 
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # When a dict, ring steps add their compute and communication-wait seconds to it (benchmarks).
 STATS = None
 
@@ -74,7 +76,7 @@ class _AllGather:
         x = flat if flat.numel() == m else torch.cat([flat, flat.new_zeros(m - flat.numel())])
         self.out = x.new_empty(m * group.size)
         rec.record(rec.ALL_GATHER, m * x.element_size(), group.ranks)
-        self.work = dist.all_gather_into_tensor(self.out, x.contiguous(), group=group.handle, async_op=True)
+        self.work = _AG(self.out, x.contiguous(), group=group.handle, async_op=True)
 
     def wait(self):
         t0 = _tick()
@@ -123,14 +125,17 @@ def _fold(x, hk):
     return x.reshape(B, hk, H // hk, L, D)
 
 
-def _run_calls(calls, q5, kb, vb, plan, acc_o, acc_l):
+def _run_calls(calls, q5, kb, vb, plan, acc_o, acc_l, written):
     for c in calls:
         t0 = _tick()
         qc = K.rows(q5, c.q_rows)
         kc, vc = K.rows(kb, c.k_rows), K.rows(vb, c.k_rows)
-        mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, q5.device) if c.masked else None
-        o, l = K.block_forward(qc, kc, vc, mask, plan.scale)
-        K.merge_into(acc_o, acc_l, o, l, c.q_rows)
+        if K.fused_ok(c, plan.mask_spec, q5, vb):
+            o, l = K.fused_forward(qc, kc, vc, c.masked, plan.scale)
+        else:
+            mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, q5.device) if c.masked else None
+            o, l = K.block_forward(qc, kc, vc, mask, plan.scale)
+        K.merge_into(acc_o, acc_l, o, l, c.q_rows, written)
         _add("compute_s", t0)
 
 
@@ -142,20 +147,21 @@ def _forward(q, k, v, plan):
     B, _, g, L, _ = q5.shape
     acc_o = q5.new_zeros(B, hk, g, L, v.shape[-1])
     acc_l = q5.new_full((B, hk, g, L), K.NEG_INF)
+    written = []
     group, sched = plan.group, plan.schedule
     R = 1 if group is None else group.size
     me = 0 if group is None else group.rank
     if R == 1:
-        _run_calls(sched[0], q5, k, v, plan, acc_o, acc_l)
+        _run_calls(sched[0], q5, k, v, plan, acc_o, acc_l, written)
     elif plan.rotate == "allgather":
         sizes = [n * B * hk * (k.shape[-1] + v.shape[-1]) for n in plan.kv_lens]
         ag = _AllGather(_pack(k, v), sizes, group)
-        _run_calls(sched[0], q5, k, v, plan, acc_o, acc_l)
+        _run_calls(sched[0], q5, k, v, plan, acc_o, acc_l, written)
         blocks = ag.wait()
         for i in range(1, R):
             src = (me - i) % R
             kb, vb = _unpack(blocks[src], tuple(k.shape), tuple(v.shape), plan.kv_lens[src])
-            _run_calls(sched[i], q5, kb, vb, plan, acc_o, acc_l)
+            _run_calls(sched[i], q5, kb, vb, plan, acc_o, acc_l, written)
     else:
         kb, vb, buf = k, v, None
         for i in range(R):
@@ -165,7 +171,7 @@ def _forward(q, k, v, plan):
                 nsrc = (me - i - 1) % R
                 n = plan.kv_lens[nsrc] * B * hk * (k.shape[-1] + v.shape[-1])
                 ex = _Exchange(_pack(kb, vb) if buf is None else buf, n, group)
-            _run_calls(sched[i], q5, kb, vb, plan, acc_o, acc_l)
+            _run_calls(sched[i], q5, kb, vb, plan, acc_o, acc_l, written)
             if ex is not None:
                 buf = ex.wait()
                 kb, vb = _unpack(buf, tuple(k.shape), tuple(v.shape), plan.kv_lens[nsrc])
@@ -173,14 +179,17 @@ def _forward(q, k, v, plan):
     return out, acc_l
 
 
-def _bwd_calls(calls, q5, kb, vb, do5, lse, delta, plan, dq5, dkb, dvb):
+def _bwd_calls(calls, q5, kb, vb, do5, o5, lse, delta, plan, dq5, dkb, dvb):
     for c in calls:
         t0 = _tick()
         qc, doc = K.rows(q5, c.q_rows), K.rows(do5, c.q_rows)
         lc, dc = K.rows(lse, c.q_rows, -1), K.rows(delta, c.q_rows, -1)
         kc, vc = K.rows(kb, c.k_rows), K.rows(vb, c.k_rows)
-        mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, q5.device) if c.masked else None
-        dq, dk, dv = K.block_backward(qc, kc, vc, doc, lc, dc, mask, plan.scale)
+        if K.fused_ok(c, plan.mask_spec, q5, vb):
+            dq, dk, dv = K.fused_backward(qc, kc, vc, doc, K.rows(o5, c.q_rows), lc, c.masked, plan.scale)
+        else:
+            mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, q5.device) if c.masked else None
+            dq, dk, dv = K.block_backward(qc, kc, vc, doc, lc, dc, mask, plan.scale)
         K.add_rows(dq5, dq, c.q_rows)
         K.add_rows(dkb, dk, c.k_rows)
         K.add_rows(dvb, dv, c.k_rows)
@@ -195,7 +204,8 @@ def _backward(q, k, v, out, lse, dout, plan):
     do5 = _fold(dout.to(dt), hk)
     k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
     B, _, g, L, D = q5.shape
-    delta = (do5 * _fold(out, hk)).sum(-1)
+    o5 = _fold(out, hk)
+    delta = (do5 * o5).sum(-1)
     dq5 = torch.zeros_like(q5)
     group, sched = plan.group, plan.schedule
     R = 1 if group is None else group.size
@@ -204,20 +214,20 @@ def _backward(q, k, v, out, lse, dout, plan):
     per_row = B * hk * (k.shape[-1] + v.shape[-1])
     if R == 1:
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        _bwd_calls(sched[0], q5, k, v, do5, lse, delta, plan, dq5, dk, dv)
+        _bwd_calls(sched[0], q5, k, v, do5, o5, lse, delta, plan, dq5, dk, dv)
     elif plan.rotate == "allgather":
         sizes = [n * per_row for n in plan.kv_lens]
         ag = _AllGather(_pack(k, v), sizes, group)
         dflat = [None] * R
         dk0, dv0 = torch.zeros_like(k), torch.zeros_like(v)
-        _bwd_calls(sched[0], q5, k, v, do5, lse, delta, plan, dq5, dk0, dv0)
+        _bwd_calls(sched[0], q5, k, v, do5, o5, lse, delta, plan, dq5, dk0, dv0)
         dflat[me] = _pack(dk0, dv0)
         blocks = ag.wait()
         for i in range(1, R):
             src = (me - i) % R
             kb, vb = _unpack(blocks[src], kshape, vshape, plan.kv_lens[src])
             dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
-            _bwd_calls(sched[i], q5, kb, vb, do5, lse, delta, plan, dq5, dkb, dvb)
+            _bwd_calls(sched[i], q5, kb, vb, do5, o5, lse, delta, plan, dq5, dkb, dvb)
             dflat[src] = _pack(dkb, dvb)
         mine = C.reduce_scatter(torch.cat(dflat), 0, group, sizes)
         dk, dv = _unpack(mine, kshape, vshape, plan.kv_lens[me])
@@ -231,7 +241,7 @@ def _backward(q, k, v, out, lse, dout, plan):
                 nsrc = (me - i - 1) % R
                 ex = _Exchange(_pack(kb, vb) if buf is None else buf, plan.kv_lens[nsrc] * per_row, group)
             dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
-            _bwd_calls(sched[i], q5, kb, vb, do5, lse, delta, plan, dq5, dkb, dvb)
+            _bwd_calls(sched[i], q5, kb, vb, do5, o5, lse, delta, plan, dq5, dkb, dvb)
             acc = _pack(dkb, dvb)
             if dex is not None:
                 acc = acc + dex.wait()            # this block's dK/dV from the ranks before

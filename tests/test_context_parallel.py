@@ -115,3 +115,45 @@ def test_dtensor_inputs(dist_runner, method, shape):
     """Sequence-sharded DTensors (natural order, torch.chunk shards) in, a DTensor of the same layout out."""
     ws = 4 if len(shape) == 2 or shape[0] == 4 else 2
     dist_runner.run(ws, _attn_case, method, shape, 18, "causal", False, 4, 2, "p2p", 1, True)
+
+
+# ----------------------------------------------------------------------------- layout and schedule math (no processes)
+def test_layouts():
+    from hyper_parallel.context_parallel.plan import positions, restore_index, seg_len, shard_layout
+    for cp in (1, 2, 3, 4, 8):
+        for S in range(cp, 70):
+            for lb in (False, True):
+                lay = shard_layout(S, cp, lb)
+                lens = [seg_len(s) for s in lay]
+                assert sum(lens) == S and max(lens) - min(lens) <= 1, (S, cp, lb, lens)
+                allpos = sorted(p for segs in lay for p in positions(segs))
+                assert allpos == list(range(S))                         # each position once, no padding
+                idx = restore_index(lay)
+                flat = [p for segs in lay for p in positions(segs)]
+                assert [flat[i] for i in idx] == list(range(S))
+                if lb and S % (2 * cp) == 0:                           # rank r: chunks r and 2cp-1-r
+                    c = S // (2 * cp)
+                    assert all(lay[r] == [(r * c, c), ((2 * cp - 1 - r) * c, c)] for r in range(cp))
+    with pytest.raises(ValueError, match="sequence length 3 is smaller than the cp degree 4"):
+        shard_layout(3, 4, True)
+
+
+def test_load_balanced_causal_work():
+    """Head-tail: causal score entries computed per rank within 10% of equal (even when S % 2cp != 0);
+    contiguous shards: rank cp-1 computes cp blocks where rank 0 computes one. Fully masked blocks are never computed."""
+    from hyper_parallel.context_parallel.masks import CausalMask, DocumentMask, ring_schedule, schedule_work
+    from hyper_parallel.context_parallel.plan import shard_layout
+    for cp in (2, 4, 8):
+        for S in (64 * cp, 64 * cp + 3, 64 * cp + 2 * cp - 1):
+            work = [schedule_work(ring_schedule(shard_layout(S, cp, True), me, CausalMask())) for me in range(cp)]
+            assert max(work) / min(work) <= 1.10, (cp, S, work)
+            total = sum(work)
+            assert total < 0.5 * S * S * 1.3       # about half the square: the masked half is skipped
+            plain = [schedule_work(ring_schedule(shard_layout(S, cp, False), me, CausalMask())) for me in range(cp)]
+            assert max(plain) / min(plain) >= 0.9 * cp      # (diagonal blocks counted whole)
+    # document masking: blocks of other documents are skipped
+    S, cp = 64, 4
+    docs = DocumentMask((0, 16, 48, 64))
+    work = sum(schedule_work(ring_schedule(shard_layout(S, cp, False), me, docs)) for me in range(cp))
+    causal = sum(schedule_work(ring_schedule(shard_layout(S, cp, False), me, CausalMask())) for me in range(cp))
+    assert work < causal

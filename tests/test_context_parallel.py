@@ -157,3 +157,35 @@ def test_load_balanced_causal_work():
     work = sum(schedule_work(ring_schedule(shard_layout(S, cp, False), me, docs)) for me in range(cp))
     causal = sum(schedule_work(ring_schedule(shard_layout(S, cp, False), me, CausalMask())) for me in range(cp))
     assert work < causal
+
+
+def _low_precision(dtype_name, tol):
+    import torch
+    import torch.nn.functional as F
+    import hyper_parallel as hp
+    from hyper_parallel.context_parallel import context_parallel_attention, cp_shard, cp_unshard
+    dt = getattr(torch, dtype_name)
+    mesh = hp.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randn(1, 4, 37, 16, dtype=torch.float64, generator=g) for _ in range(3)]
+    ref = [t.clone().requires_grad_() for t in full]
+    out_ref = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out_ref.sum().backward()
+    sh = [t.to(dt).requires_grad_() for t in cp_shard(mesh, full, [2, 2, 2])]
+    for rotate in ("p2p", "allgather"):
+        for t in sh:
+            t.grad = None
+        out = context_parallel_attention(*sh, mesh, is_causal=True, rotate=rotate)
+        assert out.dtype == dt
+        out.sum().backward()
+        res = cp_unshard(mesh, [out.detach()] + [t.grad for t in sh], [2, 2, 2, 2])
+        assert all(r.dtype == dt for r in res)
+        errs = [float((a.double() - b).abs().max()) for a, b in zip(res, [out_ref.detach()] + [t.grad for t in ref])]
+        assert max(errs) < tol, (dtype_name, rotate, errs)
+    return True
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 5e-2)])
+def test_low_precision(dist_runner, dtype, tol):
+    """float32 and bfloat16 inputs (bf16 accumulated in float32) against the float64 reference."""
+    dist_runner.run(2, _low_precision, dtype, tol)

@@ -329,3 +329,42 @@ def _memory(method):
 def test_activation_memory_scales(dist_runner, method):
     res = dist_runner.run(4, _memory, method)
     assert all(r[0] <= 0.3 * r[1] for r in res)
+
+
+def _intercepted_document_mask(method):
+    """SDPA inside ContextParallel with ``attention_mask(DocumentMask)``: packed documents, exact."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import hyper_parallel as hp
+    from hyper_parallel.context_parallel import ContextParallel, DocumentMask, attention_mask, cp_shard, cp_unshard
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    S = 27
+    ids = [0] * 5 + [1] * 14 + [2] * 8                    # 3 packed documents of unequal lengths
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randn(2, 4, S, 8, dtype=torch.float64, generator=g) for _ in range(3)]
+    ref = [t.clone().requires_grad_() for t in full]
+    i, j = torch.arange(S).unsqueeze(-1), torch.arange(S).unsqueeze(0)
+    d = torch.tensor(ids)
+    dense = (d[i] == d[j]) & (j <= i)
+    out_ref = F.scaled_dot_product_attention(*ref, attn_mask=dense)
+    out_ref.sum().backward()
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
+    mod = hp.parallelize_module(Attn(), mesh, ContextParallel(method=method))
+    sh = [t.requires_grad_() for t in cp_shard(mesh, full, [2, 2, 2])]
+    with attention_mask(DocumentMask.from_doc_ids(ids)):
+        out = mod(*sh)
+    out.sum().backward()
+    res = cp_unshard(mesh, [out.detach()] + [t.grad for t in sh], [2, 2, 2, 2])
+    errs = [float((a - b).abs().max()) for a, b in zip(res, [out_ref.detach()] + [t.grad for t in ref])]
+    assert max(errs) < TOL, errs
+    return True
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_intercepted_document_mask(dist_runner, method):
+    dist_runner.run(2, _intercepted_document_mask, method)

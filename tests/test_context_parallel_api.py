@@ -15,7 +15,7 @@ TOL = 1e-10
 
 
 # ----------------------------------------------------------------------------- the example Llama
-def _llama_cp(method, shape, S, lb):
+def _llama_cp(method, shape, S, lb, torch_mesh=False):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -32,7 +32,11 @@ def _llama_cp(method, shape, S, lb):
     loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten(), reduction="sum") / n_tok
     loss_ref.backward()
 
-    mesh = hp.init_device_mesh("cpu", shape)
+    if torch_mesh:                               # a torch.distributed DeviceMesh is accepted too
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", shape)
+    else:
+        mesh = hp.init_device_mesh("cpu", shape)
     hp.parallelize_module(model, mesh, {"layers.*.attention": ContextParallel(method=method, load_balance=lb)})
     tok, lab, cos, sin = cp_shard(mesh, [tokens, labels, model.rope_cos[:S], model.rope_sin[:S]], [1, 1, 0, 0],
                                   load_balance=lb)
@@ -52,11 +56,11 @@ def _llama_cp(method, shape, S, lb):
     return float(loss_all)
 
 
-@pytest.mark.parametrize("method,shape,S,lb", [("ring", (2,), 16, True), ("ulysses", (2,), 15, True),
-                                               ("hybrid", (2, 2), 22, True), ("ring", (4,), 16, False)])
-def test_llama_context_parallel_style(dist_runner, method, shape, S, lb):
+@pytest.mark.parametrize("method,shape,S,lb,tm", [("ring", (2,), 16, True, False), ("ulysses", (2,), 15, True, False),
+                                                  ("hybrid", (2, 2), 22, True, False), ("ring", (4,), 16, False, True)])
+def test_llama_context_parallel_style(dist_runner, method, shape, S, lb, tm):
     ws = 4 if len(shape) == 2 or shape[0] == 4 else 2
-    dist_runner.run(ws, _llama_cp, method, shape, S, lb)
+    dist_runner.run(ws, _llama_cp, method, shape, S, lb, tm)
 
 
 # ----------------------------------------------------------------------------- torch's context manager

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from hyper_parallel.context_parallel import api as _api
+from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 
 
@@ -32,6 +33,7 @@ class ContextParallel(ParallelStyle):
 
     def apply(self, module, device_mesh):
         what = f"ContextParallel(method={self.method!r})"
+        device_mesh = resolve_mesh(device_mesh, what)
         _api._mesh_dims(device_mesh, self.method, what)   # checks the mesh's dims (and membership) now
         handler = _api.sdpa_handler(device_mesh, self.method, self.load_balance, None, what)
         handles = _api._impl().hook_module(module, handler)

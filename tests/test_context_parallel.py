@@ -7,7 +7,6 @@ the same weighted sum, and compares the ``cp_unshard``-ed output and gradients a
 """
 import pytest
 
-from tests.conftest import requires_world_size  # noqa: F401
 
 TOL = 1e-10
 

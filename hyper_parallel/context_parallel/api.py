@@ -10,7 +10,7 @@ import math
 import threading
 from typing import Optional
 
-from hyper_parallel.context_parallel.masks import (CausalMask, DocumentMask, Mask, NoMask, as_mask,
+from hyper_parallel.context_parallel.masks import (CausalMask, NoMask, as_mask,
                                                    check_mask_len, ring_schedule)
 from hyper_parallel.context_parallel.plan import (concat_layout, nested_chunk_layout, head_split, kv_head_plan,
                                                   restore_index, seg_len, shard_index, shard_layout)

@@ -8,7 +8,6 @@ activates it around its module's forward only (pre-hook, and a forward hook that
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 

@@ -35,8 +35,10 @@ query/output shard; formulas and checks in ``comm.py`` and ``docs/context_parall
 ``(cp-1) * b`` in ``cp-1`` sends; ring all_gather ``(cp-1) * b`` in one all_gather; Ulysses 4
 all_to_alls of ``(cp-1)/cp * (q + b + o)`` bytes in all.
 """
-from hyper_parallel.context_parallel.api import (attention_mask, context_parallel_attention, cp_shard, cp_unshard,
-                                                 hybrid_attention, options, ring_attention, ulysses_attention)
+from hyper_parallel.context_parallel.api import (context_parallel_attention, hybrid_attention, options, ring_attention,
+                                                 ulysses_attention)
+from hyper_parallel.context_parallel.intercept import attention_mask
+from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
 from hyper_parallel.context_parallel.masks import CausalMask, DocumentMask, Mask, NoMask, SlidingWindowMask
 from hyper_parallel.context_parallel.plan import shard_layout
 from hyper_parallel.context_parallel.style import ContextParallel

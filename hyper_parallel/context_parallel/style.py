@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from hyper_parallel.context_parallel import api as _api
+from hyper_parallel.context_parallel.intercept import sdpa_handler
 from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 
@@ -35,7 +36,7 @@ class ContextParallel(ParallelStyle):
         what = f"ContextParallel(method={self.method!r})"
         device_mesh = resolve_mesh(device_mesh, what)
         _api._mesh_dims(device_mesh, self.method, what)   # checks the mesh's dims (and membership) now
-        handler = _api.sdpa_handler(device_mesh, self.method, self.load_balance, None, what)
+        handler = sdpa_handler(device_mesh, self.method, self.load_balance, None, what)
         handles = _api._impl().hook_module(module, handler)
         module.__dict__.setdefault("_hp_context_parallel", []).append((self, handles))
         return module

@@ -12,6 +12,8 @@ import contextlib
 from typing import List, Optional, Set
 
 from hyper_parallel.context_parallel import api as _api
+from hyper_parallel.context_parallel.intercept import sdpa_handler
+from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
 from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
 
 
@@ -42,10 +44,10 @@ def context_parallel(mesh, *, buffers: Optional[List] = None, buffer_seq_dims: O
     lb = _api.options.enable_load_balance
     originals = [None if any(b is x for x in no_restore_buffers) else impl.clone(b) for b in buffers]
     if buffers:
-        shards = _api.cp_shard(mesh, list(buffers), list(buffer_seq_dims), load_balance=lb)
+        shards = cp_shard(mesh, list(buffers), list(buffer_seq_dims), load_balance=lb)
         for b, s in zip(buffers, shards):
             impl.resize_copy_(b, s)
-    mode = impl.sdpa_mode(_api.sdpa_handler(mesh, method, lb, None, what))
+    mode = impl.sdpa_mode(sdpa_handler(mesh, method, lb, None, what))
     mode.__enter__()
     try:
         yield
@@ -65,7 +67,7 @@ def context_parallel_unshard(mesh, buffers: List, seq_dims: List[int], load_bala
     lb = _api.options.enable_load_balance if load_balancer is None else load_balancer
     if not isinstance(lb, bool):
         raise TypeError(f"context_parallel_unshard: load_balancer must be None or a bool, got {load_balancer!r}")
-    return _api.cp_unshard(mesh, list(buffers), list(seq_dims), load_balance=lb)
+    return cp_unshard(mesh, list(buffers), list(seq_dims), load_balance=lb)
 
 
 def set_rotate_method(rotate_method: str) -> None:

@@ -44,6 +44,7 @@ def test_lint_imports_contracts_hold():
     ("pipelining/split.py", "import hyper_parallel.core.fsdp.api", "Sibling parallelism packages are independent"),
     ("moe/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
     ("platform/torch/moe/comm.py", "import hyper_parallel.moe.plan", "Layers"),
+    ("context_parallel/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
 ])
 def test_contracts_are_live(tmp_path, module, line, contract):
     """One bad import in a copy of the package breaks the named contract."""
@@ -127,7 +128,8 @@ def test_every_platform_root_module_is_under_the_root_contract():
             if f.name != "__init__.py":
                 found.add(f"{prefix}.{f.stem}")
     feature_folders = {"hyper_parallel.platform.torch.fully_shard", "hyper_parallel.platform.torch.pipelining",
-                       "hyper_parallel.platform.torch.moe"}  # may import core (layers contract)
+                       "hyper_parallel.platform.torch.moe",
+                       "hyper_parallel.platform.torch.context_parallel"}  # may import core (layers contract)
     for d in (PKG / "platform" / "torch").iterdir():
         if d.is_dir() and (d / "__init__.py").exists():
             name = f"hyper_parallel.platform.torch.{d.name}"

@@ -68,7 +68,8 @@ def test_feature_registry():
     p = plat.get_platform()
     assert p.feature_packages == ("hyper_parallel.platform.torch.fully_shard",
                                   "hyper_parallel.platform.torch.pipelining",
-                                  "hyper_parallel.platform.torch.moe")
+                                  "hyper_parallel.platform.torch.moe",
+                                  "hyper_parallel.platform.torch.context_parallel")
     assert p.feature("fully_shard") is state
     with pytest.raises(RuntimeError, match="platform feature 'no_such_feature' is not registered on the "
                                            "TorchPlatform.*hyper_parallel.platform.torch.fully_shard"):

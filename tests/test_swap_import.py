@@ -168,11 +168,12 @@ def _both():
 def test_modules_mirror_torch_layout():
     """Every public name of torch's DTensor modules is importable from the hyper_parallel module of the same
     path (prefix swapped), as the same object as hyper_parallel's top-level name where there is one; the
-    documented exceptions are torch's context_parallel and register_sharding."""
+    context manager
+    ``context_parallel`` is ours too (``hyper_parallel.context_parallel``)."""
     import importlib
 
     import hyper_parallel as hp
-    absent = {"context_parallel"}
+    absent = set()
     from hyper_parallel.core.dtensor.device_mesh import init_device_mesh_torch
     from hyper_parallel.device_mesh import init_device_mesh as mirrored
     assert mirrored is init_device_mesh_torch and hp.init_device_mesh is not mirrored

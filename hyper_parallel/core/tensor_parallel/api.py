@@ -17,7 +17,7 @@ def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
     Args:
         module: the module to parallelize.
         device_mesh: a 1-D mesh (slice a multi-dimensional mesh first, e.g. ``mesh["tp"]``; styles
-            whose ``accepts_multi_dim_mesh`` is True, such as ``ExpertTensorParallel``, take more dims);
+            whose ``accepts_nd_mesh`` is True, such as ``ExpertTensorParallel``, take more dims);
             defaults to the current mesh (``with mesh:``).
         parallelize_plan: a :class:`ParallelStyle` for ``module`` itself, or a dict from
             fully-qualified submodule names to styles (or to nested plans); names may use
@@ -39,7 +39,7 @@ def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
                       "parallelize_module call will do nothing.", UserWarning, stacklevel=2)
         return module
     mesh = resolve_mesh(device_mesh, "parallelize_module")
-    if mesh.ndim != 1 and not _accepts_multi_dim_mesh(parallelize_plan):
+    if mesh.ndim != 1 and not _accepts_nd_mesh(parallelize_plan):
         raise ValueError(f"parallelize_module: device_mesh must be 1-D, got a {mesh.ndim}-D mesh {mesh}; slice it "
                          f"first, e.g. mesh['{(mesh.mesh_dim_names or ('tp',))[-1]}']")
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool)):
@@ -47,11 +47,12 @@ def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
     return _parallelize(module, mesh, parallelize_plan, src_data_rank, "")
 
 
-def _accepts_multi_dim_mesh(plan) -> bool:
-    """True when every style of ``plan`` takes a multi-dimensional mesh (``ExpertTensorParallel``'s ("ep", "tp"))."""
+def _accepts_nd_mesh(plan) -> bool:
+    """A plan whose every style declares ``accepts_nd_mesh`` (``ContextParallel``: hybrid on a 2-D cp mesh;
+    ``ExpertTensorParallel``: its ("ep", "tp") mesh)."""
     if isinstance(plan, dict):
-        return bool(plan) and all(_accepts_multi_dim_mesh(p) for p in plan.values())
-    return bool(getattr(plan, "accepts_multi_dim_mesh", False))
+        return bool(plan) and all(_accepts_nd_mesh(p) for p in plan.values())
+    return bool(getattr(plan, "accepts_nd_mesh", False))
 
 
 def _parallelize(module, mesh, plan, src_data_rank, prefix: str):

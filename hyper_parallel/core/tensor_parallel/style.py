@@ -199,7 +199,7 @@ class ParallelStyle(ABC):
 
     src_data_rank: Optional[int] = 0
     #: True for a style applied to a multi-dimensional mesh by ``parallelize_module`` (the others need 1-D)
-    accepts_multi_dim_mesh: bool = False
+    accepts_nd_mesh: bool = False
 
     @abstractmethod
     def apply(self, module, device_mesh: DeviceMesh):

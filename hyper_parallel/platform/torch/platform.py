@@ -131,7 +131,8 @@ class TorchPlatform(Platform):
 
     # feature packages (they import the core; the composition root imports them, see Platform)
     feature_packages = ("hyper_parallel.platform.torch.fully_shard", "hyper_parallel.platform.torch.pipelining",
-                        "hyper_parallel.platform.torch.moe")
+                        "hyper_parallel.platform.torch.moe",
+                        "hyper_parallel.platform.torch.context_parallel")
 
     @staticmethod
     def default_device_type() -> str:

@@ -130,7 +130,7 @@ class ExpertTensorParallel(ExpertParallel):
     and reduces it together with the shared expert's partial output.
     """
 
-    accepts_multi_dim_mesh = True
+    accepts_nd_mesh = True
     _TP = {"w1": Shard(1), "w3": Shard(1), "w2": Shard(2)}
 
     def _check_mesh(self, mesh):

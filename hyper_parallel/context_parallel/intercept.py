@@ -1,0 +1,62 @@
+"""What intercepted ``F.scaled_dot_product_attention`` calls do (``ContextParallel``, ``context_parallel``)."""
+from __future__ import annotations
+
+import threading
+
+from hyper_parallel.context_parallel.api import context_parallel_attention
+from hyper_parallel.context_parallel.masks import CausalMask, NoMask, as_mask
+
+_MASK = threading.local()
+
+
+class attention_mask:
+    """``with attention_mask(DocumentMask(...)):`` - the mask intercepted ``F.scaled_dot_product_attention``
+    calls (``ContextParallel``, ``context_parallel``) use when they pass neither ``attn_mask`` nor
+    ``is_causal`` (SDPA has no argument for a document or sliding-window mask)."""
+
+    def __init__(self, mask):
+        self.mask = as_mask(mask, "attention_mask")
+
+    def __enter__(self):
+        stack = getattr(_MASK, "stack", None)
+        if stack is None:
+            stack = _MASK.stack = []
+        stack.append(self.mask)
+        return self.mask
+
+    def __exit__(self, *exc):
+        _MASK.stack.pop()
+        return False
+
+
+def _active_mask():
+    stack = getattr(_MASK, "stack", None)
+    return stack[-1] if stack else None
+
+
+def sdpa_handler(mesh, method, load_balance, rotate=None, what="context-parallel SDPA"):
+    """A handler for intercepted ``F.scaled_dot_product_attention(q, k, v, ...)`` calls on ``mesh``."""
+
+    def handler(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None:
+            raise NotImplementedError(
+                f"{what}: an attn_mask tensor cannot be honoured under context parallelism (each rank holds a "
+                "sequence shard; a dense mask is never silently dropped); use is_causal=True, or "
+                "hyper_parallel.context_parallel.attention_mask(DocumentMask(...) | SlidingWindowMask(w))")
+        hq, hk = query.shape[-3], key.shape[-3]
+        if hq != hk and not enable_gqa:
+            raise ValueError(f"{what}: query has {hq} heads and key/value {hk}; pass enable_gqa=True for "
+                             "grouped-query attention (as F.scaled_dot_product_attention requires)")
+        extra = _active_mask()
+        if extra is not None and not isinstance(extra, NoMask):
+            if is_causal and not extra.causal:
+                raise ValueError(f"{what}: is_causal=True contradicts the active non-causal mask {extra!r}")
+            mask = extra
+        else:
+            mask = CausalMask() if is_causal else NoMask()
+        return context_parallel_attention(query, key, value, mesh, method=method, mask=mask, scale=scale,
+                                          load_balance=load_balance, rotate=rotate, dropout_p=dropout_p)
+    return handler
+
+
+__all__ = ["attention_mask", "sdpa_handler"]

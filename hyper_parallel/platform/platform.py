@@ -32,9 +32,11 @@ class CommGroup:
         self.dims = ()  # "mesh dim 'tp' of mesh (2, 2)"...: named in collective errors (see name_dim)
 
     def name_dim(self, description: str) -> None:
-        """Record that this group serves a mesh dim (``description``), for the messages of failed collectives."""
-        if description not in self.dims:
-            self.dims = self.dims + (description,)
+        """Record that this group serves a mesh dim (``description``), for the messages of failed collectives.
+
+        Meshes share groups over the same ranks: the three most recent descriptions are kept, newest first.
+        """
+        self.dims = ((description,) + tuple(d for d in self.dims if d != description))[:3]
 
     def __repr__(self):
         return f"CommGroup(ranks={self.ranks})"

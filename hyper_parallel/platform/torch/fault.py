@@ -41,6 +41,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
            "socket closed", "remote process exited", "no route to host")
 _TIMEOUT = ("timed out", "timeout")
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 name
 
 
 # ------------------------------------------------------------------ errors
@@ -52,12 +53,15 @@ def _my_rank():
         return -1
 
 
-def where(group):
-    """``"ranks (0, 1) [mesh dim 0 'tp' of mesh (2,)]"`` for a CommGroup (or None: the default group)."""
+def where(group, dims: bool = True):
+    """``"ranks (0, 1) [mesh dim 0 'tp' of mesh (2,)]"`` for a CommGroup (or None: the default group).
+
+    The bracket lists the mesh dims served by the group (meshes over the same ranks share it), newest first.
+    """
     if group is None:
         return "the default group"
-    dims = getattr(group, "dims", ())
-    return f"ranks {tuple(group.ranks)}" + (f" [{'; '.join(dims)}]" if dims else "")
+    names = getattr(group, "dims", ()) if dims else ()
+    return f"ranks {tuple(group.ranks)}" + (f" [{'; '.join(names)}]" if names else "")
 
 
 def classify(exc) -> str:
@@ -202,8 +206,9 @@ def call_site(with_line: bool = True) -> str:
     return ", ".join(parts)
 
 
-def describe(op: str, group, x=None, detail: str = "", *, peer=None, site: str = None, shape=True) -> str:
-    d = f"{op} on {where(group)}"
+def describe(op: str, group, x=None, detail: str = "", *, peer=None, site: str = None, shape=True,
+             dims=True) -> str:
+    d = f"{op} on {where(group, dims)}"
     if peer is not None:
         d += f" with peer {peer}"
     if x is not None:
@@ -225,14 +230,17 @@ def check(op: str, group, x=None, detail: str = "", shape: bool = True) -> None:
     """
     if group is None or group.size <= 1 or torch.compiler.is_compiling():
         return
-    desc = describe(op, group, x, detail, shape=shape)
+    site = call_site()
+    desc = describe(op, group, x, detail, shape=shape, site=site)
+    # the hash leaves out the mesh-dim names: a group's list depends on which meshes were built before
+    key = describe(op, group, x, detail, shape=shape, site=site, dims=False)
     dev = x.device if x is not None else torch.device("cpu")
     if dev.type == "meta":
         dev = torch.device("cpu")
-    mine = torch.tensor([_hash(desc)], dtype=torch.int64, device=dev)
+    mine = torch.tensor([_hash(key)], dtype=torch.int64, device=dev)
     every = mine.new_empty(group.size)
     try:
-        dist.all_gather_into_tensor(every, mine, group=group.handle)
+        _all_gather_single(every, mine, group=group.handle)
     except RuntimeError as exc:
         fail(f"collective check before {op}", group, exc)
     if bool((every == mine[0]).all()):

@@ -89,6 +89,7 @@ class Platform:
     functions = None
     deferred_grads = None
     compile_support = None  # torch.compile support (traced ops, functional collectives), if any
+    fault = None  # failed collectives: error wrapping, the timeout on groups, the desync check (faults.py)
 
     @staticmethod
     def default_device_type() -> str:

@@ -12,7 +12,7 @@ Same processes, interleaved blocks (see common.py), median microseconds per call
 
 The check adds one all_gather of a 64-bit hash per collective plus building the description (a walk
 of the Python stack for the call site and placements); its cost per collective is the ``on - off``
-column.
+column, and the row "description + hash only" times the local part alone.
 """
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ def _run(iters, repeats):
             mesh, [Replicate()]), 1, f"{shape} fp32")
         pair("DTensor Shard(0)->Replicate", lambda: hp.DTensor.from_local(local, mesh, [Shard(0)]).redistribute(
             mesh, [Replicate()]), 1, f"{shape} local fp32")
+
+    from hyper_parallel.platform.torch import fault as F
+    xs = torch.ones(16)
+    [t_desc] = bench_interleaved([lambda: F._hash(F.describe("all_reduce", grp, xs, "op sum"))], iters * 5, repeats)
+    rows.append(("description + hash only (no communication)", "16 fp32", "-", f"{t_desc:.1f}", f"{t_desc:.1f}", "-"))
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))

@@ -142,7 +142,8 @@ def _assert_survivors(codes, reports, killed_at, dead, *, op, where=None, reason
 def _tp_model():
     import hyper_parallel as hp
     torch.manual_seed(0)
-    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    import torch.distributed as dist
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     hp.parallelize_module(model, mesh, {"0": hp.ColwiseParallel(), "2": hp.RowwiseParallel()})
     return model
@@ -153,8 +154,11 @@ def _tp_steps(rank, tmp, fault):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = [0]
 
+    import torch.distributed as dist
+    last = dist.get_world_size() - 1
+
     def hook(_m, _inp, _out):  # between the column- and the row-parallel layer: mid-forward
-        if rank == 1 and step[0] == 2:
+        if rank == last and step[0] == 2:
             fault(tmp)
     model[1].register_forward_hook(hook)
     for step[0] in range(4):
@@ -289,6 +293,13 @@ def test_sigkill_mid_step_eager_tp(tmp_path):
     codes, reports, killed_at, wall = launch(2, _tp_killed, tmp_path)
     assert codes[1] == -signal.SIGKILL and killed_at is not None
     _assert_survivors(codes, reports, killed_at, {1}, op="all_reduce", where="mesh dim 0 'tp' of mesh (2,)")
+
+
+def test_sigkill_four_ranks_every_survivor_ends(tmp_path):
+    # survivors that were not reading from the dead rank learn it from the next one's exit
+    codes, reports, killed_at, wall = launch(4, _tp_killed, tmp_path)
+    assert codes[3] == -signal.SIGKILL and killed_at is not None
+    _assert_survivors(codes, reports, killed_at, {3}, op="all_reduce", where="mesh dim 0 'tp' of mesh (4,)")
 
 
 def test_rank_raises_inside_forward(tmp_path):

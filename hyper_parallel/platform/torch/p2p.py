@@ -67,8 +67,10 @@ def exchange(x: torch.Tensor, prog) -> torch.Tensor:
         unpack.append((buf, pieces))
     try:
         reqs = dist.batch_isend_irecv(ops) if ops else []
-    except RuntimeError as exc:
-        _fault.fail(f"cross-mesh p2p (batch_isend_irecv with peers {sorted({q for _, q in peers})})", None, exc)
+    except RuntimeError as exc:  # a peer already gone can fail the posting itself
+        ps = sorted({q for _, q in peers})
+        _fault.fail(f"cross-mesh p2p (batch_isend_irecv with ranks {ps})", None, exc,
+                    peer=ps[0] if len(ps) == 1 else None)
     for in_start, out_start, shape in prog.copies:
         _box(out, out_start, shape).copy_(_box(x, in_start, shape))
     for i, r in enumerate(reqs):
@@ -76,10 +78,10 @@ def exchange(x: torch.Tensor, prog) -> torch.Tensor:
             r.wait()
         except RuntimeError as exc:
             # one work per message on gloo; a coalesced backend (NCCL) returns one for the batch
-            how, peer = peers[i] if len(reqs) == len(peers) else ("exchange with", None)
+            ps = sorted({q for _, q in peers})
+            how, peer = peers[i] if len(reqs) == len(peers) else ("exchange with", ps[0] if len(ps) == 1 else None)
             _fault.fail(f"cross-mesh p2p ({how} rank {peer})" if peer is not None else
-                        f"cross-mesh p2p (batch_isend_irecv with peers {sorted({q for _, q in peers})})",
-                        None, exc, peer=peer)
+                        f"cross-mesh p2p (batch_isend_irecv with ranks {ps})", None, exc, peer=peer)
     for buf, pieces in unpack:
         pos = 0
         for st, sh in pieces:

@@ -22,13 +22,21 @@ class CommGroup:
     (or -1 when the process is not a member).
     """
 
-    __slots__ = ("ranks", "handle", "rank", "size")
+    __slots__ = ("ranks", "handle", "rank", "size", "dims")
 
     def __init__(self, ranks, handle, my_global_rank):
         self.ranks = tuple(ranks)
         self.handle = handle
         self.size = len(self.ranks)
         self.rank = self.ranks.index(my_global_rank) if my_global_rank in self.ranks else -1
+        self.dims = ()  # "mesh dim 'tp' of mesh (2, 2)"...: named in collective errors (see name_dim)
+
+    def name_dim(self, description: str) -> None:
+        """Record that this group serves a mesh dim (``description``), for the messages of failed collectives.
+
+        Meshes share groups over the same ranks: the three most recent descriptions are kept, newest first.
+        """
+        self.dims = ((description,) + tuple(d for d in self.dims if d != description))[:3]
 
     def __repr__(self):
         return f"CommGroup(ranks={self.ranks})"
@@ -81,6 +89,7 @@ class Platform:
     functions = None
     deferred_grads = None
     compile_support = None  # torch.compile support (traced ops, functional collectives), if any
+    fault = None  # failed collectives: error wrapping, the timeout on groups, the desync check (faults.py)
 
     @staticmethod
     def default_device_type() -> str:

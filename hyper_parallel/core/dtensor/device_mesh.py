@@ -119,6 +119,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
                 g = plat.new_group(ranks)
                 if self._rank in ranks:
                     self._groups[d] = g
+                    g.name_dim(f"mesh dim {d}{' ' + repr(self._names[d]) if self._names else ''} of mesh {self._shape}")
 
     def _dim_index(self, dim: Union[int, str]) -> int:
         if isinstance(dim, str):
@@ -262,6 +263,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
             g = plat.new_group(ranks)
             if self._rank in ranks:
                 my_line = (ranks, g)
+                g.name_dim(f"flattened mesh dim {mesh_dim_name!r} of mesh {root._shape}")
         flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False,
                           _hp=uses_hp_semantics(root))
         flat._groups[0] = my_line[1]

@@ -4,6 +4,10 @@ Each function takes a :class:`CommGroup`, issues exactly one ``torch.distributed
 call, reports it to :mod:`hyper_parallel.platform.comm_record`, and returns a new
 tensor. Uneven shards are handled here (padding for all_gather/reduce_scatter,
 uneven splits for all_to_all) so callers can think in ``torch.chunk`` terms.
+
+Every ``torch.distributed`` call is wrapped: torch's ``RuntimeError`` (dead peer, timeout) becomes a
+``CollectiveError`` naming the collective, the group and its mesh dims (``fault.py``); with
+the desync check on (``faults.CHECK``) the ranks compare the collective's description first.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform import comm_record as rec
+from hyper_parallel.platform.faults import CHECK as _CHECK
+from hyper_parallel.platform.torch import fault as _fault
 from hyper_parallel.platform.torch import compile_collectives as _traced
 from hyper_parallel.platform.torch import wire_layout as wire
 
@@ -47,8 +53,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """Return the reduction of ``x`` over ``group`` (``x`` itself is not modified)."""
+def all_reduce(x: torch.Tensor, group, op: str = "sum", what: str = "all_reduce") -> torch.Tensor:
+    """Return the reduction of ``x`` over ``group`` (``x`` itself is not modified).
+
+    ``what`` names the collective in error messages (e.g. the deferred gradients' all_reduce).
+    """
     if _tracing() and group.size > 1:
         return _traced.all_reduce(x, group, op)
     if group.size == 1:
@@ -58,7 +67,12 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     rec.record(rec.ALL_REDUCE, _nbytes(out), group.ranks)
     if op == "avg" and not out.is_floating_point():
         raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {out.dtype}")
-    dist.all_reduce(out, op=reduce_op(op), group=group.handle)
+    if _CHECK[0]:
+        _fault.check(what, group, out, f"op {op}")
+    try:
+        dist.all_reduce(out, op=reduce_op(op), group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail(what, group, exc)
     return out if back is None else out.to(back)
 
 
@@ -87,7 +101,12 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
         xt = wire.pad_dim(x, 0, m).contiguous()
         buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
         rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
-        _all_gather_single(buf, xt, group=group.handle)
+        if _CHECK[0]:
+            _fault.check("all_gather", group, xt, f"dim 0, sizes {list(sizes)}")
+        try:
+            _all_gather_single(buf, xt, group=group.handle)
+        except RuntimeError as exc:
+            _fault.fail("all_gather", group, exc)
         return buf if even else torch.cat([buf[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
     # other dims: gather whole (padded) pieces, then one cat along dim
     if x.shape[dim] < m:
@@ -98,7 +117,12 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     # the wire format is dim-0 concatenation; view it as (k, *piece) afterwards
     buf = xt.new_empty((k * xt.shape[0],) + tuple(xt.shape[1:]))
     rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
-    _all_gather_single(buf, xt, group=group.handle)
+    if _CHECK[0]:
+        _fault.check("all_gather", group, xt, f"dim {dim}, sizes {list(sizes)}")
+    try:
+        _all_gather_single(buf, xt, group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("all_gather", group, exc)
     buf = buf.view((k,) + tuple(xt.shape))
     return torch.cat([buf[i] if even else buf[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim=dim)
 
@@ -118,11 +142,16 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None
     inp = wire.reduce_scatter_input(x, dim, sizes)
     out = inp.new_empty((max(sizes),) + tuple(inp.shape[1:]))
     rec.record(rec.REDUCE_SCATTER, _nbytes(inp), group.ranks)
-    if op == "avg":
-        _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
-        out = out / k
-    else:
-        _reduce_scatter_single(out, inp, op=reduce_op(op), group=group.handle)
+    if _CHECK[0]:
+        _fault.check("reduce_scatter", group, inp, f"dim {dim}, sizes {list(sizes)}, op {op}")
+    try:
+        if op == "avg":
+            _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
+            out = out / k
+        else:
+            _reduce_scatter_single(out, inp, op=reduce_op(op), group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("reduce_scatter", group, exc)
     out = wire.reduce_scatter_output(out, dim, sizes[group.rank])
     return out if back is None else out.to(back)
 
@@ -146,7 +175,14 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
     recv = x.new_empty(sum(out_splits))
     esz = x.element_size()
     rec.record(rec.ALL_TO_ALL, _nbytes(send), group.ranks, sent=(sum(in_splits) - in_splits[me]) * esz)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.handle)
+    if _CHECK[0]:  # the local pieces differ per rank: compare the global split, not the local shape
+        _fault.check("all_to_all", group, x, f"split dim {split_dim} sizes {list(split_sizes)}, cat dim {cat_dim} "
+                     f"sizes {list(cat_sizes)}, other dims {[s for d, s in enumerate(x.shape) if d not in (split_dim, cat_dim)]}",
+                     shape=False)
+    try:
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("all_to_all", group, exc)
     return wire.all_to_all_unpack(recv, x.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)
 
 
@@ -159,7 +195,12 @@ def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
     if not me_src:
         out = out.clone()
     rec.record(rec.BROADCAST, _nbytes(out), group.ranks, is_src=me_src)
-    dist.broadcast(out, src=src, group=group.handle)
+    if _CHECK[0]:
+        _fault.check("broadcast", group, out, f"src {src}")
+    try:
+        dist.broadcast(out, src=src, group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("broadcast", group, exc, peer=None if me_src else src)
     return out
 
 
@@ -171,7 +212,12 @@ def scatter(out: torch.Tensor, chunks, group, src: int) -> torch.Tensor:
     me_src = dist.get_rank() == src
     total = sum(_nbytes(c) for c in chunks) if me_src else 0
     rec.record(rec.SCATTER, total, group.ranks, is_src=me_src)
-    dist.scatter(out, [c.contiguous() for c in chunks] if me_src else None, src=src, group=group.handle)
+    if _CHECK[0]:
+        _fault.check("scatter", group, out, f"src {src}")
+    try:
+        dist.scatter(out, [c.contiguous() for c in chunks] if me_src else None, src=src, group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("scatter", group, exc, peer=None if me_src else src)
     return out
 
 
@@ -218,7 +264,12 @@ def gather(x: torch.Tensor, dim: int, group, dst: int, sizes: Sequence[int]):
         return x.new_empty(shape) if me_dst else None
     bufs = [torch.empty_like(xt) for _ in range(k)] if me_dst else None
     rec.record(rec.GATHER, _nbytes(xt), group.ranks, is_src=me_dst)
-    dist.gather(xt, bufs, dst=dst, group=group.handle)
+    if _CHECK[0]:
+        _fault.check("gather", group, xt, f"dim {dim}, sizes {list(sizes)}, dst {dst}")
+    try:
+        dist.gather(xt, bufs, dst=dst, group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("gather", group, exc, peer=None if me_dst else dst)
     if not me_dst:
         return None
     return torch.cat([b if s == m else b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
@@ -239,23 +290,33 @@ def reduce(x: torch.Tensor, group, dst: int, op: str = "sum") -> torch.Tensor:
     out = x.contiguous().clone()
     me_dst = dist.get_rank() == dst
     rec.record(rec.REDUCE, _nbytes(out), group.ranks, is_src=me_dst)
+    if op == "avg" and not out.is_floating_point():
+        raise TypeError(f"reduce(op='avg') needs a floating dtype, got {out.dtype}")
+    if _CHECK[0]:
+        _fault.check("reduce", group, out, f"dst {dst}, op {op}")
+    try:
+        dist.reduce(out, dst=dst, op=reduce_op("sum" if op == "avg" else op), group=group.handle)
+    except RuntimeError as exc:
+        _fault.fail("reduce", group, exc, peer=None if me_dst else dst)
     if op == "avg":
-        if not out.is_floating_point():
-            raise TypeError(f"reduce(op='avg') needs a floating dtype, got {out.dtype}")
-        dist.reduce(out, dst=dst, op=dist.ReduceOp.SUM, group=group.handle)
         return out / k if me_dst else out
-    dist.reduce(out, dst=dst, op=reduce_op(op), group=group.handle)
     return out
 
 
 def send(x: torch.Tensor, dst: int, group=None) -> None:
     """Send ``x`` to global rank ``dst`` (blocking)."""
     rec.record(rec.SEND, _nbytes(x), (dist.get_rank(), dst))
-    dist.send(x.contiguous(), dst=dst, group=group.handle if group is not None else None)
+    try:
+        dist.send(x.contiguous(), dst=dst, group=group.handle if group is not None else None)
+    except RuntimeError as exc:
+        _fault.fail("send", group, exc, peer=dst)
 
 
 def recv(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """Receive into ``x`` from global rank ``src`` (blocking); returns ``x``."""
     rec.record(rec.RECV, _nbytes(x), (src, dist.get_rank()))
-    dist.recv(x, src=src, group=group.handle if group is not None else None)
+    try:
+        dist.recv(x, src=src, group=group.handle if group is not None else None)
+    except RuntimeError as exc:
+        _fault.fail("recv", group, exc, peer=src)
     return x

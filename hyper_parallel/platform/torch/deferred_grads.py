@@ -229,7 +229,7 @@ def defer_average(t, group) -> None:
     """Average ``t.grad`` over ``group`` at the end of the running backward (call from a grad hook)."""
     task = torch._C._current_graph_task_id()
     if task < 0:  # not inside backward (a hook run by hand): reduce now
-        t.grad.copy_(C.all_reduce(t.grad, group, "avg"))
+        t.grad.copy_(C.all_reduce(t.grad, group, "avg", "data-parallel gradient all_reduce"))
         return
     _order(t)
     with _lock:
@@ -279,9 +279,10 @@ def _buckets(items):
 
 
 def _flat_reduce(tensors, group, op):
+    what = "deferred gradient all_reduce (pending Partial gradients)"
     if len(tensors) == 1:
-        return [C.all_reduce(tensors[0], group, op)]
-    flat = C.all_reduce(torch.cat([x.reshape(-1) for x in tensors]), group, op)
+        return [C.all_reduce(tensors[0], group, op, what)]
+    flat = C.all_reduce(torch.cat([x.reshape(-1) for x in tensors]), group, op, what)
     return [piece.view_as(x) for piece, x in zip(flat.split([x.numel() for x in tensors]), tensors)]
 
 

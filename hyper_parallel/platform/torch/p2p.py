@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform import comm_record as rec
+from hyper_parallel.platform.faults import CHECK as _CHECK
+from hyper_parallel.platform.torch import fault as _fault
 
 
 def _box(x: torch.Tensor, start, shape) -> torch.Tensor:
@@ -46,7 +48,9 @@ def exchange(x: torch.Tensor, prog) -> torch.Tensor:
                          f"the source layout gives it {tuple(prog.in_shape)}; the DTensor's global shape does not "
                          "match its local data")
     out = x.new_empty(prog.out_shape) if prog.out_shape is not None else x.new_empty(0)
-    ops, unpack = [], []
+    if _CHECK[0]:
+        _fault.check_p2p(x, prog)
+    ops, unpack, peers = [], [], []
     esz = x.element_size()
     me = prog.rank
     for peer, pieces in prog.sends:
@@ -54,16 +58,30 @@ def exchange(x: torch.Tensor, prog) -> torch.Tensor:
         buf = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
         rec.record(rec.SEND, buf.numel() * esz, (me, peer))
         ops.append(dist.P2POp(dist.isend, buf, peer))
+        peers.append(("send to", peer))
     for peer, pieces in prog.recvs:
         buf = x.new_empty(sum(_numel(sh) for _st, sh in pieces))
         rec.record(rec.RECV, buf.numel() * esz, (peer, me))
         ops.append(dist.P2POp(dist.irecv, buf, peer))
+        peers.append(("recv from", peer))
         unpack.append((buf, pieces))
-    reqs = dist.batch_isend_irecv(ops) if ops else []
+    try:
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+    except RuntimeError as exc:  # a peer already gone can fail the posting itself
+        ps = sorted({q for _, q in peers})
+        _fault.fail(f"cross-mesh p2p (batch_isend_irecv with ranks {ps})", None, exc,
+                    peer=ps[0] if len(ps) == 1 else None)
     for in_start, out_start, shape in prog.copies:
         _box(out, out_start, shape).copy_(_box(x, in_start, shape))
-    for r in reqs:
-        r.wait()
+    for i, r in enumerate(reqs):
+        try:
+            r.wait()
+        except RuntimeError as exc:
+            # one work per message on gloo; a coalesced backend (NCCL) returns one for the batch
+            ps = sorted({q for _, q in peers})
+            how, peer = peers[i] if len(reqs) == len(peers) else ("exchange with", ps[0] if len(ps) == 1 else None)
+            _fault.fail(f"cross-mesh p2p ({how} rank {peer})" if peer is not None else
+                        f"cross-mesh p2p (batch_isend_irecv with ranks {ps})", None, exc, peer=peer)
     for buf, pieces in unpack:
         pos = 0
         for st, sh in pieces:

@@ -9,14 +9,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
-from hyper_parallel.platform.torch import collectives, deferred_grads, functions
+from hyper_parallel.platform.torch import collectives, deferred_grads, fault, functions
 from hyper_parallel.platform.torch.checkpoint import staging as checkpoint_staging
 from hyper_parallel.platform.torch.compile import support as compile_support
 from hyper_parallel.platform.torch import testing_hook as _testing_hook  # noqa: F401  (torch.testing DTensor rule)
 
 checkpoint_staging.install()  # async_save's stager learns to copy DTensors (see checkpoint/staging.py)
 
-_DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
 
 class TorchPlatform(Platform):
@@ -127,6 +126,7 @@ class TorchPlatform(Platform):
     collectives = collectives
     functions = functions
     deferred_grads = deferred_grads
+    fault = fault  # failed collectives: errors naming the collective, the timeout, the desync check
     compile_support = compile_support  # torch.compile: DTensor ops as opaque nodes
 
     # feature packages (they import the core; the composition root imports them, see Platform)
@@ -172,7 +172,9 @@ class TorchPlatform(Platform):
             raise RuntimeError(
                 f"torch.distributed is not initialised and the environment lacks {missing}; "
                 "launch with torchrun or call torch.distributed.init_process_group first")
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S))
+        # the one collective timeout (faults.collective_timeout: HYPER_PARALLEL_COLLECTIVE_TIMEOUT, setter)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s else fault.group_timeout())
+        fault.adopt(dist.group.WORLD, created=True)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -193,8 +195,10 @@ class TorchPlatform(Platform):
         if grp is None:
             if ranks == tuple(range(self.get_world_size())):
                 handle = dist.group.WORLD
+                fault.adopt(handle, created=False)
             else:
-                handle = dist.new_group(list(ranks), use_local_synchronization=False)
+                handle = dist.new_group(list(ranks), use_local_synchronization=False, timeout=fault.group_timeout())
+                fault.adopt(handle, created=True)
             grp = CommGroup(ranks, handle, self.get_rank())
             self._groups[ranks] = grp
         return grp
@@ -236,6 +240,8 @@ class TorchPlatform(Platform):
                 if grp is None:
                     grp = CommGroup(line, obj.get_group(d), me)
                     self._groups[line] = grp
+                    fault.adopt(grp.handle, created=False)
+                grp.name_dim(f"mesh dim {d}{' ' + repr(names[d]) if names else ''} of torch mesh {tuple(obj.mesh.shape)}")
                 groups[d] = grp
         return obj.device_type, ranks, names, groups
 
@@ -251,6 +257,7 @@ class TorchPlatform(Platform):
 
     def reset_groups(self) -> None:
         self._groups.clear()
+        fault.forget_groups()
 
     # ------------------------------------------------------------ tensor helpers
     @staticmethod

@@ -422,6 +422,28 @@ def _describe(md) -> str:
     return "a non-tensor value" if size is None else f"shape {tuple(size)}"
 
 
+def _check_files(path, metadata) -> None:
+    """Every data file the metadata points at exists and holds the bytes it should (a truncated
+    or missing shard file raises naming it, on every rank alike, before any collective)."""
+    need = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel, end = getattr(info, "relative_path", None), None
+        if rel is None:
+            continue
+        end = getattr(info, "offset", 0) + getattr(info, "length", 0)
+        need[rel] = max(need.get(rel, 0), end)
+    for rel, end in sorted(need.items()):
+        f = os.path.join(path, rel)
+        try:
+            size = os.path.getsize(f)
+        except OSError as e:
+            raise FileNotFoundError(f"hyper_parallel.checkpoint.load({path}): data file {f} is missing or unreadable "
+                                    f"({e}); the checkpoint is incomplete") from None
+        if size < end:
+            raise ValueError(f"hyper_parallel.checkpoint.load({path}): data file {f} is truncated or corrupted: it has "
+                             f"{size} bytes but the checkpoint metadata places data up to byte {end}")
+
+
 def load(state_dict, *, checkpoint_id, strict: bool = True, **kwargs) -> None:
     """``torch.distributed.checkpoint.load`` after checking the checkpoint against ``state_dict``.
 
@@ -430,7 +452,8 @@ def load(state_dict, *, checkpoint_id, strict: bool = True, **kwargs) -> None:
     a checkpoint key the state dict lacks, or a different global shape raises a
     ValueError naming each key and both shapes, on every rank alike, before any
     rank enters a collective (so none hangs). A directory without DCP metadata
-    raises FileNotFoundError. Extra keyword arguments go to ``dcp.load``.
+    raises FileNotFoundError, a data file shorter than the metadata says (truncated)
+    a ValueError naming the file. Extra keyword arguments go to ``dcp.load``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -465,6 +488,7 @@ def load(state_dict, *, checkpoint_id, strict: bool = True, **kwargs) -> None:
         shown = [p for p in problems if strict or p.startswith("key ")]
         raise ValueError(f"hyper_parallel.checkpoint.load({path}): the checkpoint does not match the state dict: "
                          + "; ".join(shown))
+    _check_files(path, metadata)
     dcp.load(state_dict, checkpoint_id=path, planner=kwargs.pop("planner", None) or
              dcp.DefaultLoadPlanner(allow_partial_load=not strict), **kwargs)
 

@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform import comm_record as rec
+from hyper_parallel.platform.faults import CHECK as _CHECK
+from hyper_parallel.platform.torch import fault as _fault
 from hyper_parallel.platform.torch.collectives import _all_gather_single, _reduce_scatter_single
+
+_AG, _RS, _AR = "FSDP all_gather (unshard)", "FSDP reduce_scatter (gradients)", "FSDP gradient all_reduce"
+_RAR = "HSDP replicate all_reduce (gradients)"
 
 SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
 
@@ -107,7 +112,12 @@ class FSDPParamGroup:
         else:
             out = torch.empty(self.k * self.S, dtype=self.ag_dtype, device=self.device)
             rec.record(rec.ALL_GATHER, self.S * send.element_size(), self.shard_group.ranks)
-            work = _all_gather_single(out, send, group=self.shard_group.handle, async_op=True)
+            if _CHECK[0]:
+                _fault.check(_AG, self.shard_group, send)
+            try:
+                work = _all_gather_single(out, send, group=self.shard_group.handle, async_op=True)
+            except RuntimeError as exc:
+                _fault.fail(_AG, self.shard_group, exc)
             self._ag = (work, out)
         self.state = UNSHARDING
 
@@ -119,7 +129,7 @@ class FSDPParamGroup:
             self._ag = None
             with torch.no_grad():
                 if work is not None:
-                    work.wait()
+                    _fault.wait(work, _AG, self.shard_group)
             gathered = out.view(self.k, self.S)
             for p, off in zip(self.params, self.offsets):
                 p.alloc_unsharded(self.device)
@@ -133,7 +143,7 @@ class FSDPParamGroup:
     def reshard(self):
         if self.state == UNSHARDING:  # an all_gather cannot be cancelled: finish it, then free
             with torch.no_grad():
-                self._ag[0] is not None and self._ag[0].wait()
+                self._ag[0] is not None and _fault.wait(self._ag[0], _AG, self.shard_group)
             self._ag = None
             if self.persistent:
                 self.state = UNSHARDED
@@ -210,8 +220,13 @@ class FSDPParamGroup:
             return
         out = torch.empty(self.S, dtype=self.rs_dtype, device=self.device)
         rec.record(rec.REDUCE_SCATTER, inp.numel() * inp.element_size(), self.shard_group.ranks)
-        work = _reduce_scatter_single(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.shard_group.handle,
-                                      async_op=True)
+        if _CHECK[0]:
+            _fault.check(_RS, self.shard_group, inp)
+        try:
+            work = _reduce_scatter_single(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.shard_group.handle,
+                                          async_op=True)
+        except RuntimeError as exc:
+            _fault.fail(_RS, self.shard_group, exc)
         self._rs = (work, out, have)
 
     def release_send_buffer(self):
@@ -225,7 +240,7 @@ class FSDPParamGroup:
         if self._rs is None or len(self._rs) != 3 or self._rs[0] is None:
             return
         work, out, have = self._rs
-        work.wait()
+        _fault.wait(work, _RS, self.shard_group)
         self._rs = (None, out, have)
 
     def _all_reduce_grads(self, have):
@@ -241,7 +256,12 @@ class FSDPParamGroup:
         work = None
         if self.k > 1:
             rec.record(rec.ALL_REDUCE, flat.numel() * flat.element_size(), self.shard_group.ranks)
-            work = dist.all_reduce(flat, group=self.shard_group.handle, async_op=True)
+            if _CHECK[0]:
+                _fault.check(_AR, self.shard_group, flat)
+            try:
+                work = dist.all_reduce(flat, group=self.shard_group.handle, async_op=True)
+            except RuntimeError as exc:
+                _fault.fail(_AR, self.shard_group, exc)
         self._rs = (work, flat, have, "all_reduce")
 
     def start_replica_reduce(self):
@@ -254,12 +274,17 @@ class FSDPParamGroup:
             return
         work, out, have = self._rs
         if work is not None:
-            work.wait()
+            _fault.wait(work, _RS, self.shard_group)
         ar = None
         n = self.k
         if self.rep_group is not None and self.rep_group.size > 1 and self.requires_all_reduce:
             rec.record(rec.ALL_REDUCE, out.numel() * out.element_size(), self.rep_group.ranks)
-            ar = dist.all_reduce(out, group=self.rep_group.handle, async_op=True)
+            if _CHECK[0]:
+                _fault.check(_RAR, self.rep_group, out)
+            try:
+                ar = dist.all_reduce(out, group=self.rep_group.handle, async_op=True)
+            except RuntimeError as exc:
+                _fault.fail(_RAR, self.rep_group, exc)
             n *= self.rep_group.size
         self._rs = (ar, out, have, n, "replica")
 
@@ -274,7 +299,8 @@ class FSDPParamGroup:
         work, out, have, n, _ = self._rs
         self._rs = None
         if work is not None:
-            work.wait()
+            _fault.wait(work, _RAR if self.rep_group is not None and self.rep_group.size > 1 else _RS,
+                        self.rep_group if self.rep_group is not None and self.rep_group.size > 1 else self.shard_group)
         factor = self.divide_factor if self.divide_factor is not None else n
         if factor != 1:
             out.div_(factor)
@@ -286,11 +312,16 @@ class FSDPParamGroup:
         work, flat, have, _ = self._rs
         self._rs = None
         if work is not None:
-            work.wait()
+            _fault.wait(work, _AR, self.shard_group)
         n = self.k
         if self.rep_group is not None and self.rep_group.size > 1 and self.requires_all_reduce:
             rec.record(rec.ALL_REDUCE, flat.numel() * flat.element_size(), self.rep_group.ranks)
-            dist.all_reduce(flat, group=self.rep_group.handle)
+            if _CHECK[0]:
+                _fault.check(_RAR, self.rep_group, flat)
+            try:
+                dist.all_reduce(flat, group=self.rep_group.handle)
+            except RuntimeError as exc:
+                _fault.fail(_RAR, self.rep_group, exc)
             n *= self.rep_group.size
         factor = self.divide_factor if self.divide_factor is not None else n
         if factor != 1:

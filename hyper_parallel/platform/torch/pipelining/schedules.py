@@ -21,6 +21,8 @@ import torch
 from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from hyper_parallel.platform.torch import fault as _fault
+
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
            "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class", "schedule_kind"]
@@ -103,7 +105,12 @@ class _Checked:
                              f"a training step needs loss_fn (pass loss_fn= to {name}(...)), "
                              "a forward-only step takes neither target nor losses")
         self._check_batch(args, kwargs, target)
-        return super().step(*args, target=target, losses=losses, **kwargs)
+        try:
+            return super().step(*args, target=target, losses=losses, **kwargs)
+        except RuntimeError as exc:  # torch's stage p2p: name it (a dead neighbour stage, a timeout)
+            if not _fault.is_comm_error(exc):
+                raise
+            _fault.fail(f"pipeline p2p in {name}.step (a send/recv between neighbouring stages)", None, exc)
 
     def _check_batch(self, args, kwargs, target):
         n = self._n_microbatches

@@ -55,16 +55,19 @@ def resolve_group(ep_mesh, what: str):
     return mesh.get_comm_group(0)
 
 
-def _regroup_index(counts: List[List[int]], device) -> Optional[torch.Tensor]:
+def _regroup_index(counts: List[List[int]], device, counts_dev=None) -> Optional[torch.Tensor]:
     """Positions, in the received (source-rank-major) buffer, of the rows in local-expert-major order.
 
-    ``counts[r][e]`` rows for local expert ``e`` came from rank ``r``. ``None`` when the orders agree.
+    ``counts[r][e]`` rows for local expert ``e`` came from rank ``r`` (host values; ``counts_dev``: the
+    same on the device, which avoids a host-to-device copy). ``None`` when the orders agree.
     """
     ep = len(counts)
     el = len(counts[0]) if ep else 0
     if ep <= 1 or el <= 1:
         return None
-    c = torch.tensor(counts, dtype=torch.int64, device=device)          # [ep, el], source-major
+    if counts_dev is None:
+        counts_dev = torch.tensor(counts, dtype=torch.int64, device=device)
+    c = counts_dev.to(torch.int64)                                        # [ep, el], source-major
     total = int(sum(map(sum, counts)))
     start = torch.cumsum(c.flatten(), 0) - c.flatten()                  # start of block (r, e)
     ct = c.t().flatten()                                                # expert-major block sizes
@@ -87,12 +90,12 @@ class Exchange:
 
     __slots__ = ("group", "in_splits", "out_splits", "index", "inverse", "recv_counts")
 
-    def __init__(self, group, in_splits, out_splits, recv_counts, device):
+    def __init__(self, group, in_splits, out_splits, recv_counts, device, recv_counts_dev=None):
         self.group = group
         self.in_splits = list(in_splits)
         self.out_splits = list(out_splits)
         self.recv_counts = recv_counts           # [ep][local experts]: rows per (source rank, local expert)
-        self.index = _regroup_index(recv_counts, device)
+        self.index = _regroup_index(recv_counts, device, recv_counts_dev)
         self.inverse = _inverse(self.index)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
@@ -135,7 +138,8 @@ def dispatch_sorted(routed_input: torch.Tensor, num_tokens_per_expert: torch.Ten
     if counts.is_floating_point() or counts.is_complex():
         raise TypeError(f"{what}: num_tokens_per_expert must be an integer tensor, got {counts.dtype}")
     c64 = counts.to(torch.int64)
-    tail = torch.stack([c64.new_tensor(routed_input.shape[0]), c64.sum(), (c64 < 0).sum()])
+    # (new_full: a fill kernel, not a host-to-device copy, which would synchronise on CUDA)
+    tail = torch.stack([c64.new_full((), routed_input.shape[0]), c64.sum(), (c64 < 0).sum()])
     msg = torch.cat([c64.view(ep, el), tail.expand(ep, 3)], dim=1)
     recv = comm.count_all_to_all(msg, group)                               # [ep, el + 3]
     host = comm.to_host(torch.cat([c64, recv.flatten()]))
@@ -144,10 +148,11 @@ def dispatch_sorted(routed_input: torch.Tensor, num_tokens_per_expert: torch.Ten
     _check_tails([row[el:] for row in rows], what, num_experts, "routed_input",
                  "num_tokens_per_expert sums to", "negative entries in num_tokens_per_expert")
     recv_counts = [row[:el] for row in rows]
+    recv_dev = recv[:, :el]
     ex = Exchange(group, _plan.get().rank_splits(local, ep), [sum(c) for c in recv_counts], recv_counts,
-                  routed_input.device)
+                  routed_input.device, recv_dev)
     out = ex.forward(routed_input)
-    local_counts = torch.tensor(ex.local_counts, dtype=counts.dtype, device=counts.device)
+    local_counts = recv_dev.sum(0).to(counts.dtype)
     return out, local_counts, ex
 
 
@@ -223,7 +228,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
     flat = expert_ids.reshape(-1).to(torch.int64)
     bad = ((flat < 0) | (flat >= num_experts)).sum()
     counts = count_ids(flat.clamp(0, num_experts - 1), num_experts)
-    tail = torch.stack([counts.new_tensor(x.shape[0]), counts.new_tensor(T), bad])
+    tail = torch.stack([counts.new_full((), x.shape[0]), counts.new_full((), T), bad])
     names = ("x", "expert_ids has", "expert ids out of range")
     if cf is None:
         msg = torch.cat([counts.view(ep, el), tail.expand(ep, 3)], dim=1)
@@ -233,6 +238,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
         rows = [host[num_experts + r * (el + 3): num_experts + (r + 1) * (el + 3)] for r in range(ep)]
         _check_tails([row[el:] for row in rows], what, num_experts, *names)
         recv_counts = [row[:el] for row in rows]
+        recv_dev = recv[:, :el]
         kept_local, dropped, cap, per_expert = local, 0, None, None
     else:
         allc = comm.count_all_gather(torch.cat([counts, tail]), group)   # [ep, E + 3]
@@ -247,6 +253,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
         kept_local, local = kept[me], full[me]
         lo, hi = _plan.get().local_expert_range(num_experts, ep, me)
         recv_counts = [row[lo:hi] for row in kept]
+        recv_dev = None    # (the kept counts exist on the host only: one host-to-device copy below)
         dropped = sum(map(sum, full)) - sum(map(sum, kept))
         per_expert = [sum(col) for col in zip(*full)]
     order = torch.argsort(flat, stable=True)       # assignments grouped by expert, token order inside
@@ -258,12 +265,16 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
         limit = torch.repeat_interleave(torch.tensor(kept_local, device=flat.device), c, output_size=T * k)
         keep = pos < limit
         order = order[torch.argsort((~keep).to(torch.int8), stable=True)[:n_kept]]
-    ex = Exchange(group, _plan.get().rank_splits(kept_local, ep), [sum(c) for c in recv_counts], recv_counts, x.device)
+    ex = Exchange(group, _plan.get().rank_splits(kept_local, ep), [sum(c) for c in recv_counts], recv_counts,
+                  x.device, recv_dev)
     routed = ex.forward(x.index_select(0, torch.div(order, k, rounding_mode="floor")))
     handle = DispatchHandle(num_tokens=T, top_k=k, order=order, exchange=ex, dropped=dropped,
                             dropped_local=sum(local) - n_kept, capacity=cap,
                             local_expert_tokens=ex.local_counts, tokens_per_expert=per_expert)
-    local_counts = torch.tensor(ex.local_counts, dtype=torch.int64, device=x.device)
+    if recv_dev is not None:
+        local_counts = recv_dev.sum(0)
+    else:
+        local_counts = torch.tensor(ex.local_counts, dtype=torch.int64, device=x.device)
     return routed, local_counts, handle
 
 

@@ -72,7 +72,7 @@ class ExpertParallel(ParallelStyle):
     """
 
     def __init__(self):
-        self._stack = []
+        pass
 
     # the mesh the tokens travel on, and the placements of a 3-D parameter
     def _ep_mesh(self, mesh):

@@ -42,7 +42,12 @@ def _compose():
     plat = get_platform()
     plat.register_dtensor_class(DTensor)
     for pkg in plat.feature_packages:
-        importlib.import_module(pkg)
+        try:
+            importlib.import_module(pkg)
+        except ImportError as exc:  # e.g. pipelining on a torch older than the pinned one: the rest still works
+            if not pkg.startswith(plat.optional_feature_prefixes):
+                raise
+            plat.note_feature_unavailable(pkg, exc)
 
 
 _compose()

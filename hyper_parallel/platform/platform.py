@@ -108,6 +108,18 @@ class Platform:
     # imports every package named here, and each registers its mechanics with
     # :meth:`register_feature`. The core then reaches them by :meth:`feature`.
     feature_packages: tuple = ()
+    # Feature packages that may fail to import on a framework version other than the pinned one (they
+    # use its newer or private APIs); the others must import. A failure is kept and reported by
+    # :meth:`feature` when that feature is asked for.
+    optional_feature_prefixes: tuple = ()
+
+    def note_feature_unavailable(self, package: str, exc: BaseException) -> None:
+        """Record that feature package ``package`` could not be imported (the reason is shown by :meth:`feature`)."""
+        errs = type(self).__dict__.get("_feature_errors")
+        if errs is None:
+            errs = {}
+            setattr(type(self), "_feature_errors", errs)
+        errs[package] = f"{type(exc).__name__}: {exc}"
 
     def register_feature(self, name: str, obj) -> None:
         """Make ``obj`` (a module or object holding a feature's mechanics) what ``feature(name)`` returns."""
@@ -126,5 +138,7 @@ class Platform:
             raise RuntimeError(
                 f"hyper_parallel: platform feature {name!r} is not registered on the "
                 f"{type(self).__name__}; it is registered when its feature package is imported "
-                f"(one of {list(self.feature_packages)}), which 'import hyper_parallel' does")
+                f"(one of {list(self.feature_packages)}), which 'import hyper_parallel' does"
+                + "".join(f"; {pkg} could not be imported on this installation ({why})"
+                          for pkg, why in (type(self).__dict__.get("_feature_errors") or {}).items()))
         return obj

@@ -133,6 +133,9 @@ class TorchPlatform(Platform):
     feature_packages = ("hyper_parallel.platform.torch.fully_shard", "hyper_parallel.platform.torch.pipelining",
                         "hyper_parallel.platform.torch.moe",
                         "hyper_parallel.platform.torch.context_parallel")
+    # pipelining builds on torch.distributed.pipelining's private stage metadata (pinned torch 2.13);
+    # on an older torch (e.g. a GPU machine's own install) the rest of the library still imports
+    optional_feature_prefixes = ("hyper_parallel.platform.torch.pipelining",)
 
     @staticmethod
     def default_device_type() -> str:

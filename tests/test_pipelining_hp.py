@@ -7,6 +7,8 @@ parameters and the boundary activation are DTensors on a HyperParallel-semantics
 returns the microbatch losses stacked. 3 AdamW steps with a global clip_grad_norm_, float64;
 losses, every parameter and every gradient equal one process's to 1e-10.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -30,10 +32,10 @@ class _HPStage(nn.Module):
         return loss_fn(_full(out), labels) / self.n_mb if self.last else out
 
 
-def _hp_train(per_rank, tp, n_mb, use_mesh):
+def _hp_train(per_rank, tp, n_mb, use_mesh, dp=1):
     torch.manual_seed(0)
-    dims = (2, tp) if tp > 1 else (2,)
-    names = ("pp", "tp") if tp > 1 else ("pp",)
+    dims = (2,) + ((dp,) if dp > 1 else ()) + ((tp,) if tp > 1 else ())
+    names = ("pp",) + (("dp_shard",) if dp > 1 else ()) + (("tp",) if tp > 1 else ())
     mesh = hp.init_device_mesh("cpu", dims, mesh_dim_names=names)
     num_stages = 2 * per_rank
     schedule = "1F1B" if per_rank == 1 else "Interleaved1F1B"
@@ -43,6 +45,10 @@ def _hp_train(per_rank, tp, n_mb, use_mesh):
         if tp > 1:
             _tp_stage(m, mesh["tp"], s == 0, s == num_stages - 1)
         wrapped = _HPStage(m, s == num_stages - 1, n_mb)
+        if dp > 1:  # torchtitan's order: blocks, then the stage root (the module the stage runs)
+            for blk in m.layers.values():
+                hp.fully_shard(blk, mesh=mesh["dp_shard"])
+            hp.fully_shard(wrapped, mesh=mesh["dp_shard"])
         # with neither mesh nor group: HyperParallel's rank arithmetic (pipeline outermost)
         stages.append(hpp.PipelineStage(wrapped, s, num_stages, mesh=mesh["pp"] if use_mesh else None))
     if per_rank == 1:
@@ -51,10 +57,16 @@ def _hp_train(per_rank, tp, n_mb, use_mesh):
         sched = hpp.ScheduleInterleaved1F1B(stages, n_mb, args_batch_dim=[0])
     params = [p for st in stages for p in st.submodule.parameters()]
     opt = torch.optim.AdamW(params, lr=LR)
-    losses, outs = [], []
+    losses, outs, rs = [], [], []
+    dp_rank = mesh["dp_shard"].get_local_rank() if dp > 1 else 0
     for step in range(STEPS):
         x, y = _batch(step, ARGS)
-        out = sched.run(x, labels=y)
+        lo, hi = dp_rank * len(x) // dp, (dp_rank + 1) * len(x) // dp
+        comm = hp.CommDebugMode() if step > 0 and dp > 1 else contextlib.nullcontext()
+        with comm:
+            out = sched.run(x[lo:hi], labels=y[lo:hi])
+        if step > 0 and dp > 1:
+            rs.append(comm.get_comm_counts().get("reduce_scatter", 0))
         outs.append(None if out is None else tuple(out.shape))
         if out is not None:
             losses.append(_full(out).sum().item())
@@ -68,7 +80,7 @@ def _hp_train(per_rank, tp, n_mb, use_mesh):
     mine = [st.stage_index for st in stages]
     kinds = sorted({(m.type.name, m.stage_index) for m in order[mesh["pp"].get_local_rank()]
                     if m is not None and m.stage_index is not None})
-    return dict(losses=losses, state=state, grads=grads, outs=outs, stages=mine, kinds=kinds,
+    return dict(losses=losses, state=state, grads=grads, outs=outs, stages=mine, kinds=kinds, rs=rs,
                 torch_stage=type(stages[0].stage).__name__)
 
 
@@ -81,7 +93,7 @@ def _check(res):
         if r["losses"]:
             losses.append(r["losses"])
     assert set(state) == set(ref_state) and set(grads) == set(ref_grads)
-    got = torch.tensor(losses, dtype=torch.float64).mean(0)
+    got = torch.tensor(losses, dtype=torch.float64).mean(0)  # dp ranks: mean of their shards' losses
     torch.testing.assert_close(got, torch.tensor(ref_losses, dtype=torch.float64), **TOL)
     for n in ref_state:
         torch.testing.assert_close(state[n], ref_state[n], **TOL, msg=f"parameter {n}")
@@ -143,3 +155,13 @@ def _hp_bad_inputs():
 
 def test_hp_api_bad_inputs(dist_runner):
     assert dist_runner.run(2, _hp_bad_inputs) == [7, 7]
+
+
+def test_hp_api_with_fully_shard_stages(dist_runner):
+    """2 stages x dp_shard 2 with fully_shard on the blocks and the stage root: parity, and every group
+    reduce-scatters once per step (not once per microbatch), as with the PyTorch-style API."""
+    res = dist_runner.run(4, _hp_train, 1, 1, 4, True, 2)
+    _check(res)
+    for r in res:
+        groups = 2 + 1  # 2 blocks per stage (4 blocks + embedding + head over 2 stages) + the root
+        assert r["rs"] == [groups] * 2, r["rs"]

@@ -159,11 +159,6 @@ def worker(tp, dim, layers, seq, mb, mb_factor, iters, schedules=SCHEDULES):
     for name in schedules:
         built = {}
         libs = ("torch", "ours")
-        if name == "ZBVZeroBubble" and tp > 1:
-            # torch's split weight-gradient pass assigns a plain tensor to ``param.grad``, which our DTensor
-            # parameters refuse (TypeError): zero-bubble schedules do not run on our TP stages yet
-            libs = ("torch",)
-            rows.append([name, "ours", None, None, None, None, (None, None)])
         for lib in libs:
             parts = pp.split_into_stages(copy.deepcopy(base), mesh["pp"], schedule=name)
             ns = npp * (1 if name in ("GPipe", "1F1B") else 2)

@@ -73,6 +73,7 @@ CASES = {  # flags -> world size
     ("--pp", "2", "--tp", "2", "--sp"): 4,
     ("--pp", "2", "--dp-shard", "2", "--pp-microbatches", "2"): 4,
     ("--pp", "2", "--pp-schedule", "zbv", "--pp-microbatches", "4"): 2,
+    ("--pp", "2", "--tp", "2", "--pp-schedule", "zbv", "--pp-microbatches", "4"): 4,  # split weight pass, TP DTensors
     ("--pp", "2", "--pp-schedule", "interleaved1f1b", "--pp-layers-per-stage", "1"): 2,
 }
 

@@ -423,7 +423,19 @@ class PipelineStage(_TorchPipelineStage):
             m.set_is_last_backward(last_backward)
             m.set_requires_gradient_sync(last_backward)
             m.set_reshard_after_backward(last_backward)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if backward_type != "weight":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        # The zero-bubble weight pass (torch's stage_backward_weight) finds each parameter's gradient
+        # accumulator and assigns ``param.grad = dw``. Autograd of our DTensors runs on their local
+        # tensors, so dw is the local gradient: hand torch the local tensors (same accumulators), and
+        # the gradients land where the DTensor's ``.grad`` view reads them.
+        sub = self.submod
+        local = [p._local_tensor if isinstance(p, DTensor) else p for p in sub.parameters()]
+        object.__setattr__(sub, "parameters", lambda *a, **k: iter(local))
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        finally:
+            del sub.__dict__["parameters"]
 
     def _post_metadata_inference_cleanup(self):
         super()._post_metadata_inference_cleanup()

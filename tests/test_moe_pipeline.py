@@ -7,29 +7,39 @@ with the pipeline-wide gradient clip and the aux-loss-free expert-bias step: eve
 MoE layer's GLOBAL expert counts of every step (summed over both microbatches and both ep ranks of
 the stage that holds the layer), and the final parameters and expert biases equal one process
 training the whole batch (tests/test_moe_training.py's reference) to 1e-10.
+
+Two cases: moe-tiny (softmax, aux-loss-free balancing only) under 1F1B with 2 microbatches, and
+tests/test_moe_training.py's DeepSeek-style variant (sigmoid, group-limited routing, route_norm, the
+sequence-wise aux loss) under GPipe with 4 microbatches of one sequence each: the aux loss's
+gradient, added once per microbatch and scaled by 1/microbatches with the rest, is the one process's.
+Also the flag refusal that remains (--ep with --pp and --tp).
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from examples.llama.configs import get_config
 from examples.llama.model import build_model
 from examples.llama.moe import format_load
-from tests.test_moe_training import STEPS, TOL, _float64, _reference
+from tests.test_moe_training import STEPS, TOL, _cfg, _float64, _reference
 
 FLAGS = ["--config", "moe-tiny", "--pp", "2", "--dp-shard", "2", "--ep", "2"]
+CASES = {  # name: (tests/test_moe_training.py variant, extra flags)
+    "tiny_1f1b_mb2": ("tiny", []),
+    # sigmoid, group-limited routing, route_norm and the sequence-wise aux loss, one sequence per microbatch
+    "ds_gpipe_mb4": ("ds", ["--pp-schedule", "gpipe", "--pp-microbatches", "4"]),
+}
 
 
 def _full(t):
     return t.full_tensor() if isinstance(t, hp.DTensor) else t
 
 
-def _body():
+def _body(variant, flags):
     from examples.llama import pipeline, train
     with _float64():
-        args = train.parse_args(FLAGS)
-        cfg = get_config(args.config)
+        args = train.parse_args(FLAGS + flags)
+        cfg = _cfg(variant)
         pipeline.check_args(args, cfg, dist.get_world_size())
         mesh = train.make_mesh(args)
         lines = []
@@ -44,15 +54,17 @@ def _body():
     return losses, loads, state
 
 
-def test_moe_pipeline_ep2_pp2_matches_one_process(dist_runner):
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_pipeline_ep2_pp2_matches_one_process(dist_runner, name):
+    variant, flags = CASES[name]
     threads = torch.get_num_threads()
     try:
-        ref_losses, ref_counts, ref_state = _reference("tiny", STEPS)
+        ref_losses, ref_counts, ref_state = _reference(variant, STEPS)
     finally:
         torch.set_num_threads(threads)
     ref_loads = [f"step {i + 1} {format_load({k: torch.tensor(v) for k, v in c.items()})}"
                  for i, c in enumerate(ref_counts)]
-    res = dist_runner.run(4, _body, timeout=240)
+    res = dist_runner.run(4, _body, variant, flags, timeout=240)
     state = {}
     for losses, loads, st in res:
         for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):  # every rank: the global loss

@@ -8,11 +8,12 @@ MoE layer's GLOBAL expert counts of every step (summed over both microbatches an
 the stage that holds the layer), and the final parameters and expert biases equal one process
 training the whole batch (tests/test_moe_training.py's reference) to 1e-10.
 
-Two cases: moe-tiny (softmax, aux-loss-free balancing only) under 1F1B with 2 microbatches, and
-tests/test_moe_training.py's DeepSeek-style variant (sigmoid, group-limited routing, route_norm, the
-sequence-wise aux loss) under GPipe with 4 microbatches of one sequence each: the aux loss's
-gradient, added once per microbatch and scaled by 1/microbatches with the rest, is the one process's.
-Also the flag refusal that remains (--ep with --pp and --tp).
+Three cases: moe-tiny (softmax, aux-loss-free balancing only) under 1F1B with 2 microbatches and
+under Interleaved1F1B (2 stages per rank), and tests/test_moe_training.py's DeepSeek-style variant
+(sigmoid, group-limited routing, route_norm, the sequence-wise aux loss) under GPipe with 4
+microbatches of one sequence each: the aux loss's gradient, added once per microbatch and scaled by
+1/microbatches with the rest, is the one process's. Also the flag refusals that remain (--ep with
+--pp and --tp; with the zero-bubble schedules).
 """
 import pytest
 import torch
@@ -28,6 +29,8 @@ CASES = {  # name: (tests/test_moe_training.py variant, extra flags)
     "tiny_1f1b_mb2": ("tiny", []),
     # sigmoid, group-limited routing, route_norm and the sequence-wise aux loss, one sequence per microbatch
     "ds_gpipe_mb4": ("ds", ["--pp-schedule", "gpipe", "--pp-microbatches", "4"]),
+    # looped: 4 stages (embedding + block 0 | block 1 | block 2 | norm + output), 2 per rank
+    "tiny_interleaved1f1b": ("tiny", ["--pp-schedule", "interleaved1f1b"]),
 }
 
 
@@ -79,6 +82,9 @@ def test_moe_pipeline_ep2_pp2_matches_one_process(dist_runner, name):
 
 
 def test_moe_pipeline_bad_flags():
-    from examples.llama.train import main
+    from examples.llama import pipeline, train
     with pytest.raises(SystemExit, match="--ep 2 with --pp 2 composes with --dp-shard only; --tp 2"):
-        main([*FLAGS, "--tp", "2"])
+        train.main([*FLAGS, "--tp", "2"])
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(SystemExit, match=f"--ep 2 with --pp-schedule {schedule} is not supported"):
+            pipeline.check_args(train.parse_args([*FLAGS, "--pp-schedule", schedule]), _cfg("tiny"), 4)

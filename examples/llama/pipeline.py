@@ -16,6 +16,11 @@ One root mesh ``("pp", "dp_shard", "tp")``; every rank builds the whole model (s
    clipped with ``hyper_parallel.pipelining.clip_grad_norm_`` (norm over every stage, all ranks),
    then AdamW steps.
 
+MoE configs with ``--ep M`` (``--pp 2 --dp-shard 2 --ep 2``): the root mesh is ``("pp", "efsdp", "ep", "tp")``
+(``parallelize.make_moe_mesh``), step 2 applies the EP layout to each stage, and after ``opt.step()``
+:meth:`Pipeline.moe_step` runs the expert-bias step of the stage's MoE layers from their counts summed
+over all microbatches and the stage's data-parallel ranks (docs/moe_example.md).
+
 Checkpoints: a rank's stages are presented to ``examples/llama/checkpoint.py`` as one module whose
 parameter names are the whole model's (:func:`stages_module`), so a checkpoint saved at one
 ``--pp`` resumes at any other, or without pipelining.

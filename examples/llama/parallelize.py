@@ -132,18 +132,39 @@ def _moe_tp_plan(seq):
     return plan
 
 
-def make_moe_mesh(device_type, dp_shard: int, ep: int, tp: int = 1):
+def make_moe_mesh(device_type, dp_shard: int, ep: int, tp: int = 1, pp: int = 1):
     """The ``("efsdp", "ep", "tp")`` mesh: ``ep`` borrows ranks from ``dp_shard`` (``efsdp = dp_shard/ep``).
 
     The data-parallel dim over all ``dp_shard`` ranks is the flattening of ``efsdp x ep``
     (``mesh["dp_shard"]``, registered here; dense layers are fully sharded over it).
+    ``pp > 1`` (``train.py --pp --ep``, examples/llama/pipeline.py): ``("pp", "efsdp", "ep", "tp")``,
+    each pipeline stage's ranks are one ``efsdp x ep x tp`` slice.
     """
     if ep < 1 or dp_shard % ep:
         raise ValueError(f"--ep {ep} must divide --dp-shard {dp_shard}: expert parallelism borrows its ranks from "
                          "the fully sharded data parallelism")
-    mesh = hp.init_device_mesh(device_type, (dp_shard // ep, ep, tp), mesh_dim_names=("efsdp", "ep", "tp"))
+    if pp > 1:  # --- pipeline x EP
+        mesh = hp.init_device_mesh(device_type, (pp, dp_shard // ep, ep, tp),
+                                   mesh_dim_names=("pp", "efsdp", "ep", "tp"))
+    else:
+        mesh = hp.init_device_mesh(device_type, (dp_shard // ep, ep, tp), mesh_dim_names=("efsdp", "ep", "tp"))
     mesh["efsdp", "ep"]._flatten("dp_shard")
     return mesh
+
+
+_DENSE_PP_MESH = {}  # --- pipeline x EP: id(the ("pp", "efsdp", "ep", "tp") mesh) -> its ("pp", "dp_shard", "tp") twin
+
+
+def _dense_mesh(mesh, dp_shard, tp):
+    """The ``("dp_shard", "tp")`` root mesh of the dense parts over the same ranks (with ``pp``: the
+    ``("pp", "dp_shard", "tp")`` one, built once per EP mesh, since a rank parallelizes one stage or more)."""
+    if "pp" not in mesh.mesh_dim_names:
+        return hp.init_device_mesh(mesh.device_type, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+    key = id(mesh)
+    if key not in _DENSE_PP_MESH:
+        _DENSE_PP_MESH[key] = (mesh, hp.init_device_mesh(mesh.device_type, (mesh.size("pp"), dp_shard, tp),
+                                                         mesh_dim_names=("pp", "dp_shard", "tp")))
+    return _DENSE_PP_MESH[key][1]
 
 
 def dp_group_of(mesh):
@@ -237,7 +258,7 @@ def _parallelize_moe(model, mesh, *, sequence_parallel, loss_parallel, src_data_
     # efsdp index * ep + ep index): fully_shard takes a TP parameter only with a mesh dim of the
     # TP mesh's root, and the experts' root is ("efsdp", "ep", "tp").
     dp_shard, tp = mesh.size("efsdp") * ep, mesh.size("tp")
-    dense = hp.init_device_mesh(mesh.device_type, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+    dense = _dense_mesh(mesh, dp_shard, tp)  # (with --pp: ("pp", "dp_shard", "tp"), this stage's slice used below)
     if tp > 1:  # TP of attention, dense FFN, output and shared experts; router and experts replicated over tp
         parallelize_llama(model, dense["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                           src_data_rank=src_data_rank)

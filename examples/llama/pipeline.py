@@ -16,6 +16,11 @@ One root mesh ``("pp", "dp_shard", "tp")``; every rank builds the whole model (s
    clipped with ``hyper_parallel.pipelining.clip_grad_norm_`` (norm over every stage, all ranks),
    then AdamW steps.
 
+MoE configs with ``--ep M`` (``--pp 2 --dp-shard 2 --ep 2``): the root mesh is ``("pp", "efsdp", "ep", "tp")``
+(``parallelize.make_moe_mesh``), step 2 applies the EP layout to each stage, and after ``opt.step()``
+:meth:`Pipeline.moe_step` runs the expert-bias step of the stage's MoE layers from their counts summed
+over all microbatches and the stage's data-parallel ranks (docs/moe_example.md).
+
 Checkpoints: a rank's stages are presented to ``examples/llama/checkpoint.py`` as one module whose
 parameter names are the whole model's (:func:`stages_module`), so a checkpoint saved at one
 ``--pp`` resumes at any other, or without pipelining.
@@ -100,13 +105,21 @@ def check_args(args, cfg, world):
     if cfg.global_batch % args.dp_shard or local % m:
         raise SystemExit(f"--pp-microbatches {m}: the batch per data-parallel rank ({cfg.global_batch} / "
                          f"--dp-shard {args.dp_shard}) must split into {m} equal microbatches")
+    if getattr(args, "ep", 1) > 1 and kind == "v":  # --- MoE: torch's split weight backward sets plain .grad
+        raise SystemExit(f"--ep {args.ep} with --pp-schedule {args.pp_schedule} is not supported (the zero-bubble "
+                         "weight backward assigns plain gradients to the expert DTensors); use gpipe, 1f1b or "
+                         "interleaved1f1b")
     if args.compile and kind == "v":
         raise SystemExit(f"--compile: torch's zero-bubble schedule {args.pp_schedule} refuses compiled stages")
     return s, m
 
 
 def make_mesh(args):
-    """The root mesh ("pp", "dp_shard", "tp")."""
+    """The root mesh ("pp", "dp_shard", "tp"); with --ep ("pp", "efsdp", "ep", "tp"), "dp_shard" its flattened
+    efsdp x ep (examples/llama/parallelize.make_moe_mesh)."""
+    if getattr(args, "ep", 1) > 1:  # --- MoE expert parallelism inside each stage
+        from examples.llama.parallelize import make_moe_mesh
+        return make_moe_mesh("cpu", args.dp_shard, args.ep, args.tp, pp=args.pp)
     return hp.init_device_mesh("cpu", (args.pp, args.dp_shard, args.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
 
 
@@ -167,6 +180,19 @@ class BubbleMeter:
         return out, dt, max(0.0, 1.0 - self.busy / dt) if dt > 0 else 0.0
 
 
+def _zero_counts_after(stage, name, layers):
+    """--- MoE: wrap ``stage.<name>`` so that the MoE layers' token counts are zeroed after it ran."""
+    fn = getattr(stage, name)
+
+    def wrapped(*a, **k):
+        try:
+            return fn(*a, **k)
+        finally:
+            for layer in layers:
+                layer.tokens_per_expert.zero_()
+    setattr(stage, name, wrapped)
+
+
 class Pipeline:
     """This rank's stages, schedule and optimizer over one root mesh ("pp", "dp_shard", "tp")."""
 
@@ -181,7 +207,8 @@ class Pipeline:
                                      schedule=self.schedule_name)
         self.num_stages = len(pp.plan_stages(list(model.layers.keys()), n, args.pp_layers_per_stage))
         for _, m in parts:  # torchtitan's order: split, TP (+SP) per stage, fully_shard per block + stage root
-            parallelize_llama(m, mesh, sequence_parallel=args.sp, src_data_rank=None)
+            parallelize_llama(m, mesh, sequence_parallel=args.sp, src_data_rank=None,
+                              expert_tensor_parallel=getattr(args, "expert_tp", False))
             if getattr(args, "compile", None):
                 for name, block in list(m.layers.items()):
                     m.layers.register_module(name, torch.compile(block, backend=args.compile, fullgraph=True,
@@ -199,6 +226,28 @@ class Pipeline:
         self.has_last = any(s == self.num_stages - 1 for s, _ in parts)
         self.params = [p for m in self.modules for p in m.parameters()]
         self.meter = BubbleMeter(self.stages, self.schedule)
+        # --- MoE (--ep): every MoE layer lives on one stage; the expert-bias step sums its counts (accumulated
+        # over all microbatches of the step) over the stage's data-parallel ranks (efsdp x ep, or dp_shard)
+        from examples.llama.moe import moe_layers
+        self.moe = [(n, m.args.num_experts) for n, m in moe_layers(model)]
+        self.last_load = {}
+        for st, m in zip(self.stages, self.modules):  # torch's first-step metadata inference runs each stage's
+            if moe_layers(m):                         # module once more (on empty tensors): not a step's tokens
+                _zero_counts_after(st, "_forward_metadata_inference", [layer for _, layer in moe_layers(m)])
+
+    def moe_step(self):
+        """After ``opt.step()``: the aux-loss-free bias step of this rank's MoE layers from their global counts
+        (one all_reduce over the stage's data-parallel ranks), then every MoE layer's global counts gathered
+        on every rank (one all_reduce over pp: each layer is held by exactly one pipeline rank)."""
+        from examples.llama.moe import update_expert_bias
+        from examples.llama.parallelize import dp_group_of
+        if not self.moe:
+            return {}
+        mine = update_expert_bias(self.module, dp_group_of(self.mesh))
+        flat = torch.cat([mine[n].double() if n in mine else torch.zeros(e, dtype=torch.float64)
+                          for n, e in self.moe])
+        dist.all_reduce(flat, group=self.mesh["pp"].get_group())
+        return dict(zip([n for n, _ in self.moe], flat.split([e for _, e in self.moe])))
 
     def step(self, x, y):
         """One pipelined forward + backward of this rank's share; returns (this rank's loss or None, seconds,
@@ -219,13 +268,14 @@ class Pipeline:
         loss, _, bubble = self.step(x, y)
         pp.clip_grad_norm_(self.params, max_grad_norm, pp_group=self.mesh["pp"])
         opt.step()
+        self.last_load = self.moe_step()  # --- MoE: expert-bias step and global expert load
         # one all_reduce: the loss (held by the dp x tp ranks of the last stage) and every rank's bubble
         world = dist.get_world_size()
         stats = torch.zeros(1 + world, dtype=torch.float64)
         stats[0] = float(loss) if loss is not None else 0.0
         stats[1 + dist.get_rank()] = bubble
         dist.all_reduce(stats)
-        return stats[0].item() / (self.mesh.size("dp_shard") * self.mesh.size("tp")), stats[1:]
+        return stats[0].item() / (self.mesh["dp_shard"].size() * self.mesh.size("tp")), stats[1:]
 
 
 def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
@@ -234,7 +284,7 @@ def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
     from examples.llama import checkpoint
     pipe = Pipeline(args, cfg, mesh, model=model)
     opt = build_optimizer(pipe.params, cfg.optim)
-    dp, dp_rank = mesh.size("dp_shard"), mesh.get_local_rank("dp_shard")
+    dp, dp_rank = mesh["dp_shard"].size(), mesh["dp_shard"].get_local_rank()  # (with --ep: efsdp x ep flattened)
     ckpt_dir = getattr(args, "checkpoint_dir", None)
     start = 0
     if ckpt_dir and getattr(args, "resume", False):
@@ -250,6 +300,9 @@ def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0),
             note=f"bubble {b.mean().item():.0%} (ranks {b.min().item():.0%}-{b.max().item():.0%})")
+        if pipe.last_load:  # --- MoE: every layer's global expert load
+            from examples.llama.moe import format_load
+            log(None, steps, f"  step {step + 1} {format_load(pipe.last_load)}", 0)
         every = getattr(args, "save_every", 0)
         if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
             path = checkpoint.save(ckpt_dir, step + 1, pipe.module, opt)

@@ -86,5 +86,5 @@ def test_moe_pipeline_bad_flags():
     with pytest.raises(SystemExit, match="--ep 2 with --pp 2 composes with --dp-shard only; --tp 2"):
         train.main([*FLAGS, "--tp", "2"])
     for schedule in ("zbv", "dualpipev"):
-        with pytest.raises(SystemExit, match=f"--ep 2 with --pp-schedule {schedule} is not supported"):
+        with pytest.raises(SystemExit, match=f"--pp-schedule {schedule} does not compose with --dp-shard 2 / --ep 2"):
             pipeline.check_args(train.parse_args([*FLAGS, "--pp-schedule", schedule]), _cfg("tiny"), 4)

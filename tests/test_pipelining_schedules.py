@@ -197,3 +197,33 @@ def _stage_map_errors():
 
 def test_stage_map_errors(dist_runner):
     assert dist_runner.run(2, _stage_map_errors) == [3, 3]
+
+
+def _zb_fsdp_body():
+    import torch
+    import hyper_parallel as hp
+    from hyper_parallel import pipelining as pp
+    import torch.distributed as dist
+    from hyper_parallel.platform.torch.pipelining import schedules as S
+    rank = dist.get_rank()
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]   # a 1-rank pipeline per rank
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mods = [torch.nn.Linear(4, 4).double() for _ in range(2)]
+    for m in mods:
+        hp.fully_shard(m, mesh=mesh)
+    stages = [pp.PipelineStage(m, i, 2, torch.device("cpu"), group=own) for i, m in enumerate(mods)]
+    out = {}
+    for cls in (S.ScheduleZBVZeroBubble, S.ScheduleDualPipeV):
+        try:
+            cls(stages, 2, loss_fn=lambda y, t: y.sum())
+        except NotImplementedError as exc:
+            out[cls.__name__] = str(exc)
+    return out
+
+
+def test_zero_bubble_schedules_refuse_fully_shard_stages(dist_runner):
+    """The split weight pass bypasses fully_shard's reduce-scatter: refused, never a silent wrong gradient."""
+    for out in dist_runner.run(2, _zb_fsdp_body):
+        assert set(out) == {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}, out
+        for name, msg in out.items():
+            assert "contains fully_shard (FSDPModule) modules" in msg and "Schedule1F1B" in msg, msg

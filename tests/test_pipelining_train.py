@@ -158,7 +158,8 @@ def test_pp_flags_bad_input_name_flag_and_value():
              ("--pp", "2", "--pp-microbatches", "3"): "--pp-microbatches 3",
              ("--pp", "2", "--pp-layers-per-stage", "1"): "makes 4 stages for --pp 2",
              ("--pp", "2", "--pp-schedule", "zbv", "--pp-layers-per-stage", "4"): "needs exactly 2 stages per rank",
-             ("--pp", "2", "--pp-schedule", "zbv", "--compile"): "refuses compiled stages"}
+             ("--pp", "2", "--pp-schedule", "zbv", "--compile"): "refuses compiled stages",
+             ("--pp", "2", "--dp-shard", "2", "--pp-schedule", "zbv"): "does not compose with --dp-shard 2"}
     for flags, needle in cases.items():
         with pytest.raises(SystemExit, match=re.escape(needle)):
             pipeline.check_args(train.parse_args(list(flags)), cfg, 4)

@@ -105,10 +105,12 @@ def check_args(args, cfg, world):
     if cfg.global_batch % args.dp_shard or local % m:
         raise SystemExit(f"--pp-microbatches {m}: the batch per data-parallel rank ({cfg.global_batch} / "
                          f"--dp-shard {args.dp_shard}) must split into {m} equal microbatches")
-    if getattr(args, "ep", 1) > 1 and kind == "v":  # --- MoE: torch's split weight backward sets plain .grad
-        raise SystemExit(f"--ep {args.ep} with --pp-schedule {args.pp_schedule} is not supported (the zero-bubble "
-                         "weight backward assigns plain gradients to the expert DTensors); use gpipe, 1f1b or "
-                         "interleaved1f1b")
+    if kind == "v" and (args.dp_shard > 1 or getattr(args, "ep", 1) > 1):
+        # the zero-bubble weight pass (torch.autograd.grad) bypasses fully_shard's reduce-scatter
+        raise SystemExit(f"--pp-schedule {args.pp_schedule} does not compose with --dp-shard {args.dp_shard}"
+                         + (f" / --ep {args.ep}" if getattr(args, "ep", 1) > 1 else "")
+                         + " (its separate weight-gradient pass bypasses fully_shard's reduce-scatter); "
+                         "use gpipe, 1f1b or interleaved1f1b")
     if args.compile and kind == "v":
         raise SystemExit(f"--compile: torch's zero-bubble schedule {args.pp_schedule} refuses compiled stages")
     return s, m

@@ -8,6 +8,9 @@ point-to-point message, and name the argument and its value:
 * ``n_microbatches`` a positive int; at least the number of stages for ``Schedule1F1B`` and
   ``ScheduleDualPipeV``;
 * ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``: exactly 2 stages per rank;
+* the zero-bubble family (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+  ``ScheduleDualPipeV``) refuses stages that contain ``fully_shard`` modules: its separate
+  weight-gradient pass (``torch.autograd.grad``) bypasses their post-backward reduce-scatter;
 * ``step(..., target=...)`` or ``losses=`` on a schedule built without ``loss_fn``;
 * every tensor a rank passes to ``step`` (positional, keyword, ``target``) must split into
   ``n_microbatches`` equal microbatches along its chunk dim (torch would cut an uneven batch
@@ -21,6 +24,7 @@ import torch
 from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from hyper_parallel.core.fsdp.api import FSDPModule
 from hyper_parallel.platform.torch import fault as _fault
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
@@ -46,6 +50,7 @@ class _Checked:
     _torch_cls = None
     _needs_mb_ge_stages = False
     _stages_per_rank = None
+    _split_backward = False  # zero-bubble family: separate input- and weight-gradient passes
 
     def __init__(self, *args, **kwargs):
         name = type(self).__name__
@@ -71,6 +76,16 @@ class _Checked:
                              f"{self._stages_per_rank} stages per rank (a V: rank r holds stages r and "
                              f"{2}*pp-1-r)")
         self._hp_check_stage_map(name, stages, num_stages)
+        if self._split_backward:
+            for st in stages:
+                sub = getattr(st, "submod", None)
+                if sub is not None and any(isinstance(m, FSDPModule) for m in sub.modules()):
+                    raise NotImplementedError(
+                        f"{name}: stage {st.stage_index}'s module contains fully_shard (FSDPModule) modules; "
+                        f"{name} computes weight gradients in a separate pass (torch.autograd.grad), which "
+                        "bypasses fully_shard's post-backward reduce-scatter, so its gradients would be wrong. "
+                        "Use ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS with "
+                        "fully_shard stages")
         super().__init__(*args, **kwargs)
 
     def _hp_check_stage_map(self, name, stages, num_stages):
@@ -141,9 +156,10 @@ ScheduleGPipe = _checked(_ts.ScheduleGPipe)
 Schedule1F1B = _checked(_ts.Schedule1F1B, _needs_mb_ge_stages=True)
 ScheduleInterleaved1F1B = _checked(_ts.ScheduleInterleaved1F1B)
 ScheduleLoopedBFS = _checked(_ts.ScheduleLoopedBFS)
-ScheduleInterleavedZeroBubble = _checked(_ts.ScheduleInterleavedZeroBubble)
-ScheduleZBVZeroBubble = _checked(_ts.ScheduleZBVZeroBubble, _stages_per_rank=2)
-ScheduleDualPipeV = _checked(_ts.ScheduleDualPipeV, _stages_per_rank=2, _needs_mb_ge_stages=True)
+ScheduleInterleavedZeroBubble = _checked(_ts.ScheduleInterleavedZeroBubble, _split_backward=True)
+ScheduleZBVZeroBubble = _checked(_ts.ScheduleZBVZeroBubble, _stages_per_rank=2, _split_backward=True)
+ScheduleDualPipeV = _checked(_ts.ScheduleDualPipeV, _stages_per_rank=2, _needs_mb_ge_stages=True,
+                             _split_backward=True)
 
 _OURS = {c._torch_cls: c for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
                                    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)}

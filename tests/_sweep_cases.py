@@ -387,7 +387,7 @@ def _check(case, mesh, ctx):
     got = [o.full_tensor() for o in outs]
     for i, (g, r) in enumerate(zip(got, ref)):
         if r.is_floating_point():
-            torch.testing.assert_close(g, r.detach(), msg=lambda m, i=i: f"value of output {i}: {m}", **TOL)
+            torch.testing.assert_close(g, r.detach(), msg=lambda m, i=i: f"value of output {i}: {m}", equal_nan=True, **TOL)
         else:
             assert torch.equal(g, r), f"output {i} (integer) differs:\n{g}\nvs one process\n{r}"
     if not diff:
@@ -410,7 +410,7 @@ def _check(case, mesh, ctx):
             want = hp.distribute_tensor(want, mesh, fb[1], src_data_rank=None).to_local()
             assert local.grad is not None, f"the piece of input {i} got no gradient"
             torch.testing.assert_close(local.grad, want, msg=lambda m, i=i: f"gradient of the piece of input {i}: {m}",
-                                       **TOL)
+                                       equal_nan=True, **TOL)
             continue
         if r.grad is None:
             assert d.grad is None or not d.grad.full_tensor().any(), f"input {i} has a gradient, one process none"
@@ -418,7 +418,7 @@ def _check(case, mesh, ctx):
         assert d.grad is not None, f"input {i} got no gradient"
         assert isinstance(d.grad, hp.DTensor), f"input {i}'s gradient is a {type(d.grad).__name__}"
         torch.testing.assert_close(d.grad.full_tensor(), r.grad, msg=lambda m, i=i: f"gradient of input {i}: {m}",
-                                   **TOL)
+                                   equal_nan=True, **TOL)
     return len(outs)
 
 

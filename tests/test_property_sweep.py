@@ -12,8 +12,8 @@ which ``tests/test_sweep_regressions.py`` turns into an ordinary test.
 Profiles (``HYPOTHESIS_PROFILE``; ``scripts/sweep_long.sh`` runs the long one):
 
 * ``ci`` (default): derandomized (a fixed seed per test), no example database, no shrinking (a
-  failure is reported at once with its example), ``EXAMPLES`` examples per family on 4 ranks
-  ((4,) and (2, 2) meshes), 16 on 2 ranks and 16 on 8 ranks ((2, 2, 2)).
+  failure is reported at once with its example), ``EXAMPLES`` (25) examples per family on 4 ranks
+  ((4,) and (2, 2) meshes), ``SMALL`` (60) on 2 ranks and 60 on 8 ranks ((2, 2, 2)): 320 cases.
 * ``long``: ``HP_SWEEP_EXAMPLES`` (default 150) per family and per world size, shrinking on;
   ``HP_SWEEP_SEED=<int>`` draws another sequence (without it: the same derandomized one, longer).
 """
@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from tests._sweep_cases import FAMILIES, MESH_NAMES, Case, check_case
 
-EXAMPLES = 12          # per family on 4 ranks in CI (8 families: 96 cases) + 16 on 2 ranks + 16 on 8 ranks
-SMALL = 16
+EXAMPLES = 25          # per family on 4 ranks in CI (8 families: 200 cases)
+SMALL = 60             # on 2 ranks and on 8 ranks, all families mixed
 
 _common = dict(database=None, deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -449,3 +449,41 @@ def test_strategies_cover_both_spellings_and_every_reduce_op():
     collect()
     want = {"plain", "alias", "alias_tuple", "P:sum", "P:avg", "P:max", "P:min"} | set(STRATEGIES)
     assert want <= seen, want - seen
+
+
+# ----------------------------------------------------------------------------- the check can fail
+
+def _mutants_body():
+    """Two deliberately wrong rules, each caught by ``check_case``: wrong values and wrong gradients."""
+    import torch
+    from hyper_parallel.core.shard.ops import base
+
+    class ScanOnShards(base.DistributedOp):
+        """cumsum on each shard alone (keeps the scan dim sharded): wrong values."""
+        def strategy(self, call):
+            return base.Strategy(list(call.layouts), call.layouts[0].without_partial())
+
+    class TanhNoGrad(base.DistributedOp):
+        """tanh with the right values and no gradient."""
+        def strategy(self, call):
+            lay = call.layouts[0].without_partial()
+            return base.Strategy([lay], lay, local_fn=lambda x: torch.tanh(x.detach()) + 0 * x)
+
+    caught = []
+    for name, rule, case in [
+        ("cumsum", ScanOnShards("cumsum", register=False),
+         Case(op="scan", args=("cumsum", 0), mesh=(2,), inputs=(((5, 3), "f", ("obj", ("S0",))),))),
+        ("tanh", TanhNoGrad("tanh", register=False),
+         Case(op="unary", args=("tanh",), mesh=(2,), inputs=(((5, 3), "f", ("alias", ("None", "tp"))),))),
+    ]:
+        check_case(case)   # the built-in rule passes
+        with base.override(name, rule):
+            try:
+                check_case(case)
+            except AssertionError as e:
+                caught.append((name, "value of output 0" in str(e), "gradient of input 0" in str(e)))
+    return caught
+
+
+def test_the_check_catches_wrong_rules(dist_runner):
+    assert dist_runner.run(2, _mutants_body)[0] == [("cumsum", True, False), ("tanh", False, True)]

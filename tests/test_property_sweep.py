@@ -12,8 +12,8 @@ which ``tests/test_sweep_regressions.py`` turns into an ordinary test.
 Profiles (``HYPOTHESIS_PROFILE``; ``scripts/sweep_long.sh`` runs the long one):
 
 * ``ci`` (default): derandomized (a fixed seed per test), no example database, no shrinking (a
-  failure is reported at once with its example), ``EXAMPLES`` (25) examples per family on 4 ranks
-  ((4,) and (2, 2) meshes), ``SMALL`` (60) on 2 ranks and 60 on 8 ranks ((2, 2, 2)): 320 cases.
+  failure is reported at once with its example), ``EXAMPLES`` (100) examples per family on 4 ranks
+  ((4,) and (2, 2) meshes), ``SMALL`` (100) on 2 ranks and 100 on 8 ranks ((2, 2, 2)): 1000 cases.
 * ``long``: ``HP_SWEEP_EXAMPLES`` (default 150) per family and per world size, shrinking on;
   ``HP_SWEEP_SEED=<int>`` draws another sequence (without it: the same derandomized one, longer).
 """
@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from tests._sweep_cases import FAMILIES, MESH_NAMES, Case, check_case
 
-EXAMPLES = 25          # per family on 4 ranks in CI (8 families: 200 cases)
-SMALL = 60             # on 2 ranks and on 8 ranks, all families mixed
+EXAMPLES = 100         # per family on 4 ranks in CI (8 families: 800 cases)
+SMALL = 100            # on 2 ranks and on 8 ranks, all families mixed
 
 _common = dict(database=None, deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -392,8 +392,12 @@ def cases(draw, world_size, families=tuple(STRATEGIES)):
                 warm=draw(st.booleans()), loss=draw(st.sampled_from(["full", "dtensor"])))
 
 
+RUN_COUNT = {}
+
+
 def _run(dist_runner, world_size, case):
     note(f"case: {case!r}")
+    RUN_COUNT[world_size] = RUN_COUNT.get(world_size, 0) + 1
     dist_runner.run(world_size, check_case, case, timeout=60)
 
 
@@ -407,7 +411,9 @@ def test_sweep_4_ranks(dist_runner, family):
     @given(case=cases(4, (family,)))
     def body(case):
         _run(dist_runner, 4, case)
+    before = RUN_COUNT.get(4, 0)
     body()
+    assert RUN_COUNT[4] - before >= EXAMPLES, (RUN_COUNT[4] - before, EXAMPLES)   # every example ran
 
 
 def test_sweep_2_ranks(dist_runner):
@@ -416,7 +422,9 @@ def test_sweep_2_ranks(dist_runner):
     @given(case=cases(2))
     def body(case):
         _run(dist_runner, 2, case)
+    before = RUN_COUNT.get(2, 0)
     body()
+    assert RUN_COUNT[2] - before >= SMALL, (RUN_COUNT[2] - before, SMALL)
 
 
 def test_sweep_8_ranks(dist_runner):
@@ -426,7 +434,9 @@ def test_sweep_8_ranks(dist_runner):
     @given(case=cases(8))
     def body(case):
         _run(dist_runner, 8, case)
+    before = RUN_COUNT.get(8, 0)
     body()
+    assert RUN_COUNT[8] - before >= SMALL, (RUN_COUNT[8] - before, SMALL)
 
 
 def test_strategies_cover_both_spellings_and_every_reduce_op():

@@ -36,8 +36,26 @@ NORMALIZE = [
          inputs=(((6, 2, 3), "f", ("alias", ("tp", "None", "dp"))),)),
 ]
 
+# scaled_dot_product_attention with a batch (or head) dim of size 1 in every operand, sharded: the rule
+# took size 1 for a broadcast dim, gathered the query there but still declared the output sharded, so
+# ranks with an empty piece returned a whole batch and the next all_gather failed on some ranks
+# ("Trying to create tensor with negative dimension") while the others waited. Fixed in
+# core/shard/ops/nn_ops.py (SDPARule: size 1 is a broadcast only against a larger operand).
+SDPA_SIZE1 = [
+    Case(op="norm", args=("sdpa", False), mesh=(2, 2),
+         inputs=(((1, 1, 4, 1), "f", ("obj", ("S0", "S0"))), ((1, 1, 1, 1), "f", ("obj", ("S3", "S3"))),
+                 ((1, 1, 1, 4), "f", ("alias", ("tp", "dp", "None", "None")))), seed=65535),
+    Case(op="norm", args=("sdpa", False), mesh=(2, 2),
+         inputs=(((1, 1, 4, 1), "f", ("obj", ("S0", "R"))), ((1, 1, 1, 1), "f", ("obj", ("R", "R"))),
+                 ((1, 1, 1, 4), "f", ("obj", ("R", "R"))))),
+    Case(op="norm", args=("sdpa", True), mesh=(4,),
+         inputs=(((2, 1, 3, 2), "f", ("obj", ("S1",))), ((2, 1, 3, 2), "f", ("obj", ("S1",))),
+                 ((2, 1, 3, 2), "f", ("alias", ("None", "tp", "None", "None")))), loss="dtensor"),
+]
 
-@pytest.mark.parametrize("cases", [GATHER_PLAIN_INDEX, NORMALIZE], ids=["gather_plain_index", "normalize"])
+
+@pytest.mark.parametrize("cases", [GATHER_PLAIN_INDEX, NORMALIZE, SDPA_SIZE1],
+                         ids=["gather_plain_index", "normalize", "sdpa_size1_batch"])
 def test_shrunk_cases(dist_runner, cases):
     assert dist_runner.run(4, check_cases, cases) == [len(cases)] * 4
 

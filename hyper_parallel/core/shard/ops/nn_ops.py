@@ -543,7 +543,9 @@ class SDPARule(DistributedOp):
                 o = len(sr) - 2 - nb
                 rdm = [()] * len(sr)
                 for j in range(nb):
-                    if o + j >= 0 and sr[o + j] != 1:
+                    # a size-1 dim broadcasts against larger operands; when every operand has size 1 there
+                    # it is the real extent and keeps the shard (the output is sharded on it)
+                    if o + j >= 0 and (sr[o + j] != 1 or ref[j] == 1):
                         rdm[o + j] = dm[j]
                 tg[r] = lr.with_dim_map(rdm, None)
             return tg, dm

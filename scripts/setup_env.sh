@@ -31,13 +31,14 @@ hash_inputs() {
     fi
 }
 
-venv_ok() {  # usable interpreter with torch 2.13.0 and our package installed
+venv_ok() {  # usable interpreter with torch 2.13.0, our package and the test extra (hypothesis) installed
     [ -x "$PY" ] && "$PY" - "$TORCH_VERSION" <<'PYEOF' >/dev/null 2>&1
 import sys
 import importlib.metadata as md
 assert sys.version_info >= (3, 10)
 assert md.version("torch").split("+")[0] == sys.argv[1]
 md.version("hyper-parallel")
+md.version("hypothesis")  # the [test] extra (tests/test_property_sweep.py)
 PYEOF
 }
 

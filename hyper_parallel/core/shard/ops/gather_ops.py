@@ -18,6 +18,7 @@ compute the same layouts this way.
   differ both are whole there. The input keeps its shard on ``dim`` unless a mesh
   dim is needed by those shards. Partial(sum) inputs stay pending; other
   pending reductions of the input are done first when ``dim`` is sharded.
+  A plain index tensor counts as replicated: the input's other dims are then whole.
 * ``index_select(input, dim, index)``: the output keeps the input's shards on the
   other dims; dim ``dim`` takes the 1-d index's shard (when its mesh dims are free)
   and ``Partial(sum)`` over ``M``. A plain index tensor counts as replicated.
@@ -127,12 +128,20 @@ class GatherRule(DistributedOp):
 
     def strategy(self, call):
         v, roles = _roles(call)
-        if "input" not in roles or "index" not in roles:
-            raise NotImplementedError("gather: input and index must both be DTensors")
+        if "input" not in roles:
+            raise NotImplementedError("gather: the input must be a DTensor")
         lay = dict(zip(roles, call.layouts))
         shp = dict(zip(roles, call.shapes))
         ilay, ishape = lay["input"], shp["input"]
-        xlay, xshape = lay["index"], shp["index"]
+        plain_index = "index" not in roles
+        if plain_index:  # a plain index tensor counts as replicated (it cannot be split: nothing shares it)
+            index = v.get("index")
+            if not hasattr(index, "shape") or not hasattr(index, "dim"):
+                raise TypeError(f"gather: index must be a tensor, got {type(index).__name__}")
+            xshape = tuple(index.shape)
+            xlay = ilay.with_dim_map(((),) * len(xshape), (None,) * ilay.mesh_ndim)
+        else:
+            xlay, xshape = lay["index"], shp["index"]
         nd = len(ishape)
         if len(xshape) != nd:
             raise ValueError(f"gather: index must have as many dims as input, got index of shape {tuple(xshape)} "
@@ -145,7 +154,7 @@ class GatherRule(DistributedOp):
         # dims t != dim: one shard for input and index (the index's, else the input's), or none
         dm = [()] * nd
         for t in range(nd):
-            if t == dim or xshape[t] != ishape[t]:
+            if t == dim or xshape[t] != ishape[t] or plain_index:
                 continue
             xm, im = xlay.dim_map[t], ilay.dim_map[t]
             dm[t] = xm if xm else (im if not set(im) & idx_mesh else ())

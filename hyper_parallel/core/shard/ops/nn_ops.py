@@ -37,6 +37,7 @@ from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.core.shard.ops.base import (
     PLAIN_AS_REPLICATED, DistributedOp, Strategy, redistribution_cost, reduce_all_partial, unshard_dims)
 from hyper_parallel.core.shard.ops.base import is_dtensor as _is_dt, bind_args as _bind
+from hyper_parallel.core.shard.ops.base import register_decomposition
 from hyper_parallel.platform import get_platform
 
 
@@ -542,7 +543,9 @@ class SDPARule(DistributedOp):
                 o = len(sr) - 2 - nb
                 rdm = [()] * len(sr)
                 for j in range(nb):
-                    if o + j >= 0 and sr[o + j] != 1:
+                    # a size-1 dim broadcasts against larger operands; when every operand has size 1 there
+                    # it is the real extent and keeps the shard (the output is sharded on it)
+                    if o + j >= 0 and (sr[o + j] != 1 or ref[j] == 1):
                         rdm[o + j] = dm[j]
                 tg[r] = lr.with_dim_map(rdm, None)
             return tg, dm
@@ -625,6 +628,15 @@ def _sdpa_local(*args, **kwargs):
     return out
 
 
+def _normalize(input, p=2.0, dim=1, eps=1e-12, out=None):  # noqa: A002 - torch's argument names
+    """``F.normalize`` on DTensors: torch's own formula, each op dispatched (the norm over a sharded dim
+    is an all_reduce of powered sums, the division keeps the input's shards)."""
+    if out is not None:
+        raise NotImplementedError("normalize on DTensors: out= is not supported")
+    denom = input.norm(p, dim, keepdim=True).clamp_min(eps).expand_as(input)
+    return input / denom
+
+
 # ----------------------------------------------------------------------------- registration
 def register_all():
     for n in ("softmax", "log_softmax", "softmin"):
@@ -644,6 +656,7 @@ def register_all():
     ClassLossRule("nll_loss", _NLL_NAMES)
     SDPARule("scaled_dot_product_attention")
     PLAIN_AS_REPLICATED.add("scaled_dot_product_attention")  # a plain attn_mask is a replicated one
+    register_decomposition(get_platform().F.normalize, _normalize)
 
 
 __all__ = ["register_all", "SoftmaxRule", "ScanRule", "NormRule", "EmbeddingRule", "DropoutRule", "ClassLossRule",

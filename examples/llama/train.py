@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--loss-parallel", action="store_true",
                    help="cross-entropy on the vocabulary-sharded logits (no vocabulary gather)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
-    p.add_argument("--config", default="demo", help="model/training config: tiny or demo")
+    p.add_argument("--config", default="demo", help="model/training config: tiny, demo or long")  # --- CP: long
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -66,11 +66,22 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last) when "
                    "--checkpoint-dir is set; 0: only after the last step")
     p.add_argument("--resume", action="store_true", help="resume from DIR/latest (any --dp/--tp layout)")
+    # --- CP
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence sharded over cp ranks)")
+    p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses", "hybrid"),
+                   help="context-parallel attention (hybrid: a 2-D (ulysses, ring) cp mesh, --cp 4 -> (2, 2))")
+    # --- end CP
     return p.parse_args(argv)
 
 
 def make_mesh(args):
     """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given."""
+    if getattr(args, "cp", 1) > 1:  # --- CP: ("dp", ["dp_shard"], "cp" | "cp_ulysses", "cp_ring", "tp")
+        from examples.llama.context_parallel import cp_dim_names, cp_mesh_shape
+        ds = args.dp_shard > 1
+        shape = (args.dp,) + ((args.dp_shard,) if ds else ()) + cp_mesh_shape(args.cp, args.cp_method) + (args.tp,)
+        names = ("dp",) + (("dp_shard",) if ds else ()) + cp_dim_names(args.cp_method) + ("tp",)
+        return hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
     if getattr(args, "dp_shard", 1) > 1:
         return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -104,7 +115,11 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
-                      src_data_rank=None)
+                      src_data_rank=None, cp_method=getattr(args, "cp_method", "ring"))
+    # --- CP: this rank's rotary tables; batches and the loss are cp-sharded below (no-op without cp)
+    from examples.llama.context_parallel import CPInputs
+    cpi = CPInputs(model, mesh, cfg.seq_len)
+    # --- end CP
     if getattr(args, "compile", None):
         compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)
@@ -122,13 +137,14 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     for step in range(start, steps):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
+        x, y = cpi.shard(x, y)  # --- CP
         opt.zero_grad(set_to_none=True)
-        g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
+        g = train_loss(model, x, y, cpi.loss_fn(loss_fn), loss_parallel=args.loss_parallel).clone()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         opt.step()
-        if dp > 1:  # every tp rank holds the same loss: average over the whole world
+        if dp > 1 or cpi.cp > 1:  # every tp rank holds the same loss: average over the whole world (--- CP: x cp)
             dist.all_reduce(g)
-            g /= dp * tp
+            g /= dp * tp * cpi.cp
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
@@ -172,9 +188,10 @@ def main(argv=None):
         raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    need = args.dp * args.dp_shard * args.tp
+    need = args.dp * args.dp_shard * args.tp * args.cp  # --- CP: x cp
     if need != world:
-        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} = {need} must equal the "
+        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} x --cp {args.cp} = {need} "
+                         f"must equal the "
                          f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
@@ -187,6 +204,8 @@ def main(argv=None):
         lp = ", loss_parallel" if args.loss_parallel else ""
         lp += f", compiled blocks ({args.compile})" if args.compile else ""
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
+        from examples.llama.context_parallel import describe  # --- CP
+        ds += describe(args.cp_method, mesh)
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
@@ -204,6 +223,7 @@ def main(argv=None):
               + ", ".join(f"rank {r}: {b:,}" for r, b in enumerate(per_rank.tolist()))
               + f" (unsharded total {total:,})")
         ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
+        ds += f"_cp{args.cp}{args.cp_method}" if args.cp > 1 else ""  # --- CP
         series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")

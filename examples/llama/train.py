@@ -2,6 +2,13 @@
 
     torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
     torchrun --nproc_per_node 4 examples/llama/train.py --dp-shard 2 --tp 2 --sp --steps 40   # FSDP x TP
+    torchrun --nproc_per_node 4 examples/llama/train.py --config long --cp 4 --cp-method hybrid   # CP
+
+``--cp N --cp-method {ring,ulysses,hybrid}`` (--- CP) shards every sequence over N ranks
+(context parallelism: examples/llama/context_parallel.py, docs/context_parallel.md "The example
+with --cp"): mesh ("dp", ["dp_shard"], "cp" or "cp_ulysses", "cp_ring", "tp"); composes with
+``--tp`` (heads by tp, sequence by cp), ``--dp-shard`` (FSDP over the flattened (dp_shard, cp)
+dims) or ``--dp`` (gradients averaged over the flattened (dp, cp) dims). (--- end CP)
 
 ``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
 parameters, gradients and optimizer states (``fully_shard`` per block and root);

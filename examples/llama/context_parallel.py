@@ -133,3 +133,21 @@ def describe(method: Optional[str], mesh) -> str:
         return ""
     shape = "x".join(str(s) for s in sub.shape)
     return f" cp={sub.size()}({method}{', ' + shape if sub.ndim == 2 else ''})"
+
+
+def compile_blocks_cp(model, backend="inductor"):
+    """``--compile`` with ``--cp``: ``torch.compile`` each block's ``feed_forward``, ``attention_norm`` and
+    ``ffn_norm`` (``fullgraph=True``, ``dynamic=False``: no graph breaks); the attention stays eager.
+
+    Why not the whole block: dynamo traces into the context-parallel attention (the ``SDPAMode`` torch
+    function mode that ``ContextParallel`` enters in the attention's forward pre-hook) and fails in the
+    library's Python planning on the ``DeviceMesh`` (``_flat_index(mesh)``: "cls_source must not be
+    None for MRO walk", torch 2.13), and the ring's point-to-point sends have no traceable form yet; the
+    attention would have to be an opaque op (a custom op or an ``allow_in_graph`` autograd Function) for
+    a whole-block graph (docs/context_parallel.md)."""
+    import torch
+    for block in model.layers.values():
+        for name in ("attention_norm", "feed_forward", "ffn_norm"):
+            block.register_module(name, torch.compile(getattr(block, name), backend=backend, fullgraph=True,
+                                                      dynamic=False))
+    return model

@@ -128,7 +128,11 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     cpi = CPInputs(model, mesh, cfg.seq_len)
     # --- end CP
     if getattr(args, "compile", None):
-        compile_blocks(model, args.compile)
+        if cpi.cp > 1:  # --- CP: the MLPs and norms compiled, the CP attention eager (see compile_blocks_cp)
+            from examples.llama.context_parallel import compile_blocks_cp
+            compile_blocks_cp(model, args.compile)
+        else:
+            compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)
     ckpt_dir = getattr(args, "checkpoint_dir", None)
     start = 0

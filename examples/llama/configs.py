@@ -73,7 +73,16 @@ MOE_DEMO = TrainConfig(
     seq_len=128, global_batch=16, steps=60,
 )
 
-CONFIGS = {"tiny": TINY, "demo": DEMO, "moe-tiny": MOE_TINY, "moe-demo": MOE_DEMO}
+# --- CP: a longer sequence for context parallelism (train.py --cp N): 1024 tokens, ~0.13 M parameters.
+# 8 query / 4 kv heads: Ulysses up to cp 8 (tp x cp <= 8 query heads), ring/hybrid any cp; 1024 = 2 x cp x 128.
+LONG = TrainConfig(
+    model=ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=260, multiple_of=32,
+                    max_seq_len=1024, tie_embeddings=False),
+    seq_len=1024, global_batch=4, steps=30,
+)
+# --- end CP
+
+CONFIGS = {"tiny": TINY, "demo": DEMO, "moe-tiny": MOE_TINY, "moe-demo": MOE_DEMO, "long": LONG}
 
 
 def get_config(name: str, **overrides) -> TrainConfig:

@@ -43,7 +43,7 @@ SequenceParallel.register_module_type(RMSNorm)
 
 
 def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_parallel: bool = False,
-                      src_data_rank=0, expert_tensor_parallel: bool = False):
+                      src_data_rank=0, expert_tensor_parallel: bool = False, cp_method: str = "ring"):
     """Apply TP (+SP) on ``mesh['tp']`` and DP on ``mesh['dp']`` (if present) to ``model`` in place.
 
     A ``dp_shard`` mesh dim makes the data parallelism fully sharded: every block and
@@ -95,14 +95,23 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         if sp and keys and getattr(model, "output", 0) is None:
             parallelize_module(model.layers[keys[-1]], tp_mesh, PrepareModuleOutput(
                 output_layouts=seq, desired_output_layouts=seq, use_local_output=False))
+    # --- CP: context parallelism on the cp dim(s); the data-parallel meshes below then cover cp
+    from examples.llama.context_parallel import apply_context_parallel, cp_dims, dp_mesh_with_cp
+    apply_context_parallel(model, mesh, cp_method)
+    if cp_dims(mesh) and "dp_shard" in names and "dp" in names and mesh["dp"].size() > 1:
+        raise ValueError("context parallelism with HSDP (--dp > 1 with --dp-shard) is not supported; "
+                         "use --dp-shard (FSDP over dp_shard x cp) or --dp (replicate over dp x cp)")
+    # --- end CP
     if "dp_shard" in names and mesh["dp_shard"].size() > 1:
         # FSDP (HSDP when a "dp" replicate dim is present): one fully_shard group per block plus the root
         fsdp_mesh = mesh["dp", "dp_shard"] if "dp" in names else mesh["dp_shard"]
+        if cp_dims(mesh):  # --- CP: parameters sharded over the flattened (dp_shard, cp) dims
+            fsdp_mesh = dp_mesh_with_cp(mesh, "dp_shard")
         for block in model.layers.values():
             hp.fully_shard(block, mesh=fsdp_mesh)
         hp.fully_shard(model, mesh=fsdp_mesh)
-    elif "dp" in names and mesh["dp"].size() > 1:
-        replicate(model, mesh["dp"])
+    elif "dp" in names and (mesh["dp"].size() > 1 or cp_dims(mesh)):  # --- CP: or gradients summed over cp
+        replicate(model, dp_mesh_with_cp(mesh, "dp"))
     return model
 
 

@@ -3,9 +3,17 @@
     torchrun --nproc_per_node 4 examples/llama/train.py --dp 2 --tp 2 --sp --steps 40
     torchrun --nproc_per_node 4 examples/llama/train.py --dp-shard 2 --tp 2 --sp --steps 40   # FSDP x TP
     torchrun --nproc_per_node 4 examples/llama/train.py --pp 2 --tp 2 --sp --pp-schedule 1f1b   # pipeline x TP
+    torchrun --nproc_per_node 4 examples/llama/train.py --config long --cp 4 --cp-method hybrid   # context parallel
+    torchrun --nproc_per_node 4 examples/llama/train.py --config moe-tiny --dp-shard 4 --ep 2      # expert parallel
 
 ``--pp N`` (with ``--pp-schedule``, ``--pp-microbatches``, ``--pp-layers-per-stage``) splits the
 model into pipeline stages on a ("pp", "dp_shard", "tp") mesh: examples/llama/pipeline.py.
+
+``--cp N --cp-method {ring,ulysses,hybrid}`` shards every sequence over N ranks
+(context parallelism: examples/llama/context_parallel.py, docs/context_parallel.md "The example
+with --cp"): mesh ("dp", ["dp_shard"], "cp" or "cp_ulysses", "cp_ring", "tp"); composes with
+``--tp`` (heads by tp, sequence by cp), ``--dp-shard`` (FSDP over the flattened (dp_shard, cp)
+dims) or ``--dp`` (gradients averaged over the flattened (dp, cp) dims). (--- end CP)
 
 ``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
 parameters, gradients and optimizer states (``fully_shard`` per block and root);
@@ -78,7 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--loss-parallel", action="store_true",
                    help="cross-entropy on the vocabulary-sharded logits (no vocabulary gather)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
-    p.add_argument("--config", default="demo", help="model/training config: tiny, demo, moe-tiny or moe-demo")
+    p.add_argument("--config", default="demo", help="model/training config: tiny, demo, moe-tiny, moe-demo or long")
     p.add_argument("--out", default=str(ROOT / "examples" / "out" / "loss"), help="prefix for loss CSV/PNG")
     p.add_argument("--no-compare", action="store_true", help="skip the single-process comparison")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
@@ -90,11 +98,16 @@ def parse_args(argv=None):
     # --- pipeline parallelism: --pp, --pp-schedule, --pp-microbatches, --pp-layers-per-stage (pipeline.py)
     from examples.llama.pipeline import add_pp_args
     add_pp_args(p)
+    # --- CP
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (sequence sharded over cp ranks)")
+    p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses", "hybrid"),
+                   help="context-parallel attention (hybrid: a 2-D (ulysses, ring) cp mesh, --cp 4 -> (2, 2))")
+    # --- end CP
     return p.parse_args(argv)
 
 
 def make_mesh(args):
-    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given ("pp", "dp_shard", "tp" with --pp;
+    """("dp", "tp") mesh, or ("dp", "dp_shard", "tp") when --dp-shard is given ("pp", "dp_shard", "tp" with --pp; ("dp", ["dp_shard"], "cp"..., "tp") with --cp;
     ("efsdp", "ep", "tp") with --ep: expert parallelism borrows ranks from dp_shard)."""
     if getattr(args, "pp", 1) > 1:  # --- pipeline parallelism
         from examples.llama.pipeline import make_mesh as make_pp_mesh
@@ -102,6 +115,12 @@ def make_mesh(args):
     if getattr(args, "ep", 1) > 1:  # --- MoE expert parallelism
         from examples.llama.parallelize import make_moe_mesh
         return make_moe_mesh("cpu", args.dp_shard, args.ep, args.tp)
+    if getattr(args, "cp", 1) > 1:  # --- CP: ("dp", ["dp_shard"], "cp" | "cp_ulysses", "cp_ring", "tp")
+        from examples.llama.context_parallel import cp_dim_names, cp_mesh_shape
+        ds = args.dp_shard > 1
+        shape = (args.dp,) + ((args.dp_shard,) if ds else ()) + cp_mesh_shape(args.cp, args.cp_method) + (args.tp,)
+        names = ("dp",) + (("dp_shard",) if ds else ()) + cp_dim_names(args.cp_method) + ("tp",)
+        return hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
     if getattr(args, "dp_shard", 1) > 1:
         return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -144,9 +163,18 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     model = build_model(cfg.model, cfg.seed)
     # every rank built identical weights, so each slices its own shard: no communication
     parallelize_llama(model, mesh, sequence_parallel=args.sp, loss_parallel=args.loss_parallel,
-                      src_data_rank=None, expert_tensor_parallel=getattr(args, "expert_tp", False))
+                      src_data_rank=None, expert_tensor_parallel=getattr(args, "expert_tp", False),
+                      cp_method=getattr(args, "cp_method", "ring"))
+    # --- CP: this rank's rotary tables; batches and the loss are cp-sharded below (no-op without cp)
+    from examples.llama.context_parallel import CPInputs
+    cpi = CPInputs(model, mesh, cfg.seq_len)
+    # --- end CP
     if getattr(args, "compile", None):
-        compile_blocks(model, args.compile)
+        if cpi.cp > 1:  # --- CP: the MLPs and norms compiled, the CP attention eager (see compile_blocks_cp)
+            from examples.llama.context_parallel import compile_blocks_cp
+            compile_blocks_cp(model, args.compile)
+        else:
+            compile_blocks(model, args.compile)
     opt = build_optimizer(model.parameters(), cfg.optim)
     ckpt_dir = getattr(args, "checkpoint_dir", None)
     start = 0
@@ -168,8 +196,9 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     for step in range(start, steps):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
+        x, y = cpi.shard(x, y)  # --- CP
         opt.zero_grad(set_to_none=True)
-        g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
+        g = train_loss(model, x, y, cpi.loss_fn(loss_fn), loss_parallel=args.loss_parallel).clone()
         if moe:  # --- MoE: clip over both meshes, then the aux-loss-free bias step from global counts
             clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             opt.step()
@@ -177,9 +206,9 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             opt.step()
-        if dp > 1:  # every tp rank holds the same loss: average over the whole world
+        if dp > 1 or cpi.cp > 1:  # every tp rank holds the same loss: average over the whole world (--- CP: x cp)
             dist.all_reduce(g)
-            g /= dp * tp
+            g /= dp * tp * cpi.cp
         losses.append(g.item())
         tokens += cfg.global_batch * cfg.seq_len
         log(step, steps, losses[-1], tokens / (time.perf_counter() - t0))
@@ -230,7 +259,12 @@ def main(argv=None):
         raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    need = args.dp * args.dp_shard * args.tp * args.pp
+    need = args.dp * args.dp_shard * args.tp * args.pp * args.cp  # --- CP: x cp
+    if args.cp < 1:  # --- CP
+        raise SystemExit(f"--cp must be >= 1, got {args.cp}")
+    if args.cp > 1 and (args.pp > 1 or args.ep > 1):  # --- CP: composes with --tp, --dp-shard, --dp
+        raise SystemExit(f"--cp {args.cp} with " + (f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}")
+                         + " is not supported yet; --cp composes with --tp, --dp-shard and --dp")
     if args.ep < 1:  # --- MoE expert parallelism: checked before any process group exists
         raise SystemExit(f"--ep must be >= 1, got {args.ep}")
     if args.expert_tp and (args.ep < 2 or args.tp < 2):
@@ -249,7 +283,7 @@ def main(argv=None):
         if n_exp.num_experts % args.ep:
             raise SystemExit(f"--ep {args.ep} must divide the {n_exp.num_experts} experts of --config {args.config}")
     if need != world:
-        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} x --pp {args.pp} = {need} "
+        raise SystemExit(f"--dp {args.dp} x --dp-shard {args.dp_shard} x --tp {args.tp} x --pp {args.pp} x --cp {args.cp} = {need} "
                          "must equal the "
                          f"number of processes ({world}); launch with torchrun --nproc_per_node {need}")
     if world == 1 and "MASTER_ADDR" not in os.environ:
@@ -268,6 +302,8 @@ def main(argv=None):
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
         ds += pipeline.describe(args, cfg) if args.pp > 1 else ""
         ds += f" ep={args.ep}" if args.ep > 1 else ""
+        from examples.llama.context_parallel import describe  # --- CP
+        ds += describe(args.cp_method, mesh)
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
     t0 = time.perf_counter()
@@ -287,6 +323,7 @@ def main(argv=None):
         ds = f"_dpshard{args.dp_shard}" if args.dp_shard > 1 else ""
         ds = f"_pp{args.pp}{args.pp_schedule}" + ds if args.pp > 1 else ds
         ds += f"_ep{args.ep}" if args.ep > 1 else ""
+        ds += f"_cp{args.cp}{args.cp_method}" if args.cp > 1 else ""  # --- CP
         series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")

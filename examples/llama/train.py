@@ -112,7 +112,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     start = 0
     if ckpt_dir and getattr(args, "resume", False):
         from examples.llama import checkpoint
-        start = checkpoint.resume(ckpt_dir, model, opt)
+        start = checkpoint.resume(ckpt_dir, model, opt, data_seed=cfg.seed)
         log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
     tp = mesh.size("tp") if "tp" in names else 1
@@ -124,6 +124,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
         opt.zero_grad(set_to_none=True)
         g = train_loss(model, x, y, loss_fn, loss_parallel=args.loss_parallel).clone()
+        _test_kill_hook(step + 1)  # tests only: HP_TEST_KILL_AT_STEP (see below)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
         opt.step()
         if dp > 1:  # every tp rank holds the same loss: average over the whole world
@@ -135,11 +136,27 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         every = getattr(args, "save_every", 0)
         if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
             from examples.llama import checkpoint
-            path = checkpoint.save(ckpt_dir, step + 1, model, opt)
+            path = checkpoint.save(ckpt_dir, step + 1, model, opt, data_seed=cfg.seed)
             log(None, steps, f"saved {path}", 0)
     if report is not None:
         report["bytes"] = state_bytes(model, opt)
     return losses
+
+
+# ---- fault injection for tests/test_elastic_restart.py (elastic restart) -------------------------
+def _test_kill_hook(step):
+    """``HP_TEST_KILL_AT_STEP=RANK:STEP``: that rank SIGKILLs itself in step STEP (1-based, after
+    forward and backward, before the optimizer step), only in torchrun's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` 0 or unset), so the restarted group runs through."""
+    spec = os.environ.get("HP_TEST_KILL_AT_STEP")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != 0:
+        return
+    rank, at = (int(v) for v in spec.split(":"))
+    if step == at and dist.get_rank() == rank:
+        import signal
+        print(f"HP_TEST_KILL_AT_STEP: rank {rank} kills itself in step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+# ------------------------------------------------------------------------------------------------
 
 
 def compile_blocks(model, backend="inductor"):

@@ -170,7 +170,9 @@ class TorchPlatform(Platform):
             raise RuntimeError(
                 f"torch.distributed is not initialised and the environment lacks {missing}; "
                 "launch with torchrun or call torch.distributed.init_process_group first")
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S))
+        # restart-safe under torchrun's shared agent store, and groups destroyed at exit (launch.py)
+        from hyper_parallel.platform.torch import launch
+        launch.init_default_group(backend, timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S))
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 

@@ -21,8 +21,10 @@ vocabulary); ``--out PREFIX`` sets where ``PREFIX.csv``/``PREFIX.png`` go.
 ``DIR/latest`` under any ``--dp/--tp`` (see docs/checkpoint.md).
 
 Multi-node: run the same command on every node with
-``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
---nproc_per_node P examples/llama/train.py ...`` (dp * tp = N * P).
+``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT
+--rdzv-id JOB examples/llama/train.py ...`` (dp * dp_shard * tp = N * P; tp dividing P keeps
+each tensor-parallel group within a node; docs/multi_node.md). Elastic restart: add
+``--max-restarts K`` and ``--checkpoint-dir D --save-every S --resume`` (docs/checkpoint.md).
 """
 from __future__ import annotations
 
@@ -74,6 +76,30 @@ def make_mesh(args):
     if getattr(args, "dp_shard", 1) > 1:
         return hp.init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp), mesh_dim_names=("dp", "dp_shard", "tp"))
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+
+
+# ---- multi-node placement (docs/multi_node.md) ------------------------------------------------------
+def node_placement(mesh):
+    """On a multi-node launch (torchrun ``GROUP_WORLD_SIZE`` > 1): a line saying which node
+    (``GROUP_RANK``) holds each rank and whether every group of the innermost mesh dim (tp) lies
+    within one node; None on one node. Collective (``all_gather_object``) on multi-node launches.
+
+    torchrun numbers ranks node by node (node ``g`` holds ``g * P .. g * P + P - 1`` for P processes
+    per node) and ``init_device_mesh`` lays ranks out row-major, so the innermost dim stays within
+    a node exactly when its size divides P."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return None
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ["GROUP_RANK"]))
+    inner = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+    within = all(len({nodes[r] for r in row}) == 1 for row in inner)
+    name = mesh.mesh_dim_names[-1] if mesh.mesh_dim_names else str(mesh.ndim - 1)
+    msg = (f"multi-node: {len(set(nodes))} nodes x {os.environ.get('LOCAL_WORLD_SIZE')} processes, node of each rank "
+           f"{nodes}; innermost mesh dim {name!r} groups {inner} each within one node: {'yes' if within else 'NO'}")
+    if not within:
+        msg += f" (WARNING: make the {name} degree divide the processes per node; docs/multi_node.md)"
+    return msg
+# ------------------------------------------------------------------------------------------------
 
 
 def state_bytes(model, opt):
@@ -196,6 +222,7 @@ def main(argv=None):
     if world == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1")
     mesh = make_mesh(args)
+    node_msg = node_placement(mesh)  # multi-node launches: which node holds each rank (collective)
     cfg = get_config(args.config)
     steps = args.steps or cfg.steps
     rank = dist.get_rank()
@@ -206,6 +233,8 @@ def main(argv=None):
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
+        if node_msg:
+            print(node_msg, flush=True)
     t0 = time.perf_counter()
     report = {}
     losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a: None), report=report)

@@ -29,9 +29,11 @@ docs/testing.md, "The gloo abort at exit").
 from __future__ import annotations
 
 import atexit
+import gc
 import os
+import sys
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -60,7 +62,7 @@ def restart_safe_store(timeout: timedelta):
     return dist.PrefixStore(prefix, store)
 
 
-def init_default_group(backend: str, timeout: timedelta) -> None:
+def init_default_group(backend: str, timeout: timedelta, release: Optional[Callable[[], None]] = None) -> None:
     """``init_process_group`` from torchrun's environment, restart-safe, with the exit hook installed."""
     store = restart_safe_store(timeout)
     if store is None:
@@ -68,28 +70,42 @@ def init_default_group(backend: str, timeout: timedelta) -> None:
     else:
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    install_exit_hook()
+    install_exit_hook(release)
+
+
+_hook = {"installed": False, "release": []}
 
 
 def destroy_at_exit() -> None:
-    """Destroy every process group if the program did not: called by ``atexit``.
+    """At interpreter exit (``atexit``): destroy the process groups and free them, threads joined.
 
-    A live ProcessGroupGloo destroyed later, during the interpreter's teardown, can abort the
-    process (docs/testing.md); ``destroy_process_group`` here waits for and joins its work
-    while Python, the store and gloo's transport are all still alive.
+    ``dist.destroy_process_group()`` only drops torch's own references; a ProcessGroupGloo and
+    its threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) live on while anything else holds it,
+    here the platform's group cache and every mesh. Such a group is destroyed during the
+    interpreter's teardown instead, with its threads still running, and that sometimes aborts the
+    process ("terminate called without an active exception"; docs/testing.md). So: destroy,
+    call the registered ``release`` functions (they drop the library's references) and collect,
+    all while the interpreter is whole. Skipped after an uncaught exception (``sys.last_value``):
+    a group whose peer died may have work that only its timeout ends, and the exit status is
+    non-zero anyway.
     """
+    if getattr(sys, "last_value", None) is not None:
+        return
     try:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # a group already broken by a dead peer: nothing left to tear down cleanly
         pass
+    for release in _hook["release"]:
+        release()
+    gc.collect()
 
 
-_hook = {"installed": False}
-
-
-def install_exit_hook() -> None:
-    """Register :func:`destroy_at_exit` with ``atexit`` (once per process)."""
+def install_exit_hook(release: Optional[Callable[[], None]] = None) -> None:
+    """Register :func:`destroy_at_exit` with ``atexit`` once per process; ``release`` (once each)
+    drops a holder's references to process groups at that point."""
+    if release is not None and release not in _hook["release"]:
+        _hook["release"].append(release)
     if not _hook["installed"]:
         atexit.register(destroy_at_exit)
         _hook["installed"] = True

@@ -19,6 +19,11 @@ checkpoint_staging.install()  # async_save's stager learns to copy DTensors (see
 _DEFAULT_TIMEOUT_S = float(os.environ.get("HYPER_PARALLEL_TIMEOUT", "600"))
 
 
+def _launch_mod():
+    from hyper_parallel.platform.torch import launch  # process-group start and exit (restarts, teardown)
+    return launch
+
+
 class TorchPlatform(Platform):
     platform_type = PlatformType.PYTORCH
 
@@ -171,8 +176,8 @@ class TorchPlatform(Platform):
                 f"torch.distributed is not initialised and the environment lacks {missing}; "
                 "launch with torchrun or call torch.distributed.init_process_group first")
         # restart-safe under torchrun's shared agent store, and groups destroyed at exit (launch.py)
-        from hyper_parallel.platform.torch import launch
-        launch.init_default_group(backend, timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S))
+        _launch_mod().init_default_group(backend, timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S),
+                                         release=self.release_groups)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -197,6 +202,7 @@ class TorchPlatform(Platform):
                 handle = dist.new_group(list(ranks), use_local_synchronization=False)
             grp = CommGroup(ranks, handle, self.get_rank())
             self._groups[ranks] = grp
+            _launch_mod().install_exit_hook(self.release_groups)  # once per process (launch.py)
         return grp
 
     @staticmethod
@@ -250,6 +256,15 @@ class TorchPlatform(Platform):
         torch.serialization.add_safe_globals(list(objs))
 
     def reset_groups(self) -> None:
+        self._groups.clear()
+
+    def release_groups(self) -> None:
+        """Drop this platform's references to process groups (at exit: launch.destroy_at_exit).
+
+        The group cache, and through it every mesh, holds the ProcessGroup objects; while it does,
+        ``dist.destroy_process_group()`` cannot free them and their gloo threads outlive it."""
+        for grp in self._groups.values():
+            grp.handle = None
         self._groups.clear()
 
     # ------------------------------------------------------------ tensor helpers

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,7 @@ def main(argv=None):
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     args = [x for x in a.args if x != "--"]
+    script = Path(a.script).resolve()  # launches run in a scratch directory (core files land there)
     if a.destroy:
         args.append("--destroy")
     env = {k: v for k, v in os.environ.items()
@@ -77,17 +79,19 @@ def main(argv=None):
     try:
         for i in range(a.n):
             t0 = time.perf_counter()
-            kind, out = launch(a.script, args, a.nproc, a.timeout, cwd, env, cores=a.cores is not None)
+            kind, out = launch(script, args, a.nproc, a.timeout, cwd, env, cores=a.cores is not None)
             counts[kind] += 1
             loads.append(os.getloadavg()[0])
             print(f"launch {i + 1}/{a.n}: {kind} ({time.perf_counter() - t0:.1f}s, load {loads[-1]:.1f})", flush=True)
             if kind != "ok" and shown < a.show:
                 shown += 1
-                print("\n".join(out.splitlines()[-40:]), flush=True)
+                print("\n".join(out.splitlines()[-80:]), flush=True)
     finally:
         for h in hogs:
             h.kill()
             h.wait()
+        if a.cores is None:
+            shutil.rmtree(cwd, ignore_errors=True)
     other = counts["fail"] + counts["timeout"]
     print(f"launch_loop: {a.n} launches, {counts['abort']} aborts, {other} other failures "
           f"({a.nproc} processes each, hog {a.hog}, mean load {sum(loads) / max(len(loads), 1):.1f})", flush=True)

@@ -9,9 +9,9 @@ behind, without ``.metadata``, and ``latest`` still names the previous complete 
 ``dcp.save`` returns on every rank only after rank 0 has written the directory's
 ``.metadata`` (its last act), so the marker is written after that and a barrier.
 
-Resume picks the newest *complete* step directory: the highest ``step-NNNNNN`` holding
-``.metadata`` (a directory without it is never picked, whatever ``latest`` says); rank 0
-chooses and broadcasts the name, so every rank loads the same one. Besides model and optimizer
+Resume picks a *complete* step directory (one holding ``.metadata``; a directory without it
+is never picked): the one ``latest`` names if that is complete, else the newest complete
+``step-NNNNNN``. Rank 0 chooses and broadcasts the name, so every rank loads the same one. Besides model and optimizer
 a checkpoint holds what makes a resumed run bit-exact in the same layout: the data position
 (``data.seed``, ``data.next_step``: batches are a pure function of seed and step) and every
 rank's RNG state (``rng/<rank>/cpu``, ``rng/<rank>/cuda``, restored when the world size is the
@@ -49,13 +49,21 @@ def is_complete(path: str) -> bool:
 
 
 def latest_dir(root: str) -> Optional[str]:
-    """The newest complete step directory under ``root`` (None if there is none).
+    """The complete step directory to resume from under ``root`` (None if there is none).
 
-    Step directories without ``.metadata`` (a save that died part way) are skipped, and so is
-    what ``latest`` names if it is not complete; the marker is kept for people and tools.
+    The one ``latest`` names, if it is complete (the normal case: ``save`` rewrites the marker
+    after each complete save; a person may point it at an earlier step). Otherwise (no marker,
+    or it names a directory without ``.metadata``) the newest complete ``step-NNNNNN``. A step
+    directory without ``.metadata`` (a save that died part way) is never returned.
     """
     if not os.path.isdir(root):
         return None
+    marker = os.path.join(root, LATEST)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            named = os.path.join(root, f.read().strip())
+        if _STEP_DIR.match(os.path.basename(named)) and is_complete(named):
+            return named
     steps = sorted(((int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))),
                    reverse=True)
     for _, name in steps:

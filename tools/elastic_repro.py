@@ -6,6 +6,15 @@
 Round 0: init_process_group, optionally dist.new_group, an all_reduce, then rank 1 SIGKILLs
 itself. torchrun tears the group down and starts round 1 (TORCHELASTIC_RESTART_COUNT=1), which
 does the same without the kill and prints "round 1 ok".
+
+What happens with torch 2.13 on gloo (docs/checkpoint.md, "Elastic restart"): round 1 first prints
+the keys it finds already set in torchrun's shared agent store (MASTER_ADDR:MASTER_PORT is the same
+server in every round), e.g. ``default_pg/0//cpu//0/0`` and, after a subgroup,
+``default_pg/0//1//cpu//0/0``: gloo's address exchange of round 0. init_process_group then reads
+a dead process's address and fails in connectFullMesh ("Connection refused" / "Connect
+timeout"). ``--fresh-store`` gives each attempt a PrefixStore of its own over a client of the same
+store (what hyper_parallel's process-group initialisation does) and round 1 succeeds.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0 hosts a new store every round) also succeeds.
 """
 import argparse
 import os

@@ -55,6 +55,20 @@ _compose()
 __version__ = "0.1.0"
 
 
+def init_process_group(device_type: str = None, timeout_s: float = None) -> None:
+    """Initialise the default process group from torchrun's environment, if not yet done.
+
+    What ``init_device_mesh`` does first; call it yourself to initialise before building a mesh.
+    Under torchrun's shared agent store every restart attempt gets a key space of its own (an
+    elastic restart works after ``new_group``), and the process groups are destroyed and freed
+    at interpreter exit (docs/checkpoint.md "Elastic restart", docs/testing.md). ``device_type``:
+    "cpu" (gloo) or "cuda" (nccl; default when CUDA is available); ``timeout_s``: collective
+    timeout (default ``HYPER_PARALLEL_TIMEOUT`` or 600 s).
+    """
+    plat = get_platform()
+    plat.init_process_group(device_type or plat.default_device_type(), timeout_s)
+
+
 def _testing_reset():
     """Reset per-process caches between tests (used by the test harness)."""
     from hyper_parallel.core.dtensor import random as _r
@@ -73,4 +87,5 @@ __all__ = [
     "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
     "ShardingPlan", "shard_module",
     "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "hsdp",
+    "init_process_group",
 ]

@@ -4,11 +4,18 @@
     DIR/step-000020/
     DIR/latest           "step-000020", rewritten (atomically) only after that save completed
 
-Why the marker: a save that dies part way (a killed rank, a full disk) leaves a
-partial step directory behind, but ``latest`` still names the previous complete
-one, so ``--resume`` never reads a torn checkpoint. ``dcp.save`` returns on every
-rank only after rank 0 has written the directory's ``.metadata`` (its last act),
-so the marker is written after that and a barrier.
+A save that dies part way (a killed rank, a full disk) leaves a partial step directory
+behind, without ``.metadata``, and ``latest`` still names the previous complete one.
+``dcp.save`` returns on every rank only after rank 0 has written the directory's
+``.metadata`` (its last act), so the marker is written after that and a barrier.
+
+Resume picks a *complete* step directory (one holding ``.metadata``; a directory without it
+is never picked): the one ``latest`` names if that is complete, else the newest complete
+``step-NNNNNN``. Rank 0 chooses and broadcasts the name, so every rank loads the same one. Besides model and optimizer
+a checkpoint holds what makes a resumed run bit-exact in the same layout: the data position
+(``data.seed``, ``data.next_step``: batches are a pure function of seed and step) and every
+rank's RNG state (``rng/<rank>/cpu``, ``rng/<rank>/cuda``, restored when the world size is the
+saved one; under another layout the generators are left alone).
 
 State dicts come from :mod:`hyper_parallel.checkpoint` (keys are parameter FQNs),
 so a checkpoint saved under one ``--dp/--tp`` layout resumes under any other, or
@@ -17,8 +24,10 @@ in one process.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -31,17 +40,36 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:06d}")
 
 
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def is_complete(path: str) -> bool:
+    """A DCP directory is complete once ``.metadata`` exists (``dcp.save`` writes it last)."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
 def latest_dir(root: str) -> Optional[str]:
-    """The step directory ``latest`` names, or None if there is no completed checkpoint under ``root``."""
-    marker = os.path.join(root, LATEST)
-    if not os.path.exists(marker):
+    """The complete step directory to resume from under ``root`` (None if there is none).
+
+    The one ``latest`` names, if it is complete (the normal case: ``save`` rewrites the marker
+    after each complete save; a person may point it at an earlier step). Otherwise (no marker,
+    or it names a directory without ``.metadata``) the newest complete ``step-NNNNNN``. A step
+    directory without ``.metadata`` (a save that died part way) is never returned.
+    """
+    if not os.path.isdir(root):
         return None
-    with open(marker) as f:
-        name = f.read().strip()
-    path = os.path.join(root, name)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{marker} names {name!r}, but {path} does not exist")
-    return path
+    marker = os.path.join(root, LATEST)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            named = os.path.join(root, f.read().strip())
+        if _STEP_DIR.match(os.path.basename(named)) and is_complete(named):
+            return named
+    steps = sorted(((int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))),
+                   reverse=True)
+    for _, name in steps:
+        if is_complete(os.path.join(root, name)):
+            return os.path.join(root, name)
+    return None
 
 
 def _rank() -> int:
@@ -53,12 +81,31 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(root: str, step: int, model, optimizer) -> str:
-    """Save model + optimizer after ``step`` completed steps (collective); returns the step directory."""
+def _rng_state() -> dict:
+    """This rank's generator states under rank-specific keys (DCP keeps one copy per key)."""
+    r = _rank()
+    out = {f"rng/{r}/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"rng/{r}/cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def save(root: str, step: int, model, optimizer, data_seed: Optional[int] = None) -> str:
+    """Save model + optimizer after ``step`` completed steps (collective); returns the step directory.
+
+    With ``data_seed`` the data position (``data.seed``, ``data.next_step``) is saved too; every
+    rank's RNG state always is.
+    """
     path = step_dir(root, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step, GROUPS: _groups_by_fqn(optim_sd)},
-             checkpoint_id=path)
+    state = {"model": model_sd, "optim": optim_sd, "step": step, GROUPS: _groups_by_fqn(optim_sd), "rng_world": _world(), **_rng_state()}
+    if data_seed is not None:
+        state["data"] = {"seed": int(data_seed), "next_step": step}
+    dcp.save(state, checkpoint_id=path)
     _barrier()
     if _rank() == 0:
         tmp = os.path.join(root, f".{LATEST}.tmp")
@@ -71,15 +118,28 @@ def save(root: str, step: int, model, optimizer) -> str:
     return path
 
 
-def load(path: str, model, optimizer, *, stage: bool = False) -> int:
+def load(path: str, model, optimizer, data_seed: Optional[int] = None, *, stage: bool = False) -> int:
     """Load a step directory into ``model``/``optimizer`` in their current layout; returns its step.
 
+    Restores this rank's RNG state when the checkpoint has it and was saved at this world size.
+    With ``data_seed``, a checkpoint that recorded a different data seed is refused.
     ``stage=True`` (pipeline stages, ``--pp``): ``model`` holds only some of the checkpoint's parameters;
-    the others are not read (every key of ``model`` must still be in the checkpoint)."""
+    the others are not read (every key of ``model`` must still be in the checkpoint).
+    """
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": -1}
     if _has_groups_by_fqn(path):
         state[GROUPS] = _groups_by_fqn(optim_sd)
+    # the extras, all of them (the strict check wants every key; every rank's RNG state is a few KB)
+    state.update({k: torch.empty(tuple(md.size), dtype=torch.uint8) for k, md in saved.items() if k.startswith("rng/")})
+    for k in ("rng_world", "data.seed", "data.next_step"):
+        if k in saved:
+            state.setdefault(k.split(".")[0], {} if "." in k else -1)
+            if "." in k:
+                state["data"][k.split(".")[1]] = -1
     if stage:  # shapes checked first; a key missing from the checkpoint fails DCP's planning on every rank
         checked_load(state, checkpoint_id=path, strict=False, planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
     else:
@@ -87,6 +147,13 @@ def load(path: str, model, optimizer, *, stage: bool = False) -> int:
     if GROUPS in state:  # --- pipeline stages: each rank's param_groups name only its stages' parameters
         optim_sd["param_groups"] = [{**hyper, "params": [fqn]} for fqn, hyper in state[GROUPS].items()]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if data_seed is not None and "data" in state and state["data"]["seed"] != data_seed:
+        raise ValueError(f"{path} was saved with data seed {state['data']['seed']}, this run uses {data_seed}; "
+                         "the resumed batches would differ")
+    if state.get("rng_world") == _world():
+        for k in _rng_state():
+            if k in state:
+                (torch.set_rng_state if k.endswith("/cpu") else torch.cuda.set_rng_state)(state[k])
     return int(state["step"])
 
 
@@ -108,7 +175,17 @@ def _has_groups_by_fqn(path: str) -> bool:
     return any(k.startswith(GROUPS + ".") for k in meta.state_dict_metadata)
 
 
-def resume(root: str, model, optimizer, *, stage: bool = False) -> int:
-    """Load ``latest`` under ``root`` if there is one; returns the number of completed steps (0 if none)."""
-    path = latest_dir(root)
-    return 0 if path is None else load(path, model, optimizer, stage=stage)
+def _agreed_latest(root: str) -> Optional[str]:
+    """``latest_dir`` as rank 0 sees it, on every rank (one broadcast when distributed)."""
+    path = latest_dir(root) if _rank() == 0 else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
+
+
+def resume(root: str, model, optimizer, data_seed: Optional[int] = None, *, stage: bool = False) -> int:
+    """Load the newest complete checkpoint under ``root`` if there is one; returns the completed steps (0 if none)."""
+    path = _agreed_latest(root)
+    return 0 if path is None else load(path, model, optimizer, data_seed=data_seed, stage=stage)

@@ -46,8 +46,10 @@ balancing) is updated from the global token counts (one all_reduce) and rank 0 p
 load (tokens per expert and max/mean per MoE layer) with the progress line.
 
 Multi-node: run the same command on every node with
-``torchrun --nnodes N --node_rank R --master_addr HOST --master_port PORT
---nproc_per_node P examples/llama/train.py ...`` (dp * tp = N * P).
+``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT
+--rdzv-id JOB examples/llama/train.py ...`` (dp * dp_shard * tp = N * P; tp dividing P keeps
+each tensor-parallel group within a node; docs/multi_node.md). Elastic restart: add
+``--max-restarts K`` and ``--checkpoint-dir D --save-every S --resume`` (docs/checkpoint.md).
 """
 from __future__ import annotations
 
@@ -126,6 +128,30 @@ def make_mesh(args):
     return hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
 
 
+# ---- multi-node placement (docs/multi_node.md) ------------------------------------------------------
+def node_placement(mesh):
+    """On a multi-node launch (torchrun ``GROUP_WORLD_SIZE`` > 1): a line saying which node
+    (``GROUP_RANK``) holds each rank and whether every group of the innermost mesh dim (tp) lies
+    within one node; None on one node. Collective (``all_gather_object``) on multi-node launches.
+
+    torchrun numbers ranks node by node (node ``g`` holds ``g * P .. g * P + P - 1`` for P processes
+    per node) and ``init_device_mesh`` lays ranks out row-major, so the innermost dim stays within
+    a node exactly when its size divides P."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return None
+    nodes = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ["GROUP_RANK"]))
+    inner = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()
+    within = all(len({nodes[r] for r in row}) == 1 for row in inner)
+    name = mesh.mesh_dim_names[-1] if mesh.mesh_dim_names else str(mesh.ndim - 1)
+    msg = (f"multi-node: {len(set(nodes))} nodes x {os.environ.get('LOCAL_WORLD_SIZE')} processes, node of each rank "
+           f"{nodes}; innermost mesh dim {name!r} groups {inner} each within one node: {'yes' if within else 'NO'}")
+    if not within:
+        msg += f" (WARNING: make the {name} degree divide the processes per node; docs/multi_node.md)"
+    return msg
+# ------------------------------------------------------------------------------------------------
+
+
 def state_bytes(model, opt):
     """This rank's bytes of parameters, gradients and optimizer states (local shards)."""
     local = lambda t: t._local_tensor if isinstance(t, hp.DTensor) else t
@@ -180,7 +206,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     start = 0
     if ckpt_dir and getattr(args, "resume", False):
         from examples.llama import checkpoint
-        start = checkpoint.resume(ckpt_dir, model, opt)
+        start = checkpoint.resume(ckpt_dir, model, opt, data_seed=cfg.seed)
         log(None, steps, f"resumed from {checkpoint.latest_dir(ckpt_dir) or '(none)'} after step {start}", 0)
     data = TokenBatches(seed=cfg.seed)
     tp = mesh.size("tp") if "tp" in names else 1
@@ -199,6 +225,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         x, y = cpi.shard(x, y)  # --- CP
         opt.zero_grad(set_to_none=True)
         g = train_loss(model, x, y, cpi.loss_fn(loss_fn), loss_parallel=args.loss_parallel).clone()
+        _test_kill_hook(step + 1)  # tests only: HP_TEST_KILL_AT_STEP (see below)
         if moe:  # --- MoE: clip over both meshes, then the aux-loss-free bias step from global counts
             clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             opt.step()
@@ -217,11 +244,27 @@ def train(args, steps, cfg, mesh, log=print, report=None):
         every = getattr(args, "save_every", 0)
         if ckpt_dir and ((every and (step + 1) % every == 0) or step + 1 == steps):
             from examples.llama import checkpoint
-            path = checkpoint.save(ckpt_dir, step + 1, model, opt)
+            path = checkpoint.save(ckpt_dir, step + 1, model, opt, data_seed=cfg.seed)
             log(None, steps, f"saved {path}", 0)
     if report is not None:
         report["bytes"] = state_bytes(model, opt)
     return losses
+
+
+# ---- fault injection for tests/test_elastic_restart.py (elastic restart) -------------------------
+def _test_kill_hook(step):
+    """``HP_TEST_KILL_AT_STEP=RANK:STEP``: that rank SIGKILLs itself in step STEP (1-based, after
+    forward and backward, before the optimizer step), only in torchrun's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` 0 or unset), so the restarted group runs through."""
+    spec = os.environ.get("HP_TEST_KILL_AT_STEP")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != 0:
+        return
+    rank, at = (int(v) for v in spec.split(":"))
+    if step == at and dist.get_rank() == rank:
+        import signal
+        print(f"HP_TEST_KILL_AT_STEP: rank {rank} kills itself in step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+# ------------------------------------------------------------------------------------------------
 
 
 def compile_blocks(model, backend="inductor"):
@@ -292,6 +335,7 @@ def main(argv=None):
         from examples.llama import pipeline
         pipeline.check_args(args, get_config(args.config), world)
     mesh = make_mesh(args)
+    node_msg = node_placement(mesh)  # multi-node launches: which node holds each rank (collective)
     cfg = get_config(args.config)
     steps = args.steps or cfg.steps
     rank = dist.get_rank()
@@ -306,6 +350,8 @@ def main(argv=None):
         ds += describe(args.cp_method, mesh)
         print(f"hyper_parallel demo: {args.config} Llama ({n:,} params), dp={args.dp}{ds} tp={args.tp} "
               f"sp={'on' if args.sp else 'off'}{lp}, {steps} steps, global batch {cfg.global_batch}x{cfg.seq_len}")
+        if node_msg:
+            print(node_msg, flush=True)
     t0 = time.perf_counter()
     report = {}
     losses = train(args, steps, cfg, mesh, log=progress if rank == 0 else (lambda *a, **k: None), report=report)

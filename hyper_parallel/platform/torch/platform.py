@@ -18,6 +18,11 @@ checkpoint_staging.install()  # async_save's stager learns to copy DTensors (see
 
 
 
+def _launch_mod():
+    from hyper_parallel.platform.torch import launch  # process-group start and exit (restarts, teardown)
+    return launch
+
+
 class TorchPlatform(Platform):
     platform_type = PlatformType.PYTORCH
 
@@ -175,8 +180,10 @@ class TorchPlatform(Platform):
             raise RuntimeError(
                 f"torch.distributed is not initialised and the environment lacks {missing}; "
                 "launch with torchrun or call torch.distributed.init_process_group first")
+        # restart-safe under torchrun's shared agent store, and groups destroyed at exit (launch.py);
         # the one collective timeout (faults.collective_timeout: HYPER_PARALLEL_COLLECTIVE_TIMEOUT, setter)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s else fault.group_timeout())
+        _launch_mod().init_default_group(backend, timedelta(seconds=timeout_s) if timeout_s else fault.group_timeout(),
+                                         release=self.release_groups)
         fault.adopt(dist.group.WORLD, created=True)
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -204,6 +211,7 @@ class TorchPlatform(Platform):
                 fault.adopt(handle, created=True)
             grp = CommGroup(ranks, handle, self.get_rank())
             self._groups[ranks] = grp
+            _launch_mod().install_exit_hook(self.release_groups)  # once per process (launch.py)
         return grp
 
     @staticmethod
@@ -261,6 +269,15 @@ class TorchPlatform(Platform):
     def reset_groups(self) -> None:
         self._groups.clear()
         fault.forget_groups()
+
+    def release_groups(self) -> None:
+        """Drop this platform's references to process groups (at exit: launch.destroy_at_exit).
+
+        The group cache, and through it every mesh, holds the ProcessGroup objects; while it does,
+        ``dist.destroy_process_group()`` cannot free them and their gloo threads outlive it."""
+        for grp in self._groups.values():
+            grp.handle = None
+        self._groups.clear()
 
     # ------------------------------------------------------------ tensor helpers
     @staticmethod

@@ -111,6 +111,11 @@ def check_args(args, cfg, world):
                          + (f" / --ep {args.ep}" if getattr(args, "ep", 1) > 1 else "")
                          + " (its separate weight-gradient pass bypasses fully_shard's reduce-scatter); "
                          "use gpipe, 1f1b or interleaved1f1b")
+    if args.compile and args.sp:
+        # measured: compiled blocks behind the SP stage-boundary hooks train to a wrong loss (0.45 off after
+        # 3 steps at pp 2 x tp 2); refused until that is understood (docs/pipelining.md, "What is left")
+        raise SystemExit("--compile with --pp and --sp is not supported yet (compiled blocks at the sequence-"
+                         "parallel stage boundary); use --compile with --pp and --tp without --sp, or drop --compile")
     if args.compile and kind == "v":
         raise SystemExit(f"--compile: torch's zero-bubble schedule {args.pp_schedule} refuses compiled stages")
     return s, m

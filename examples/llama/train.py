@@ -14,6 +14,8 @@ model into pipeline stages on a ("pp", "dp_shard", "tp") mesh: examples/llama/pi
 with --cp"): mesh ("dp", ["dp_shard"], "cp" or "cp_ulysses", "cp_ring", "tp"); composes with
 ``--tp`` (heads by tp, sequence by cp), ``--dp-shard`` (FSDP over the flattened (dp_shard, cp)
 dims) or ``--dp`` (gradients averaged over the flattened (dp, cp) dims). (--- end CP)
+--- CP x PP: ``--pp N --cp M`` (ring): mesh ("pp", "dp_shard", "cp", "tp"), CP inside each stage
+(examples/llama/pipeline.py, docs/pipelining.md "With context parallelism").
 
 ``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
 parameters, gradients and optimizer states (``fully_shard`` per block and root);

@@ -102,7 +102,10 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         raise ValueError("context parallelism with HSDP (--dp > 1 with --dp-shard) is not supported; "
                          "use --dp-shard (FSDP over dp_shard x cp) or --dp (replicate over dp x cp)")
     # --- end CP
-    if "dp_shard" in names and mesh["dp_shard"].size() > 1:
+    # --- CP x PP: a pipeline stage's mesh ("pp", "dp_shard", "cp", "tp") has no "dp" dim: FSDP over the flattened
+    # (dp_shard, cp) dims reduces the gradients over cp even when dp_shard is 1
+    cp_pp = "pp" in names and "dp" not in names and bool(cp_dims(mesh))
+    if "dp_shard" in names and (mesh["dp_shard"].size() > 1 or cp_pp):
         # FSDP (HSDP when a "dp" replicate dim is present): one fully_shard group per block plus the root
         fsdp_mesh = mesh["dp", "dp_shard"] if "dp" in names else mesh["dp_shard"]
         if cp_dims(mesh):  # --- CP: parameters sharded over the flattened (dp_shard, cp) dims

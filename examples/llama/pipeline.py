@@ -116,6 +116,25 @@ def check_args(args, cfg, world):
         # 3 steps at pp 2 x tp 2); refused until that is understood (docs/pipelining.md, "What is left")
         raise SystemExit("--compile with --pp and --sp is not supported yet (compiled blocks at the sequence-"
                          "parallel stage boundary); use --compile with --pp and --tp without --sp, or drop --compile")
+    # --- CP x PP: ContextParallel on each stage's attention, cp-sharded microbatches (context_parallel.py)
+    cp = getattr(args, "cp", 1)
+    if cp > 1:
+        if kind == "v":
+            raise SystemExit(f"--cp {cp} with --pp-schedule {args.pp_schedule}: its separate weight-gradient pass "
+                             "bypasses the gradient reduction over cp; use gpipe, 1f1b or interleaved1f1b")
+        if args.cp_method != "ring":
+            raise SystemExit(f"--cp {cp} with --pp {args.pp} is tested with --cp-method ring only, got "
+                             f"--cp-method {args.cp_method}")
+        if args.tp > 1 or args.sp:
+            raise SystemExit(f"--cp {cp} with --pp {args.pp} composes with --dp-shard; --tp {args.tp}"
+                             f"{' --sp' if args.sp else ''} is not supported with both")
+        if args.compile:
+            raise SystemExit(f"--compile is not supported with --cp {cp} and --pp {args.pp} (the stages compile "
+                             "whole blocks; the CP attention stays eager: docs/context_parallel.md)")
+        if cfg.seq_len < 2 * cp:
+            raise SystemExit(f"--cp {cp}: seq_len {cfg.seq_len} of --config {args.config} must be >= 2 x cp "
+                             "(load-balanced head-tail shards)")
+    # --- end CP x PP
     if args.compile and kind == "v":
         raise SystemExit(f"--compile: torch's zero-bubble schedule {args.pp_schedule} refuses compiled stages")
     return s, m
@@ -127,6 +146,9 @@ def make_mesh(args):
     if getattr(args, "ep", 1) > 1:  # --- MoE expert parallelism inside each stage
         from examples.llama.parallelize import make_moe_mesh
         return make_moe_mesh("cpu", args.dp_shard, args.ep, args.tp, pp=args.pp)
+    if getattr(args, "cp", 1) > 1:  # --- CP x PP: ("pp", "dp_shard", "cp", "tp")
+        return hp.init_device_mesh("cpu", (args.pp, args.dp_shard, args.cp, args.tp),
+                                   mesh_dim_names=("pp", "dp_shard", "cp", "tp"))
     return hp.init_device_mesh("cpu", (args.pp, args.dp_shard, args.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
 
 
@@ -204,6 +226,7 @@ class Pipeline:
     """This rank's stages, schedule and optimizer over one root mesh ("pp", "dp_shard", "tp")."""
 
     def __init__(self, args, cfg, mesh, *, microbatches=None, model=None):
+        from examples.llama.context_parallel import CPInputs  # --- CP x PP
         self.mesh = mesh
         self.schedule_name = SCHEDULES[args.pp_schedule]
         pp_mesh = mesh["pp"]
@@ -215,7 +238,10 @@ class Pipeline:
         self.num_stages = len(pp.plan_stages(list(model.layers.keys()), n, args.pp_layers_per_stage))
         for _, m in parts:  # torchtitan's order: split, TP (+SP) per stage, fully_shard per block + stage root
             parallelize_llama(m, mesh, sequence_parallel=args.sp, src_data_rank=None,
-                              expert_tensor_parallel=getattr(args, "expert_tp", False))
+                              expert_tensor_parallel=getattr(args, "expert_tp", False),
+                              cp_method=getattr(args, "cp_method", "ring"))
+            # --- CP x PP: this stage's rotary tables cut to the rank's head-tail positions (no-op without cp)
+            self.cpi = CPInputs(m, mesh, cfg.seq_len)
             if getattr(args, "compile", None):
                 for name, block in list(m.layers.items()):
                     m.layers.register_module(name, torch.compile(block, backend=args.compile, fullgraph=True,
@@ -228,7 +254,7 @@ class Pipeline:
         self.microbatches = microbatches or args.pp_microbatches or self.num_stages
         cls = pp.get_schedule_class(self.schedule_name)
         self.schedule = cls(self.stages[0] if kind == "single" else self.stages, n_microbatches=self.microbatches,
-                            loss_fn=loss_fn)
+                            loss_fn=self.cpi.loss_fn(loss_fn))  # --- CP x PP: cp * local sum / N per microbatch
         self.has_first = any(s == 0 for s, _ in parts)
         self.has_last = any(s == self.num_stages - 1 for s, _ in parts)
         self.params = [p for m in self.modules for p in m.parameters()]
@@ -282,7 +308,8 @@ class Pipeline:
         stats[0] = float(loss) if loss is not None else 0.0
         stats[1 + dist.get_rank()] = bubble
         dist.all_reduce(stats)
-        return stats[0].item() / (self.mesh["dp_shard"].size() * self.mesh.size("tp")), stats[1:]
+        # --- CP x PP: the last stage's cp ranks hold cp-scaled losses whose mean is the unsharded mean
+        return stats[0].item() / (self.mesh["dp_shard"].size() * self.mesh.size("tp") * self.cpi.cp), stats[1:]
 
 
 def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
@@ -302,6 +329,7 @@ def train_pipeline(args, steps, cfg, mesh, log=print, *, model=None):
     for step in range(start, steps):
         x, y = data.get_batch(step, cfg.global_batch, cfg.seq_len)
         x, y = dp_shard(x, dp_rank, dp), dp_shard(y, dp_rank, dp)
+        x, y = pipe.cpi.shard(x, y)  # --- CP x PP: head-tail sequence shards (first stage's input, last's labels)
         loss, b = pipe.train_step(opt, x, y, cfg.optim.max_grad_norm)
         losses.append(loss)
         tokens += cfg.global_batch * cfg.seq_len

@@ -14,6 +14,8 @@ model into pipeline stages on a ("pp", "dp_shard", "tp") mesh: examples/llama/pi
 with --cp"): mesh ("dp", ["dp_shard"], "cp" or "cp_ulysses", "cp_ring", "tp"); composes with
 ``--tp`` (heads by tp, sequence by cp), ``--dp-shard`` (FSDP over the flattened (dp_shard, cp)
 dims) or ``--dp`` (gradients averaged over the flattened (dp, cp) dims). (--- end CP)
+--- CP x PP: ``--pp N --cp M`` (ring): mesh ("pp", "dp_shard", "cp", "tp"), CP inside each stage
+(examples/llama/pipeline.py, docs/pipelining.md "With context parallelism").
 
 ``--dp`` replicates (gradients all-reduced), ``--dp-shard`` fully shards
 parameters, gradients and optimizer states (``fully_shard`` per block and root);
@@ -305,9 +307,9 @@ def main(argv=None):
     need = args.dp * args.dp_shard * args.tp * args.pp * args.cp  # --- CP: x cp
     if args.cp < 1:  # --- CP
         raise SystemExit(f"--cp must be >= 1, got {args.cp}")
-    if args.cp > 1 and (args.pp > 1 or args.ep > 1):  # --- CP: composes with --tp, --dp-shard, --dp
-        raise SystemExit(f"--cp {args.cp} with " + (f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}")
-                         + " is not supported yet; --cp composes with --tp, --dp-shard and --dp")
+    if args.cp > 1 and args.ep > 1:  # --- CP: composes with --tp, --dp-shard, --dp (--- CP x PP: and --pp)
+        raise SystemExit(f"--cp {args.cp} with --ep {args.ep} is not supported yet; --cp composes with --tp, "
+                         "--dp-shard, --dp and --pp")
     if args.ep < 1:  # --- MoE expert parallelism: checked before any process group exists
         raise SystemExit(f"--ep must be >= 1, got {args.ep}")
     if args.expert_tp and (args.ep < 2 or args.tp < 2):

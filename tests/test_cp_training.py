@@ -10,8 +10,8 @@
   difference against the single-process run.
 * Activation memory: the bytes autograd saves in one forward of the whole model per rank at cp 4
   are <= 0.3x those of one process on the same sequence (measured 0.26x).
-* ``--compile`` with ``--cp`` (``compile_blocks_cp``: each block's MLP and norms compiled, fullgraph,
-  the CP attention eager): loss and gradients equal one process, no graph break.
+* ``--compile`` with ``--cp`` (``compile_blocks_cp``: whole blocks compiled, fullgraph, the CP attention
+  one opaque op): loss and gradients equal one process, no graph break.
 """
 import os
 import re

@@ -135,19 +135,23 @@ def describe(method: Optional[str], mesh) -> str:
     return f" cp={sub.size()}({method}{', ' + shape if sub.ndim == 2 else ''})"
 
 
-def compile_blocks_cp(model, backend="inductor"):
-    """``--compile`` with ``--cp``: ``torch.compile`` each block's ``feed_forward``, ``attention_norm`` and
-    ``ffn_norm`` (``fullgraph=True``, ``dynamic=False``: no graph breaks); the attention stays eager.
+def compile_blocks_cp(model, backend="inductor", whole=True):
+    """``--compile`` with ``--cp``: ``torch.compile`` each whole transformer block (``fullgraph=True``,
+    ``dynamic=False``, no graph breaks), its context-parallel attention included: while compiling, the
+    intercepted ``F.scaled_dot_product_attention`` becomes one opaque op (``hyper_parallel_cp::sdpa``,
+    ``hyper_parallel/platform/torch/context_parallel/opaque.py``), so dynamo never traces the mesh
+    planning or the ring's point-to-point sends. (Under compile the ``attention_mask(...)`` context is
+    not supported; ``is_causal`` is.)
 
-    Why not the whole block: dynamo traces into the context-parallel attention (the ``SDPAMode`` torch
-    function mode that ``ContextParallel`` enters in the attention's forward pre-hook) and fails in the
-    library's Python planning on the ``DeviceMesh`` (``_flat_index(mesh)``: "cls_source must not be
-    None for MRO walk", torch 2.13), and the ring's point-to-point sends have no traceable form yet; the
-    attention would have to be an opaque op (a custom op or an ``allow_in_graph`` autograd Function) for
-    a whole-block graph (docs/context_parallel.md)."""
+    ``whole=False``: the previous path, each block's ``feed_forward``, ``attention_norm`` and ``ffn_norm``
+    compiled and the attention eager."""
     import torch
-    for block in model.layers.values():
-        for name in ("attention_norm", "feed_forward", "ffn_norm"):
-            block.register_module(name, torch.compile(getattr(block, name), backend=backend, fullgraph=True,
+    for name, block in list(model.layers.items()):
+        if whole:
+            model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True,
+                                                             dynamic=False))
+            continue
+        for part in ("attention_norm", "feed_forward", "ffn_norm"):
+            block.register_module(part, torch.compile(getattr(block, part), backend=backend, fullgraph=True,
                                                       dynamic=False))
     return model

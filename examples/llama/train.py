@@ -198,7 +198,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     cpi = CPInputs(model, mesh, cfg.seq_len)
     # --- end CP
     if getattr(args, "compile", None):
-        if cpi.cp > 1:  # --- CP: the MLPs and norms compiled, the CP attention eager (see compile_blocks_cp)
+        if cpi.cp > 1:  # --- CP: whole blocks, the CP attention one opaque op (see compile_blocks_cp)
             from examples.llama.context_parallel import compile_blocks_cp
             compile_blocks_cp(model, args.compile)
         else:

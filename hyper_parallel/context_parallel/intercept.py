@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from hyper_parallel.context_parallel.api import context_parallel_attention
+from hyper_parallel.context_parallel.api import _impl, context_parallel_attention
 from hyper_parallel.context_parallel.masks import CausalMask, NoMask, as_mask
 
 _MASK = threading.local()
@@ -38,6 +38,20 @@ def sdpa_handler(mesh, method, load_balance, rotate=None, what="context-parallel
     """A handler for intercepted ``F.scaled_dot_product_attention(q, k, v, ...)`` calls on ``mesh``."""
 
     def handler(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        impl = _impl()
+        if impl.is_compiling():
+            # torch.compile: one opaque op (no DeviceMesh or p2p in the traced region); it runs `eager`
+            _check(attn_mask, dropout_p, query, key, enable_gqa)
+            return impl.opaque_sdpa(hid, query, key, value, is_causal, scale, enable_gqa)
+        return eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def _check(attn_mask, dropout_p, query, key, enable_gqa):
+        if dropout_p:
+            raise NotImplementedError(f"{what}: dropout_p={dropout_p} > 0 is not supported under context "
+                                      "parallelism (expected dropout_p=0.0)")
+        _check_mask_gqa(attn_mask, query, key, enable_gqa)
+
+    def _check_mask_gqa(attn_mask, query, key, enable_gqa):
         if attn_mask is not None:
             raise NotImplementedError(
                 f"{what}: an attn_mask tensor cannot be honoured under context parallelism (each rank holds a "
@@ -47,7 +61,15 @@ def sdpa_handler(mesh, method, load_balance, rotate=None, what="context-parallel
         if hq != hk and not enable_gqa:
             raise ValueError(f"{what}: query has {hq} heads and key/value {hk}; pass enable_gqa=True for "
                              "grouped-query attention (as F.scaled_dot_product_attention requires)")
+
+    def eager(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              compiled=False):
+        _check_mask_gqa(attn_mask, query, key, enable_gqa)
         extra = _active_mask()
+        if compiled and extra is not None and not isinstance(extra, NoMask):
+            raise NotImplementedError(f"{what}: attention_mask({extra!r}) is not supported inside torch.compile "
+                                      "(the compiled context-parallel SDPA op supports is_causal=True or no mask); "
+                                      "run this attention eagerly")
         if extra is not None and not isinstance(extra, NoMask):
             if is_causal and not extra.causal:
                 raise ValueError(f"{what}: is_causal=True contradicts the active non-causal mask {extra!r}")
@@ -56,6 +78,8 @@ def sdpa_handler(mesh, method, load_balance, rotate=None, what="context-parallel
             mask = CausalMask() if is_causal else NoMask()
         return context_parallel_attention(query, key, value, mesh, method=method, mask=mask, scale=scale,
                                           load_balance=load_balance, rotate=rotate, dropout_p=dropout_p)
+
+    hid = _impl().register_sdpa_handler(eager)
     return handler
 
 

@@ -5,6 +5,7 @@ import torch
 
 from hyper_parallel.platform.torch import collectives as C
 from hyper_parallel.platform.torch import functions as Fn
+from hyper_parallel.platform.torch.context_parallel import opaque as _opaque
 from hyper_parallel.platform.torch.context_parallel import ring as _ring
 from hyper_parallel.platform.torch.context_parallel.ring import RingAttention
 from hyper_parallel.platform.torch.context_parallel.sdpa import SDPAMode, hook_module
@@ -58,6 +59,20 @@ def sdpa_mode(handler):
     return SDPAMode(handler)
 
 
+def register_sdpa_handler(handler) -> int:
+    """An id for ``handler`` that the compile-opaque op ``hyper_parallel_cp::sdpa`` runs (:mod:`.opaque`)."""
+    return _opaque.register_handler(handler)
+
+
+def is_compiling() -> bool:
+    return _opaque.is_compiling()
+
+
+def opaque_sdpa(hid, q, k, v, is_causal, scale, enable_gqa):
+    """While compiling: one opaque graph node running handler ``hid`` (differentiable)."""
+    return _opaque.sdpa(q, k, v, hid, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))
+
+
 def resize_copy_(buffer, value):
     with torch.no_grad():
         buffer.resize_(value.shape)
@@ -70,4 +85,5 @@ def clone(x):
 
 
 __all__ = ["ring_attention", "all_to_all", "repeat_heads", "take", "all_gather", "gather_ints", "is_tensor",
-           "set_stats", "sdpa_mode", "hook_module", "resize_copy_", "clone"]
+           "set_stats", "sdpa_mode", "register_sdpa_handler", "is_compiling", "opaque_sdpa", "hook_module",
+           "resize_copy_", "clone"]

@@ -278,6 +278,7 @@ class TorchPlatform(Platform):
         for grp in self._groups.values():
             grp.handle = None
         self._groups.clear()
+        fault.forget_groups()  # the timeout registry holds the same groups
 
     # ------------------------------------------------------------ tensor helpers
     @staticmethod

@@ -227,3 +227,29 @@ def test_zero_bubble_schedules_refuse_fully_shard_stages(dist_runner):
         assert set(out) == {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}, out
         for name, msg in out.items():
             assert "contains fully_shard (FSDPModule) modules" in msg and "Schedule1F1B" in msg, msg
+
+
+def _no_grad_path_body():
+    import torch
+    import hyper_parallel as hp
+    from hyper_parallel import pipelining as pp
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    lin = torch.nn.Linear(4, 4).double()
+    stage = pp.PipelineStage(lin, 0, 2, torch.device("cpu"))
+    out = hp.distribute_tensor(torch.ones(2, 4, dtype=torch.float64), mesh, [hp.Replicate()])
+    try:
+        stage._hp_unwrap_outputs(out)  # a DTensor output with no gradient path, trainable parameters
+    except RuntimeError as exc:
+        msg = str(exc)
+    else:
+        msg = None
+    ok = stage._hp_unwrap_outputs(out.detach().requires_grad_())  # with a gradient path: passes through
+    return msg, tuple(ok.shape)
+
+
+def test_stage_output_without_gradient_path_raises(dist_runner):
+    """A non-last stage whose outputs carry no gradient path would silently get no gradients (torch's
+    backward skips such outputs): the stage says so, naming the usual cause."""
+    for msg, shape in dist_runner.run(2, _no_grad_path_body):
+        assert msg is not None and "PipelineStage 0: none of the stage's outputs requires grad" in msg, msg
+        assert "block.forward = torch.compile(block.forward)" in msg and shape == (2, 4)

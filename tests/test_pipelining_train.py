@@ -76,7 +76,7 @@ CASES = {  # flags -> world size
     ("--pp", "2", "--pp-schedule", "zbv", "--pp-microbatches", "4"): 2,
     ("--pp", "2", "--tp", "2", "--pp-schedule", "zbv", "--pp-microbatches", "4"): 4,  # split weight pass, TP DTensors
     ("--pp", "2", "--pp-schedule", "interleaved1f1b", "--pp-layers-per-stage", "1"): 2,
-    ("--pp", "2", "--tp", "2", "--compile", "aot_eager"): 4,  # compiled blocks inside TP stages
+    ("--pp", "2", "--tp", "2", "--sp", "--compile", "aot_eager"): 4,  # compiled blocks inside TP + SP stages
 }
 
 
@@ -161,8 +161,7 @@ def test_pp_flags_bad_input_name_flag_and_value():
              ("--pp", "2", "--pp-layers-per-stage", "1"): "makes 4 stages for --pp 2",
              ("--pp", "2", "--pp-schedule", "zbv", "--pp-layers-per-stage", "4"): "needs exactly 2 stages per rank",
              ("--pp", "2", "--pp-schedule", "zbv", "--compile"): "refuses compiled stages",
-             ("--pp", "2", "--dp-shard", "2", "--pp-schedule", "zbv"): "does not compose with --dp-shard 2",
-             ("--pp", "2", "--tp", "2", "--sp", "--compile"): "--compile with --pp and --sp is not supported"}
+             ("--pp", "2", "--dp-shard", "2", "--pp-schedule", "zbv"): "does not compose with --dp-shard 2"}
     for flags, needle in cases.items():
         with pytest.raises(SystemExit, match=re.escape(needle)):
             pipeline.check_args(train.parse_args(list(flags)), cfg, 4)

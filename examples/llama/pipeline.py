@@ -111,11 +111,6 @@ def check_args(args, cfg, world):
                          + (f" / --ep {args.ep}" if getattr(args, "ep", 1) > 1 else "")
                          + " (its separate weight-gradient pass bypasses fully_shard's reduce-scatter); "
                          "use gpipe, 1f1b or interleaved1f1b")
-    if args.compile and args.sp:
-        # measured: compiled blocks behind the SP stage-boundary hooks train to a wrong loss (0.45 off after
-        # 3 steps at pp 2 x tp 2); refused until that is understood (docs/pipelining.md, "What is left")
-        raise SystemExit("--compile with --pp and --sp is not supported yet (compiled blocks at the sequence-"
-                         "parallel stage boundary); use --compile with --pp and --tp without --sp, or drop --compile")
     # --- CP x PP: ContextParallel on each stage's attention, cp-sharded microbatches (context_parallel.py)
     cp = getattr(args, "cp", 1)
     if cp > 1:
@@ -243,9 +238,12 @@ class Pipeline:
             # --- CP x PP: this stage's rotary tables cut to the rank's head-tail positions (no-op without cp)
             self.cpi = CPInputs(m, mesh, cfg.seq_len)
             if getattr(args, "compile", None):
-                for name, block in list(m.layers.items()):
-                    m.layers.register_module(name, torch.compile(block, backend=args.compile, fullgraph=True,
-                                                                 dynamic=False))
+                for block in m.layers.values():
+                    # the block's forward, not the module call: the SP stage-boundary hooks on a stage's first /
+                    # last block (parallelize_llama) stay eager; traced inside the compiled call, the output
+                    # hook's DTensor left stage 0 without a gradient path (a wrong loss from step 2)
+                    block.forward = torch.compile(block.forward, backend=args.compile, fullgraph=True,
+                                                  dynamic=False)
         self.parts = parts
         self.modules = [m for _, m in parts]
         self.module = stages_module(self.modules)

@@ -240,7 +240,20 @@ class PipelineStage(_TorchPipelineStage):
         if lay is None:
             return output
         locs = [o.to_local().contiguous() if isinstance(o, DTensor) else o for o in seq]
+        self._hp_check_grad_path(locs)
         return locs[0] if not isinstance(output, (tuple, list)) else type(output)(locs)
+
+    def _hp_check_grad_path(self, outs):
+        """A non-last stage with trainable parameters whose outputs carry no gradient path would get no
+        gradients at all (torch's backward skips such outputs silently): say so instead."""
+        if not torch.is_grad_enabled() or any(_is_tensor(o) and o.requires_grad for o in outs):
+            return
+        if any(p.requires_grad for p in self.submod.parameters()):
+            raise RuntimeError(
+                f"PipelineStage {self.stage_index}: none of the stage's outputs requires grad although its "
+                "module has trainable parameters, so backward would leave them without gradients. A usual "
+                "cause: a forward hook that builds the boundary DTensor traced inside torch.compile of the "
+                "module call; compile the block's forward instead (block.forward = torch.compile(block.forward))")
 
     def _hp_forward(self, call, args, kwargs):
         return self._hp_unwrap_outputs(call(*self._hp_wrap_inputs(args), **kwargs))

@@ -69,12 +69,7 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
         if ends:
             parallelize_module(model, tp_mesh, ends, src_data_rank=src_data_rank)
         block_plan = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None), use_local_output=True),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
+            **_attention_plan(seq),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
                                                use_local_output=True),
             "feed_forward.w1": ColwiseParallel(),
@@ -121,16 +116,24 @@ def parallelize_llama(model, mesh, *, sequence_parallel: bool = True, loss_paral
 # ----------------------------------------------------------------------------- mixture of experts (--ep)
 
 
-def _moe_tp_plan(seq):
-    """TP of an MoE block: attention as in the dense plan; the MoE takes and returns ``seq`` tensors,
-    its router is replicated, its shared expert colwise/rowwise, its routed experts replicated."""
-    plan = {
+def _attention_plan(seq):
+    """Megatron TP of a block's attention (dense and MoE blocks alike): heads sharded by q/k/v colwise,
+    ``wo`` rowwise back to ``seq`` (``Shard(1)`` with sequence parallelism, else ``Replicate()``)."""
+    return {
         "attention": PrepareModuleInput(input_layouts=(seq, None, None),
                                         desired_input_layouts=(Replicate(), None, None), use_local_output=True),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
+    }
+
+
+def _moe_tp_plan(seq):
+    """TP of an MoE block: attention as in the dense plan; the MoE takes and returns ``seq`` tensors,
+    its router is replicated, its shared expert colwise/rowwise, its routed experts replicated."""
+    plan = {
+        **_attention_plan(seq),
         "moe.shared_experts.w1": ColwiseParallel(),
         "moe.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
         "moe.shared_experts.w3": ColwiseParallel(),

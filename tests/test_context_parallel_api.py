@@ -15,22 +15,46 @@ TOL = 1e-10
 
 
 # ----------------------------------------------------------------------------- the example Llama
-def _llama_cp(method, shape, S, lb, torch_mesh=False):
+def llama_reference(S, seed):
+    """The example Llama twice in float64 (a reference trained one step in one process, and a copy to
+    parallelize) and a batch: (ref, model, tokens, labels, token count, reference loss)."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    import hyper_parallel as hp
     from examples.llama.model import ModelArgs, build_model
-    from hyper_parallel.context_parallel import ContextParallel, cp_shard
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=S)
-    ref = build_model(args).double()
-    model = build_model(args).double()
-    g = torch.Generator().manual_seed(3)
+    ref, model = build_model(args).double(), build_model(args).double()
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 50, (2, S), generator=g)
     labels = torch.randint(0, 50, (2, S), generator=g)
     n_tok = labels.numel()
     loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten(), reduction="sum") / n_tok
     loss_ref.backward()
+    return ref, model, tokens, labels, n_tok, loss_ref
+
+
+def check_cp_sums(loss, loss_ref, model, ref, group=None):
+    """The loss and every parameter's gradient summed over the cp ranks (``group``; FSDP's job, or the
+    user's) equal one process's; returns the summed loss."""
+    import torch.distributed as dist
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    assert abs(float(total) - float(loss_ref)) < TOL, (float(total), float(loss_ref))
+    errs = []
+    for p, pr in zip(model.parameters(), ref.parameters()):
+        gr = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        dist.all_reduce(gr, group=group)
+        errs.append(float((gr - pr.grad).abs().max()))
+    assert max(errs) < TOL, errs
+    return float(total)
+
+
+def _llama_cp(method, shape, S, lb, torch_mesh=False):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import hyper_parallel as hp
+    from hyper_parallel.context_parallel import ContextParallel, cp_shard
+    ref, model, tokens, labels, n_tok, loss_ref = llama_reference(S, 3)
 
     if torch_mesh:                               # a torch.distributed DeviceMesh is accepted too
         from torch.distributed.device_mesh import init_device_mesh
@@ -44,16 +68,7 @@ def _llama_cp(method, shape, S, lb, torch_mesh=False):
     assert all(not hasattr(p, "placements") for p in model.parameters())   # parameters stay plain
     loss = F.cross_entropy(model(tok).flatten(0, 1), lab.flatten(), reduction="sum") / n_tok
     loss.backward()
-    loss_all = loss.detach().clone()
-    dist.all_reduce(loss_all)
-    assert abs(float(loss_all) - float(loss_ref)) < TOL, (float(loss_all), float(loss_ref))
-    errs = []
-    for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
-        gsum = p.grad.clone()
-        dist.all_reduce(gsum)        # the gradient sum over cp (FSDP's job, or the user's)
-        errs.append(float((gsum - pr.grad).abs().max()))
-    assert max(errs) < TOL, errs
-    return float(loss_all)
+    return check_cp_sums(loss, loss_ref, model, ref)
 
 
 @pytest.mark.parametrize("method,shape,S,lb,tm", [("ring", (2,), 16, True, False), ("ulysses", (2,), 15, True, False),
@@ -382,17 +397,9 @@ def _cp_tp(S, sp):
     import torch.distributed as dist
     import torch.nn.functional as F
     import hyper_parallel as hp
-    from examples.llama.model import ModelArgs, build_model
     from examples.llama.parallelize import parallelize_llama
     from hyper_parallel.context_parallel import ContextParallel, cp_shard
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=S)
-    ref, model = build_model(args).double(), build_model(args).double()
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 50, (2, S), generator=g)
-    labels = torch.randint(0, 50, (2, S), generator=g)
-    N = labels.numel()
-    loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten(), reduction="sum") / N
-    loss_ref.backward()
+    ref, model, tokens, labels, N, loss_ref = llama_reference(S, 3)
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     parallelize_llama(model, mesh["tp"], sequence_parallel=sp)
     hp.parallelize_module(model, mesh["cp"], {"layers.*.attention": ContextParallel(method="ring")})
@@ -403,17 +410,7 @@ def _cp_tp(S, sp):
     logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     loss = F.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / N
     loss.backward()
-    cp_group = mesh.get_group("cp")
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp_group)
-    assert abs(float(total) - float(loss_ref)) < TOL
-    errs = []
-    for p, pr in zip(model.parameters(), ref.parameters()):
-        gr = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        gr = gr.clone()
-        dist.all_reduce(gr, group=cp_group)
-        errs.append(float((gr - pr.grad).abs().max()))
-    assert max(errs) < TOL, errs
+    check_cp_sums(loss, loss_ref, model, ref, group=mesh.get_group("cp"))
     return True
 
 

@@ -16,18 +16,10 @@ def _compiled_blocks(method, S):
     import torch.nn.functional as F
     import hyper_parallel as hp
     from torch._dynamo.utils import counters
-    from examples.llama.model import ModelArgs, build_model
     from hyper_parallel.context_parallel import ContextParallel, cp_shard
     torch._dynamo.reset()
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=S)
-    ref = build_model(args).double()
-    model = build_model(args).double()
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 50, (2, S), generator=g)
-    labels = torch.randint(0, 50, (2, S), generator=g)
-    n_tok = labels.numel()
-    loss_ref = F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten(), reduction="sum") / n_tok
-    loss_ref.backward()
+    from tests.test_context_parallel_api import check_cp_sums, llama_reference
+    ref, model, tokens, labels, n_tok, loss_ref = llama_reference(S, 5)
 
     mesh = hp.init_device_mesh("cpu", (2,))
     hp.parallelize_module(model, mesh, {"layers.*.attention": ContextParallel(method=method)})
@@ -42,15 +34,7 @@ def _compiled_blocks(method, S):
         model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(tok).flatten(0, 1), lab.flatten(), reduction="sum") / n_tok
         loss.backward()
-    loss_all = loss.detach().clone()
-    dist.all_reduce(loss_all)
-    assert abs(float(loss_all) - float(loss_ref)) < TOL, (float(loss_all), float(loss_ref))
-    errs = []
-    for p, pr in zip(model.parameters(), ref.parameters()):
-        gsum = p.grad.clone()
-        dist.all_reduce(gsum)
-        errs.append(float((gsum - pr.grad).abs().max()))
-    assert max(errs) < TOL, errs
+    check_cp_sums(loss, loss_ref, model, ref)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     assert CALLS == {"forward": 4, "backward": 4}, CALLS     # 2 blocks x 2 steps through the opaque op

@@ -28,8 +28,8 @@ def _run(iters, repeats):
 
     import hyper_parallel as hp
     from hyper_parallel import Partial, Replicate, Shard
-    from hyper_parallel.platform import faults
-    from hyper_parallel.platform.torch import collectives as C
+    from hyper_parallel.distributed import collective_errors as faults
+    from hyper_parallel.distributed import collectives as C
 
     ws = dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
@@ -64,7 +64,7 @@ def _run(iters, repeats):
         pair("DTensor Shard(0)->Replicate", lambda: hp.DTensor.from_local(local, mesh, [Shard(0)]).redistribute(
             mesh, [Replicate()]), 1, f"{shape} local fp32")
 
-    from hyper_parallel.platform.torch import fault as F
+    from hyper_parallel.distributed import collective_guard as F
     xs = torch.ones(16)
     [t_desc] = bench_interleaved([lambda: F._hash(F.describe("all_reduce", grp, xs, "op sum"))], iters * 5, repeats)
     rows.append(("description + hash only (no communication)", "16 fp32", "-", f"{t_desc:.1f}", f"{t_desc:.1f}", "-"))

@@ -37,8 +37,7 @@ def worker(seq, heads, hd, iters, repeats):
     from hyper_parallel.context_parallel.api import RingPlan, _schedule
     from hyper_parallel.context_parallel.masks import ring_schedule, schedule_work
     from hyper_parallel.context_parallel.plan import shard_layout
-    from hyper_parallel.platform import get_platform
-    impl = get_platform().feature("context_parallel")
+    from hyper_parallel.context_parallel import torch_mechanics as impl
     ws, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, heads, seq, hd, generator=g) for _ in range(3)]
@@ -83,7 +82,7 @@ def worker(seq, heads, hd, iters, repeats):
             grp = mesh.get_comm_group(0)
 
             def exchanges():
-                from hyper_parallel.platform.torch.context_parallel.ring import _Exchange, _AllGather
+                from hyper_parallel.context_parallel.ring import _Exchange, _AllGather
                 if rot == "p2p":
                     for _ in range(3 * ws - 2):
                         ex = _Exchange(kv, kv.numel(), grp)
@@ -91,7 +90,7 @@ def worker(seq, heads, hd, iters, repeats):
                 else:
                     for _ in range(2):
                         _AllGather(kv, [kv.numel()] * ws, grp).wait()
-                    from hyper_parallel.platform.torch import collectives as C
+                    from hyper_parallel.distributed import collectives as C
                     C.reduce_scatter(torch.cat([kv] * ws), 0, grp, [kv.numel()] * ws)
             comm_us = bench_interleaved([exchanges], iters, repeats, sync)[0]
         comp = torch.tensor([stats.get("compute_s", 0.0), stats.get("wait_s", 0.0), t])

@@ -36,8 +36,8 @@ def worker(iters):
     import torch.distributed as dist
 
     import hyper_parallel as hp
-    from hyper_parallel.core.dtensor import cross_mesh_plan as cmp
-    from hyper_parallel.core.dtensor.dtensor import build_layout
+    from hyper_parallel.dtensor import cross_mesh_plan as cmp
+    from hyper_parallel.dtensor.dtensor import build_layout
 
     rank = dist.get_rank()
     meshes = {k: hp.DeviceMesh("cpu", v) for k, v in MESHES.items()}

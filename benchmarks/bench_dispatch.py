@@ -28,7 +28,7 @@ def worker(iters):
 
     import hyper_parallel as hp
     from hyper_parallel import Replicate, Shard
-    from hyper_parallel.core.shard import dispatcher as _op_dispatch
+    from hyper_parallel.dispatch import dispatcher as _op_dispatch
     ws = dist.get_world_size()
     mesh, tmesh = hp.init_device_mesh("cpu", (ws,)), t_mesh("cpu", (ws,))
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ prefetch (ours: implicit prefetch on / off via empty prefetch lists; torch: its 
 block), in alternating blocks. Collectives per step: ours from hyper_parallel.CommDebugMode, torch's
 by counting its ``torch.distributed`` calls (FSDP2's; torch TP's functional collectives are not
 seen); FSDP bytes = what one rank puts on the wire for all_gather + reduce_scatter
-(hyper_parallel.platform.comm_record.bytes_sent). Persistent memory: bytes of the local
+(hyper_parallel.distributed.comm_record.bytes_sent). Persistent memory: bytes of the local
 parameter, gradient and optimizer-state shards per rank after a step. Peak memory: CPU tensors have
 no allocator statistics, so two extra, untimed steps per library run under the torch profiler with
 ``profile_memory=True``, which records every storage allocation and free of the CPU allocator (see
@@ -44,7 +44,7 @@ def worker(iters, repeats, case):
     import torch.distributed.tensor.parallel as ttp
 
     import hyper_parallel as hp
-    from hyper_parallel.platform import comm_record as rec
+    from hyper_parallel.distributed import comm_record as rec
     from examples.llama.model import ModelArgs, Transformer, loss_fn
 
     ws, rank = dist.get_world_size(), dist.get_rank()

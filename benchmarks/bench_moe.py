@@ -182,7 +182,7 @@ def gpu_check(iters=20):
     import torch.distributed as dist
     import hyper_parallel as hp
     from hyper_parallel import moe, parallelize_module
-    from hyper_parallel.platform import get_platform
+    from hyper_parallel.moe.grouped_mm import native_supported
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -197,7 +197,7 @@ def gpu_check(iters=20):
             w = (torch.randn(E, dim, hidden, device=dev, dtype=dt, generator=g) / dim ** 0.5).requires_grad_(True)
             counts = moe.count_ids(torch.randint(0, E, (T,), device=dev, generator=g), E)
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            ok = get_platform().feature("moe").native_supported(x, w)
+            ok = native_supported(x, w)
             res = {}
             for impl in ("native", "loop"):
                 try:

@@ -7,47 +7,44 @@ Quick start::
     x = hp.distribute_tensor(torch.randn(8, 8), mesh, [hp.Shard(0), hp.Replicate()])
     y = x.redistribute(mesh, ("None", "tp"))      # alias spelling, one name per tensor dim
 """
-from hyper_parallel.platform import get_platform
-from hyper_parallel.core.dtensor.placement_types import Placement, Shard, Replicate, Partial
-from hyper_parallel.core.dtensor.layout import Layout
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
-from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.api import (
+from hyper_parallel.distributed import groups
+from hyper_parallel.dtensor.placement_types import Placement, Shard, Replicate, Partial
+from hyper_parallel.dtensor.layout import Layout
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.dtensor.dtensor import DTensor
+from hyper_parallel.dtensor.api import (
     distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
-from hyper_parallel.core.dtensor.random import manual_seed
-from hyper_parallel.core.dtensor import function_bridge as _function_bridge  # noqa: F401  (autograd.Function on DTensors)
+from hyper_parallel.dtensor.random import manual_seed
+from hyper_parallel.dtensor import function_bridge as _function_bridge  # noqa: F401  (autograd.Function on DTensors)
 from hyper_parallel.debug import CommDebugMode
-from hyper_parallel.core.shard import DistributedOp, DFunction, SkipDTensorDispatch, local_map, custom_shard
-from hyper_parallel.core.shard.modes import (implicit_replication, allow_replicate_fallback, set_debug,
+from hyper_parallel.dispatch import DistributedOp, DFunction, SkipDTensorDispatch, custom_shard
+from hyper_parallel.dispatch import local_map
+from hyper_parallel.dispatch.modes import (implicit_replication, allow_replicate_fallback, set_debug,
                                              set_strict_layouts, strict_layouts, StrictLayoutError)
 
-from hyper_parallel.core.shard.sharding_plan import ShardingPlan
-from hyper_parallel.core.shard.api import shard_module
-from hyper_parallel.core.tensor_parallel import (
-    ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
-    PrepareModuleOutput, PrepareModuleInputOutput, parallelize_module, loss_parallel, replicate, data_parallel)
-from hyper_parallel.core.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+from hyper_parallel.dispatch.sharding_plan import ShardingPlan
+from hyper_parallel.dispatch.shard_module import shard_module
+from hyper_parallel.tensor_parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
+                                            PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput,
+                                            parallelize_module, loss_parallel)
+from hyper_parallel import data_parallel
+from hyper_parallel.data_parallel import replicate
+from hyper_parallel.data_parallel import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                                       CPUOffloadPolicy)
-from hyper_parallel.core.fsdp.hsdp import hsdp
+from hyper_parallel.data_parallel.hsdp import hsdp
 
 
 def _compose():
-    """The composition root: wire the platform's feature packages and the core's DTensor class.
+    """The composition root: the two torch patches that need the DTensor class are wired here.
 
-    The platform's root sits below the core and imports none of it; its feature
-    packages (``fully_shard``'s mechanics) import the core and register themselves
-    (``get_platform().feature(name)``), so they are imported here, at the top.
+    ``torch.testing``'s DTensor comparison rule (``dtensor/patch_testing.py``) learns our class, and
+    ``async_save``'s stager learns to copy it (``checkpoint/staging.py``). Both are patches of torch
+    globals, listed with their reasons in docs/design.md ("Patches of torch").
     """
-    import importlib
-    plat = get_platform()
-    plat.register_dtensor_class(DTensor)
-    for pkg in plat.feature_packages:
-        try:
-            importlib.import_module(pkg)
-        except ImportError as exc:  # e.g. pipelining on a torch older than the pinned one: the rest still works
-            if not pkg.startswith(plat.optional_feature_prefixes):
-                raise
-            plat.note_feature_unavailable(pkg, exc)
+    from hyper_parallel.dtensor import patch_testing
+    from hyper_parallel.checkpoint import staging
+    patch_testing.register_dtensor_class(DTensor)
+    staging.install()
 
 
 _compose()
@@ -65,20 +62,19 @@ def init_process_group(device_type: str = None, timeout_s: float = None) -> None
     "cpu" (gloo) or "cuda" (nccl; default when CUDA is available); ``timeout_s``: collective
     timeout (default ``HYPER_PARALLEL_TIMEOUT`` or 600 s).
     """
-    plat = get_platform()
-    plat.init_process_group(device_type or plat.default_device_type(), timeout_s)
+    groups.init_process_group(device_type or groups.default_device_type(), timeout_s)
 
 
 def _testing_reset():
     """Reset per-process caches between tests (used by the test harness)."""
-    from hyper_parallel.core.dtensor import random as _r
-    from hyper_parallel.core.shard import modes as _modes
+    from hyper_parallel.dtensor import random as _r
+    from hyper_parallel.dispatch import modes as _modes
     _r._state.update(seed=None, counter=0)
     _modes._reset()  # strict layouts, implicit replication, fallback, debug: back to the environment's
 
 
 __all__ = [
-    "get_platform", "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
+    "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
     "DTensor", "distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn",
     "manual_seed", "CommDebugMode", "DistributedOp", "DFunction", "SkipDTensorDispatch", "local_map", "custom_shard", "set_strict_layouts", "strict_layouts",
     "StrictLayoutError",

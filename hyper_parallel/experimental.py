@@ -7,9 +7,9 @@ hyper_parallel has: ``local_map``, ``implicit_replication`` and ``register_shard
 those two in ``torch.distributed.tensor.experimental._attention``; ``hyper_parallel.experimental._attention``
 is the same module path here). Context parallelism: ``docs/context_parallel.md``.
 """
-from hyper_parallel.core.shard import local_map
-from hyper_parallel.core.shard.modes import implicit_replication
-from hyper_parallel.core.shard.ops.registered_sharding import register_sharding
+from hyper_parallel.dispatch import local_map
+from hyper_parallel.dispatch.modes import implicit_replication
+from hyper_parallel.dispatch.rules.registered_sharding import register_sharding
 from hyper_parallel.context_parallel import torch_api as _attention
 from hyper_parallel.context_parallel.torch_api import context_parallel, context_parallel_unshard, set_rotate_method
 

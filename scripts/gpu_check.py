@@ -224,7 +224,7 @@ def main():
         return f"largest loss difference vs torch FSDP2 {worst:.2e}"
 
     def _compile():
-        from hyper_parallel.platform.torch.compile import support
+        from hyper_parallel.compile import compile_mode as support
         torch.manual_seed(4)
         ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(dev)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(dev)

@@ -5,7 +5,7 @@ called without an active exception" (about once in 10-20 launches on a loaded ma
 cause was found and fixed: a gloo worker thread freed Python tensors after the interpreter
 had begun finalizing, because the process groups outlived ``destroy_process_group`` (the
 library's group cache held them). hyper_parallel now destroys and frees them in an ``atexit``
-hook (``hyper_parallel/platform/torch/launch.py``; docs/testing.md, "The gloo abort at exit"),
+hook (``hyper_parallel/distributed/launch.py``; docs/testing.md, "The gloo abort at exit"),
 so every failure fails the test.
 """
 from __future__ import annotations

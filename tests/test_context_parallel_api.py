@@ -328,14 +328,14 @@ def _memory(method):
     import hyper_parallel as hp
     from hyper_parallel.context_parallel import CausalMask, context_parallel_attention, cp_shard
     from hyper_parallel.context_parallel.api import RingPlan, _schedule
-    from hyper_parallel.platform import get_platform
+    from hyper_parallel.context_parallel import torch_mechanics
     mesh = hp.init_device_mesh("cpu", (4,))
     B, H, S, D = 1, 4, 64, 8
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(B, H, S, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3)]
     # cp 1: the same attention on the whole sequence in this process
     plan = RingPlan(None, _schedule((((0, S),),), 0, CausalMask()), [S], CausalMask().spec(), D ** -0.5, "p2p")
-    cp1, _ = _saved_bytes(lambda: get_platform().feature("context_parallel").ring_attention(*full, plan))
+    cp1, _ = _saved_bytes(lambda: torch_mechanics.ring_attention(*full, plan))
     sdpa, _ = _saved_bytes(lambda: torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True))
     shards = [t.detach().requires_grad_() for t in cp_shard(mesh, [t.detach() for t in full], [2, 2, 2])]
     cp4, out = _saved_bytes(lambda: context_parallel_attention(*shards, mesh, method=method, is_causal=True,

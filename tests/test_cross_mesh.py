@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel import DeviceMesh, DTensor, Partial, Replicate, Shard
-from hyper_parallel.core.dtensor import cross_mesh_plan as cmp
+from hyper_parallel.dtensor import cross_mesh_plan as cmp
 from hyper_parallel.core.dtensor.dtensor import build_layout
 
 MESHES = {

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from hyper_parallel import Partial, Replicate, Shard
-from hyper_parallel.core.dtensor import cross_mesh_plan as cmp
-from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.dtensor import cross_mesh_plan as cmp
+from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.layout import Layout
 
 MESHES = {

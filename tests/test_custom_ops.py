@@ -160,7 +160,7 @@ def test_unknown_op_and_fallback(dist_runner):
 
 
 def _skip_threads():
-    from hyper_parallel.core.shard import dispatcher as _op_dispatch
+    from hyper_parallel.dispatch import dispatcher as _op_dispatch
     mesh = hp.init_device_mesh("cpu", (2,))
     dt = hp.ones(4, 2, device_mesh=mesh, placements=[Shard(0)])
     n_iter = 300

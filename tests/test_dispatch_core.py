@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
-from hyper_parallel.core.shard import dispatcher as _op_dispatch, modes as _modes
+from hyper_parallel.dispatch import dispatcher as _op_dispatch
+from hyper_parallel.dispatch import modes as _modes
 
 
 def _mlp_colrow():
@@ -87,7 +88,7 @@ def test_elementwise_mix(dist_runner):
 
 
 def _cache():
-    from hyper_parallel.core.shard.ops import base
+    from hyper_parallel.dispatch.rules import base
     mesh = hp.init_device_mesh("cpu", (2,))
     x = hp.ones(4, 4, device_mesh=mesh, placements=[Shard(0)])
     rule = base.get_rule("mul")
@@ -267,9 +268,9 @@ def test_local_move_shortcut_matches_planner():
     """``is_local_move`` (which lets rules skip planning) is only True when the planner's plan is free."""
     import itertools
     from hyper_parallel import Partial
-    from hyper_parallel.core.dtensor import redistribute_plan as rp
+    from hyper_parallel.dtensor import redistribute_plan as rp
     from hyper_parallel.core.dtensor.layout import Layout
-    from hyper_parallel.core.shard.ops.base import is_local_move
+    from hyper_parallel.dispatch.rules.base import is_local_move
     n_free = 0
     for mesh_shape in ((2, 2, 2), (1, 4), (4,)):
         base = Layout(mesh_shape, tuple(f"m{i}" for i in range(len(mesh_shape))))

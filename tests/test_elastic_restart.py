@@ -7,7 +7,7 @@ group, ``--resume`` loads ``step-000002`` and the run completes. Its final check
 AdamW state) and its losses of steps 3-8 are bit-exact against an uninterrupted run of the same
 command line (which starts fresh: ``--resume`` without a checkpoint).
 
-Without the restart-safe store of ``hyper_parallel/platform/torch/launch.py`` the restarted
+Without the restart-safe store of ``hyper_parallel/distributed/launch.py`` the restarted
 round fails in gloo's ``connectFullMesh`` (stale peer addresses in torchrun's shared store;
 ``tools/elastic_repro.py`` shows it in plain torch).
 """

@@ -415,7 +415,7 @@ def test_init_device_mesh_that_does_not_fit_the_world(tmp_path):
 
 def test_timeout_configuration_and_bad_values(monkeypatch):
     import hyper_parallel as hp
-    from hyper_parallel.platform import faults
+    from hyper_parallel.distributed import collective_errors as faults
     assert faults.DEFAULT_TIMEOUT_S == 600
     try:
         monkeypatch.delenv(faults.TIMEOUT_ENV, raising=False)

@@ -17,8 +17,11 @@ from hyper_parallel import Replicate, Shard
 
 
 def test_public_homes_are_the_same_objects():
-    from hyper_parallel.core.dtensor import dispatch_state, dtensor
-    from hyper_parallel.core.shard import _op_dispatch, dispatcher, modes, skip
+    from hyper_parallel.core.dtensor import dtensor
+    from hyper_parallel.dtensor import dispatch_state
+    from hyper_parallel.core.shard import _op_dispatch, skip
+    from hyper_parallel.dispatch import dispatcher
+    from hyper_parallel.dispatch import modes
     for name in ("implicit_replication", "add_no_skip_ops", "remove_no_skip_ops", "get_no_skip_ops",
                  "disable_dtensor_dispatch", "enable_dtensor_dispatch"):
         assert getattr(modes, name) is getattr(dispatch_state, name) is getattr(_op_dispatch, name), name
@@ -34,9 +37,10 @@ def test_public_homes_are_the_same_objects():
 
 
 def test_hook_arguments_are_checked():
-    from hyper_parallel.core.dtensor import _hp_compat, dtensor, register_export
-    from hyper_parallel.core.shard import modes
-    from hyper_parallel.core.shard.ops import base
+    from hyper_parallel.core.dtensor import dtensor, register_export
+    from hyper_parallel.compat import hp_dtensor_names as _hp_compat
+    from hyper_parallel.dispatch import modes
+    from hyper_parallel.dispatch.rules import base
     with pytest.raises(TypeError, match="install_dispatcher: handler must be callable, got 3"):
         dtensor.install_dispatcher(3)
     with pytest.raises(TypeError, match="register_special: fn must be callable, got 'x'"):
@@ -58,8 +62,8 @@ def test_hook_arguments_are_checked():
 def _override_and_special():
     import hyper_parallel as hp
     from hyper_parallel.core.dtensor import dtensor as _dt
-    from hyper_parallel.core.shard import dispatcher
-    from hyper_parallel.core.shard.ops import base
+    from hyper_parallel.dispatch import dispatcher
+    from hyper_parallel.dispatch.rules import base
     mesh = hp.init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
     a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)

@@ -188,7 +188,7 @@ def _attention_body():
             assert o.placements == tuple(seq), (kw, o.placements)
             torch.testing.assert_close(o.full_tensor(), sdpa(q, k, v, **kw))
         # a plain mask is converted on every call, but the rule runs once (the call is cached)
-        from hyper_parallel.core.shard import dispatcher as _op_dispatch
+        from hyper_parallel.dispatch import dispatcher as _op_dispatch
         sdpa(dq, dk, dv, attn_mask=bmask)
         misses = _op_dispatch._STATS["misses"]
         o = sdpa(dq, dk, dv, attn_mask=~bmask | (torch.arange(11) == 0))

@@ -204,7 +204,7 @@ def _zb_fsdp_body():
     import hyper_parallel as hp
     from hyper_parallel import pipelining as pp
     import torch.distributed as dist
-    from hyper_parallel.platform.torch.pipelining import schedules as S
+    from hyper_parallel.pipelining import schedules as S
     rank = dist.get_rank()
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]   # a 1-rank pipeline per rank
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))

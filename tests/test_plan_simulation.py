@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from hyper_parallel import Partial, Replicate, Shard
-from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.core.dtensor.layout import Layout, coordinate_of
 
 MESH = (2, 2, 2)

@@ -4,9 +4,9 @@ import itertools
 import pytest
 
 from hyper_parallel import Layout, Partial, Replicate, Shard
-from hyper_parallel.core.dtensor import redistribute_plan as rp
-from hyper_parallel.core.dtensor.redistribute_plan import plan
-from hyper_parallel.platform import comm_record as rec
+from hyper_parallel.dtensor import redistribute_plan as rp
+from hyper_parallel.dtensor.redistribute_plan import plan
+from hyper_parallel.distributed import comm_record as rec
 
 B1 = Layout((4,), ("x",))
 B2 = Layout((2, 2), ("dp", "tp"))

@@ -2,7 +2,7 @@
 import pytest
 
 from hyper_parallel import platform as plat
-from hyper_parallel.platform import comm_record as rec
+from hyper_parallel.distributed import comm_record as rec
 
 
 def test_singleton_and_detection(monkeypatch):
@@ -42,7 +42,7 @@ def test_prod_gradient_helpers():
     """The pieces of the division-free Partial(prod) backward, checked without processes."""
     import torch
 
-    from hyper_parallel.platform.torch import functions as F
+    from hyper_parallel.distributed import differentiable as F
 
     for n in range(10):
         for k in range(1, 6):
@@ -60,36 +60,12 @@ def test_prod_gradient_helpers():
     assert y.tolist() == [1.0, 2.0, 3.0] and x.grad.tolist() == [4.0, 5.0, 6.0]
 
 
-def test_feature_registry():
-    """Core reaches platform feature mechanics by name; importing hyper_parallel registered them."""
-    import hyper_parallel  # noqa: F401  (the composition root imports the feature packages)
-    from hyper_parallel.platform.torch.fully_shard import state
-
-    p = plat.get_platform()
-    assert p.feature_packages == ("hyper_parallel.platform.torch.fully_shard",
-                                  "hyper_parallel.platform.torch.pipelining",
-                                  "hyper_parallel.platform.torch.moe",
-                                  "hyper_parallel.platform.torch.context_parallel")
-    assert p.feature("fully_shard") is state
-    with pytest.raises(RuntimeError, match="platform feature 'no_such_feature' is not registered on the "
-                                           "TorchPlatform.*hyper_parallel.platform.torch.fully_shard"):
-        p.feature("no_such_feature")
-    with pytest.raises(ValueError, match="register_feature: name must be a non-empty str, got ''"):
-        p.register_feature("", state)
-    marker = object()
-    p.register_feature("_test_feature", marker)
-    try:
-        assert p.feature("_test_feature") is marker
-    finally:
-        type(p)._features.pop("_test_feature")
-
-
 def test_dtensor_class_injected_for_torch_testing():
     """torch.testing's DTensor rule knows our DTensor by injection, not by a module-name string."""
     import hyper_parallel as hp
-    from hyper_parallel.platform.torch import testing_hook
+    from hyper_parallel.dtensor import patch_testing as testing_hook
 
     assert hp.DTensor in testing_hook._DTENSOR_CLASSES
     assert not hasattr(testing_hook, "_DTENSOR_MODULE")
     with pytest.raises(TypeError, match="register_dtensor_class: cls must be a class, got 3"):
-        plat.get_platform().register_dtensor_class(3)
+        testing_hook.register_dtensor_class(3)

@@ -466,7 +466,7 @@ def test_strategies_cover_both_spellings_and_every_reduce_op():
 def _mutants_body():
     """Two deliberately wrong rules, each caught by ``check_case``: wrong values and wrong gradients."""
     import torch
-    from hyper_parallel.core.shard.ops import base
+    from hyper_parallel.dispatch.rules import base
 
     class ScanOnShards(base.DistributedOp):
         """cumsum on each shard alone (keeps the scan dim sharded): wrong values."""

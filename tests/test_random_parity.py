@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
 from hyper_parallel.core.dtensor.random import random_local, random_rows
-from hyper_parallel.core.shard.ops.attention_dropout import sdpa_dropout_reference
+from hyper_parallel.dispatch.rules.attention_dropout import sdpa_dropout_reference
 from tests._parity import _make, _meshes, _randn
 
 DT = torch.float64

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
-from hyper_parallel.core.dtensor import redistribute_plan as rp
+from hyper_parallel.dtensor import redistribute_plan as rp
 from tests.harness import requires_world_size
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import Partial, Replicate, Shard
-from hyper_parallel.core.shard import modes
-from hyper_parallel.core.shard.modes import StrictLayoutNotImplementedError
+from hyper_parallel.dispatch import modes
+from hyper_parallel.dispatch.modes import StrictLayoutNotImplementedError
 
 from tests._parity import _check, _randn
 

@@ -12,7 +12,7 @@ from tests._sweep_cases import Case, check_cases
 
 # gather with a plain (non-DTensor) index tensor: docs/ops.md says indexing ops accept integer index
 # tensors, and index_select did, but GatherRule raised "gather: input and index must both be DTensors".
-# Fixed in core/shard/ops/gather_ops.py: a plain index counts as replicated (a sharded gather dim is
+# Fixed in dispatch/rules/gather_ops.py: a plain index counts as replicated (a sharded gather dim is
 # still looked up locally, giving Partial(sum)).
 GATHER_PLAIN_INDEX = [
     Case(op="indexing", args=("gather", 1), mesh=(4,), inputs=(((2, 6, 3), "f", ("obj", ("S0",))),
@@ -26,7 +26,7 @@ GATHER_PLAIN_INDEX = [
 ]
 
 # F.normalize had no rule ("hyper_parallel has no sharding rule for op 'normalize'"); now decomposed
-# into norm / clamp_min / expand_as / div as torch computes it (core/shard/ops/nn_ops.py).
+# into norm / clamp_min / expand_as / div as torch computes it (dispatch/rules/nn_ops.py).
 NORMALIZE = [
     Case(op="norm", args=("normalize", 0), mesh=(4,), inputs=(((1,), "f", ("alias", ("tp",))),)),
     Case(op="norm", args=("normalize", 1), mesh=(4,), inputs=(((7, 5), "f", ("obj", ("P:min",))),)),
@@ -40,7 +40,7 @@ NORMALIZE = [
 # took size 1 for a broadcast dim, gathered the query there but still declared the output sharded, so
 # ranks with an empty piece returned a whole batch and the next all_gather failed on some ranks
 # ("Trying to create tensor with negative dimension") while the others waited. Fixed in
-# core/shard/ops/nn_ops.py (SDPARule: size 1 is a broadcast only against a larger operand).
+# dispatch/rules/nn_ops.py (SDPARule: size 1 is a broadcast only against a larger operand).
 SDPA_SIZE1 = [
     Case(op="norm", args=("sdpa", False), mesh=(2, 2),
          inputs=(((1, 1, 4, 1), "f", ("obj", ("S0", "S0"))), ((1, 1, 1, 1), "f", ("obj", ("S3", "S3"))),

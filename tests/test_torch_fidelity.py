@@ -73,7 +73,7 @@ def test_multi_dim_mesh_plans_match_torch_small_and_send_fewer_bytes_large():
     such a small tensor, with torch's collective counts and bytes. For a large tensor the byte term wins:
     never more bytes per rank than torch's one-mesh-dim-at-a-time plan, strictly fewer where an exchange of
     halves beats gathering whole dims (docs/dtensor.md, "Differences from torch.distributed.tensor")."""
-    from hyper_parallel.core.dtensor.redistribute_plan import plan
+    from hyper_parallel.dtensor.redistribute_plan import plan
     mesh = hp.Layout((2, 2, 2), ("a", "b", "c"))
     S, R = Shard, Replicate
     cases = [  # (src, dst, torch's collectives, torch's bytes sent per rank for 8x8x8 fp32)

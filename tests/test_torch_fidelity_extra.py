@@ -126,7 +126,7 @@ def test_assert_equal_checks_placements(dist_runner):
 
 def _register_sharding_body():
     import torch.distributed as dist
-    from hyper_parallel.core.shard.ops import base
+    from hyper_parallel.dispatch.rules import base
     from hyper_parallel.experimental import register_sharding
     rank, ws = dist.get_rank(), dist.get_world_size()
     saved = {n: base._REGISTRY.get(n) for n in ("mm", "mm.default")}

@@ -48,7 +48,7 @@ if a.hp:
     dist.barrier()
     if dist.get_rank() == 0:
         print(f"gloo_exit_repro --hp: mesh {tuple(mesh.shape)}, done", flush=True)
-    raise SystemExit(0)  # no destroy: hyper_parallel's exit hook does it (platform/torch/launch.py)
+    raise SystemExit(0)  # no destroy: hyper_parallel's exit hook does it (distributed/launch.py)
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -15,22 +15,13 @@ get FQN-keyed state dicts that reshard on load::
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 hyper_parallel DTensors work with ``dcp.save``/``load``/``async_save`` directly (see
-``docs/checkpoint.md``); the implementation is framework specific and lives in the
-platform layer.
+``docs/checkpoint.md``); their hooks are in ``dcp.py``, ``async_save``'s DTensor copy in ``staging.py``,
+the state-dict helpers in ``state_dict.py``. This package imports only torch and the ground floor
+(DTensors are recognised by duck typing), so the DTensor class may call into ``dcp.py``.
 """
-from hyper_parallel.platform import get_platform
-
-_impl = get_platform().checkpoint_state_dict()
-
-StateDictOptions = _impl.StateDictOptions
-IncompatibleKeys = _impl.IncompatibleKeys
-get_state_dict = _impl.get_state_dict
-set_state_dict = _impl.set_state_dict
-get_model_state_dict = _impl.get_model_state_dict
-set_model_state_dict = _impl.set_model_state_dict
-get_optimizer_state_dict = _impl.get_optimizer_state_dict
-set_optimizer_state_dict = _impl.set_optimizer_state_dict
-load = _impl.load
+from hyper_parallel.checkpoint.state_dict import (IncompatibleKeys, StateDictOptions, get_model_state_dict,
+                                                 get_optimizer_state_dict, get_state_dict, load,
+                                                 set_model_state_dict, set_optimizer_state_dict, set_state_dict)
 
 __all__ = ["StateDictOptions", "IncompatibleKeys", "load", "get_state_dict", "set_state_dict", "get_model_state_dict",
            "set_model_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict"]

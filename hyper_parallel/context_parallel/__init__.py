@@ -26,9 +26,11 @@ Design (one screen)
   ``hyper_parallel.experimental.context_parallel`` is torch 2.13's context manager, exact on CPU.
   ``context_parallel_attention`` (and ``ring_/ulysses_/hybrid_attention``) is the function on
   local tensors or on sequence-sharded DTensors.
-* **Layers.** Framework-neutral: imports ``hyper_parallel.core`` and the platform's accessors only;
-  the torch mechanics (kernels, ring Function, SDPA interception) live in
-  ``hyper_parallel/platform/torch/context_parallel/``, reached by ``get_platform().feature("context_parallel")``.
+* **Files.** ``plan.py``/``masks.py``: which positions each rank holds and which blocks are computed
+  (no torch); ``api.py``: the attention entry points; ``ring.py``/``kernels.py``: the ring autograd
+  Function and block kernels; ``sdpa.py``/``intercept.py``: SDPA interception; ``opaque.py``: the
+  custom op for ``torch.compile``; ``torch_mechanics.py``: the torch operations the plan runs on.
+  Imports: the ground floor, ``dtensor``, ``dispatch`` and the ``ParallelStyle`` base class.
 
 Communication per layer forward, per rank (``b`` = bytes of this rank's K+V shard, ``q``/``o`` its
 query/output shard; formulas and checks in ``comm.py`` and ``docs/context_parallel.md``): ring p2p

@@ -13,17 +13,14 @@ from hyper_parallel.context_parallel.masks import (CausalMask, NoMask, as_mask,
                                                    check_mask_len, ring_schedule)
 from hyper_parallel.context_parallel.plan import (concat_layout, nested_chunk_layout, head_split, kv_head_plan,
                                                   seg_len, shard_layout)
-from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
-from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.platform import get_platform
+from hyper_parallel.dtensor.device_mesh import resolve_mesh
+from hyper_parallel.dtensor.dtensor import DTensor
+from hyper_parallel.dtensor.placement_types import Shard
+from hyper_parallel.context_parallel import torch_mechanics as _tm
 
 METHODS = ("ring", "ulysses", "hybrid")
 ROTATES = ("p2p", "allgather")
 
-
-def _impl():
-    return get_platform().feature("context_parallel")
 
 
 class _Options:
@@ -202,7 +199,7 @@ def hybrid_attention(query, key, value, mesh=None, **kwargs):
 
 def _check_qkv(q, k, v, what):
     for name, t in (("query", q), ("key", k), ("value", v)):
-        if not _impl().is_tensor(t):
+        if not _tm.is_tensor(t):
             raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
         if t.dim() < 3:
             raise ValueError(f"{what}: {name} must be [..., heads, seq, head_dim] (>= 3 dims), got shape "
@@ -231,7 +228,7 @@ def _schedule(ring_layout, me, mask):
 
 
 def _run(q, k, v, layout, U, R, ug, rg, f, mask, scale, rotate, what):
-    impl = _impl()
+    impl = _tm
     lead = tuple(q.shape[:-3])
     hq, hk = q.shape[-3], k.shape[-3]
     q4 = q.reshape((-1,) + tuple(q.shape[-3:]))

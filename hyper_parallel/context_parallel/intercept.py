@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import threading
 
-from hyper_parallel.context_parallel.api import _impl, context_parallel_attention
+from hyper_parallel.context_parallel.api import context_parallel_attention
 from hyper_parallel.context_parallel.masks import CausalMask, NoMask, as_mask
+from hyper_parallel.context_parallel import torch_mechanics as _tm
 
 _MASK = threading.local()
 
@@ -38,7 +39,7 @@ def sdpa_handler(mesh, method, load_balance, rotate=None, what="context-parallel
     """A handler for intercepted ``F.scaled_dot_product_attention(q, k, v, ...)`` calls on ``mesh``."""
 
     def handler(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        impl = _impl()
+        impl = _tm
         if impl.is_compiling():
             # torch.compile: one opaque op (no DeviceMesh or p2p in the traced region); it runs `eager`
             _check(attn_mask, dropout_p, query, key, enable_gqa)
@@ -79,7 +80,7 @@ def sdpa_handler(mesh, method, load_balance, rotate=None, what="context-parallel
         return context_parallel_attention(query, key, value, mesh, method=method, mask=mask, scale=scale,
                                           load_balance=load_balance, rotate=rotate, dropout_p=dropout_p)
 
-    hid = _impl().register_sdpa_handler(eager)
+    hid = _tm.register_sdpa_handler(eager)
     return handler
 
 

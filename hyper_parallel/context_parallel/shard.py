@@ -1,10 +1,11 @@
 """``cp_shard`` / ``cp_unshard``: lay inputs, labels, position ids and rotary tables out for context parallelism."""
 from __future__ import annotations
 
-from hyper_parallel.context_parallel.api import _LAYOUTS, _flat_index, _impl, _mesh_key
+from hyper_parallel.context_parallel.api import _LAYOUTS, _flat_index, _mesh_key
 from hyper_parallel.context_parallel.plan import restore_index, seg_len, shard_index, shard_layout
-from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
-from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.dtensor.device_mesh import resolve_mesh
+from hyper_parallel.dtensor.dtensor import DTensor
+from hyper_parallel.context_parallel import torch_mechanics as _tm
 
 
 def _containers(buffers, seq_dims, what):
@@ -24,7 +25,7 @@ def _containers(buffers, seq_dims, what):
 
 
 def _seq_dim(x, d, i, what):
-    if not _impl().is_tensor(x) or isinstance(x, DTensor):
+    if not _tm.is_tensor(x) or isinstance(x, DTensor):
         raise TypeError(f"{what}: buffer {i} must be a plain tensor, got {type(x).__name__}")
     if not isinstance(d, int) or isinstance(d, bool) or not -x.dim() <= d < x.dim():
         raise ValueError(f"{what}: seq_dims[{i}]={d!r} is not a dim of buffer {i} (shape {tuple(x.shape)})")
@@ -49,7 +50,7 @@ def cp_shard(mesh, buffers, seq_dims, *, load_balance: bool = True):
         d = _seq_dim(x, d, i, what)
         S = x.shape[d]
         layout = shard_layout(S, cp, bool(load_balance))
-        outs.append(_impl().take(x, d, shard_index(layout, f)))
+        outs.append(_tm.take(x, d, shard_index(layout, f)))
         if first is None:
             first = S
     if first is not None:
@@ -64,7 +65,7 @@ def cp_unshard(mesh, buffers, seq_dims, *, load_balance: bool = True):
     bufs, dims, rebuild = _containers(buffers, seq_dims, what)
     if mesh.ndim > 2:
         raise ValueError(f"{what}: the cp mesh must be 1-D or 2-D, got {mesh.ndim}-D {mesh}")
-    impl = _impl()
+    impl = _tm
     cp = mesh.size()
     outs = []
     for i, (x, d) in enumerate(zip(bufs, dims)):

@@ -14,7 +14,8 @@ from typing import List, Optional, Set
 from hyper_parallel.context_parallel import api as _api
 from hyper_parallel.context_parallel.intercept import sdpa_handler
 from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
-from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
+from hyper_parallel.dtensor.device_mesh import resolve_mesh
+from hyper_parallel.context_parallel import torch_mechanics as _tm
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def context_parallel(mesh, *, buffers: Optional[List] = None, buffer_seq_dims: O
             raise ValueError("`no_restore_buffers` must be a subset of `buffers`.")
     method = "hybrid" if mesh.ndim == 2 else "ring"
     _api._mesh_dims(mesh, method, what)
-    impl = _api._impl()
+    impl = _tm
     lb = _api.options.enable_load_balance
     originals = [None if any(b is x for x in no_restore_buffers) else impl.clone(b) for b in buffers]
     if buffers:

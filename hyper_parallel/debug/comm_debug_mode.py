@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hyper_parallel.platform import comm_record, get_platform
+from hyper_parallel.distributed import comm_keys
+from hyper_parallel.distributed import comm_record
 
 
 class CommCounts(dict):
@@ -26,7 +27,7 @@ class CommCounts(dict):
         if isinstance(key, str):
             return key
         try:
-            return get_platform().comm_keys().get(key, key)
+            return comm_keys.torch_comm_keys().get(key, key)
         except TypeError:  # unhashable
             return key
 
@@ -56,7 +57,7 @@ class CommDebugMode:
         comm.get_bytes()            # {'all_gather': 12288}  bytes this rank sent
         comm.comm_module_counts     # {'Global': {'forward': {...}, 'backward': {...}}, 'MLP.net1': ...}
 
-    Bytes follow :func:`hyper_parallel.platform.comm_record.bytes_sent` (what this
+    Bytes follow :func:`hyper_parallel.distributed.comm_record.bytes_sent` (what this
     rank puts on the wire under a bandwidth-optimal algorithm). Nested modes each
     see all collectives. Per-module counts (``comm_module_counts``,
     ``get_parameter_info``, ``get_sharding_info``) use torch's module names
@@ -95,7 +96,7 @@ class CommDebugMode:
         self.events.clear()
         self.comm_module_counts.clear()
         self.comm_module_counts["Global"] = {"forward": CommCounts(), "backward": CommCounts()}
-        self._tracker = get_platform().module_tracker()
+        self._tracker = comm_keys.module_tracker()
         if self._tracker is not None:
             self._tracker.__enter__()
         comm_record.push_recorder(self._record)

@@ -21,37 +21,25 @@ Design (one screen)
   the wrapped forward sees its local experts' rows and ``num_tokens_per_expert`` of length E/ep.
   ``ExpertTensorParallel`` adds tp inside each expert on a 2-D ``("ep", "tp")`` mesh.
 * **Grouped matmul**: ``grouped_mm`` (``torch._grouped_mm`` where torch runs it, an exact loop
-  elsewhere) and a ``_grouped_mm`` sharding rule for DTensors (``core/shard/ops/grouped_mm.py``).
+  elsewhere) and a ``_grouped_mm`` sharding rule for DTensors (``dispatch/rules/grouped_mm.py``).
 * **Routing and balancing**: ``route_topk`` (softmax/sigmoid top-k, bias for selection only,
   DeepSeek-V3 group-limited), ``tokens_per_expert`` (one small all_reduce), ``update_expert_bias`` (DeepSeek-V3
   aux-loss-free), ``load_balance_loss``, ``load_metrics``.
-* **Layers.** This package is framework-neutral (``plan.py``: checks, split math, capacity rule);
-  the torch mechanics live in ``hyper_parallel/platform/torch/moe/``, reached by
-  ``get_platform().feature("moe")``, to which this package hands its plan.
+* **Files.** ``plan.py``: input checks, split math and the capacity rule (no torch); ``comm.py``: the
+  count exchange and the variable-split all_to_all; ``dispatch.py``: dispatch/combine; ``style.py``: the
+  EP styles; ``grouped_mm.py``, ``routing.py``, ``balance.py``. Imports: the ground floor
+  (``hyper_parallel.distributed``), ``dtensor``, ``dispatch`` and the ``ParallelStyle`` base class.
 
 Docs: ``docs/expert_parallel.md``.
 """
-from hyper_parallel.platform import get_platform
 from hyper_parallel.moe import plan
 from hyper_parallel.moe.plan import capacity, kept_counts
-
-_impl = get_platform().feature("moe")
-_impl.install_plan(plan)
-
-ExpertParallel = _impl.ExpertParallel
-ExpertTensorParallel = _impl.ExpertTensorParallel
-DispatchHandle = _impl.DispatchHandle
-dispatch = _impl.dispatch
-combine = _impl.combine
-count_ids = _impl.count_ids
-grouped_mm = _impl.grouped_mm
-route_topk = _impl.route_topk
-tokens_per_expert = _impl.tokens_per_expert
-update_expert_bias = _impl.update_expert_bias
-load_balance_loss = _impl.load_balance_loss
-load_metrics = _impl.load_metrics
-STATS = _impl.STATS
-reset_stats = _impl.reset_stats
+from hyper_parallel.moe.style import ExpertParallel, ExpertTensorParallel
+from hyper_parallel.moe.dispatch import DispatchHandle, combine, count_ids, dispatch
+from hyper_parallel.moe.grouped_mm import grouped_mm
+from hyper_parallel.moe.balance import load_balance_loss, load_metrics, tokens_per_expert, update_expert_bias
+from hyper_parallel.moe.comm import STATS, reset_stats
+from hyper_parallel.moe.routing import route_topk
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "DispatchHandle", "dispatch", "combine", "count_ids", "grouped_mm",
            "route_topk", "tokens_per_expert", "update_expert_bias", "load_balance_loss", "load_metrics", "STATS",

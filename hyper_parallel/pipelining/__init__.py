@@ -31,29 +31,18 @@ Design (one screen)
   their own meshes) combined over ``pp_group`` with one all_reduce.
 * **Layers.** This package is framework-neutral: it imports ``hyper_parallel.core`` and the
   platform's accessors only. The torch mechanics live in
-  ``hyper_parallel/platform/torch/pipelining/``, reached by ``get_platform().feature("pipelining")``.
+  ``hyper_parallel/pipelining/``, reached by ``get_platform().feature("pipelining")``.
 
 Status and what is left: ``docs/pipelining.md``.
 """
-from hyper_parallel.platform import get_platform
 from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank, stage_module
 from hyper_parallel.pipelining.clip import clip_grad_norm_, get_total_norm
-
-_impl = get_platform().feature("pipelining")
-
-PipelineStage = _impl.PipelineStage
-HeteroPipelineStage = _impl.HeteroPipelineStage
-PipelineScheduleSingle = _impl.PipelineScheduleSingle
-PipelineScheduleMulti = _impl.PipelineScheduleMulti
-ScheduleGPipe = _impl.ScheduleGPipe
-Schedule1F1B = _impl.Schedule1F1B
-ScheduleInterleaved1F1B = _impl.ScheduleInterleaved1F1B
-ScheduleLoopedBFS = _impl.ScheduleLoopedBFS
-ScheduleInterleavedZeroBubble = _impl.ScheduleInterleavedZeroBubble
-ScheduleZBVZeroBubble = _impl.ScheduleZBVZeroBubble
-ScheduleDualPipeV = _impl.ScheduleDualPipeV
-get_schedule_class = _impl.get_schedule_class
-microbatch = _impl.microbatch
+from hyper_parallel.pipelining.stage import HeteroPipelineStage, PipelineStage
+from hyper_parallel.pipelining.schedules import (
+    PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+    get_schedule_class)
+from torch.distributed.pipelining import microbatch
 
 __all__ = [
     "PipelineStage", "HeteroPipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",

@@ -27,14 +27,18 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from hyper_parallel.platform import get_platform
+import torch
+
+from hyper_parallel.pipelining import hp_runtime
 
 __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "MetaStep",
            "MetaStepType", "BatchDimSpec"]
 
 
 def _impl():
-    return get_platform().feature("pipelining")
+    """The PyTorch-style pipelining API this module drives (imported late: it imports torch's pipelining)."""
+    import hyper_parallel.pipelining as api
+    return api
 
 
 class MetaStepType(Enum):
@@ -171,8 +175,7 @@ class PipelineStage:
     def __init__(self, submodule, stage_index: int, stage_num: int, device=None, group=None, src_stage=None,
                  dst_stage=None, dyn_shape=False, has_backward=True, shared_parameters=None, mesh=None):
         where = "PipelineStage"
-        plat = get_platform()
-        if not isinstance(submodule, plat.Module):
+        if not isinstance(submodule, torch.nn.Module):
             raise TypeError(f"{where}: submodule must be a module, got {type(submodule).__name__}")
         for arg, v in (("stage_index", stage_index), ("stage_num", stage_num)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -213,9 +216,9 @@ class PipelineStage:
                 raise ValueError(f"PipelineStage {self.stage_index}: already used by a schedule with "
                                  f"{self._chunks} stage(s) per rank, now given to one with {virtual_chunk_num}")
             return self.stage
-        group, _ = impl.hp.pp_group(self.stage_index, self.stage_num, virtual_chunk_num, self.mesh, self.group,
+        group, _ = hp_runtime.pp_group(self.stage_index, self.stage_num, virtual_chunk_num, self.mesh, self.group,
                                     f"PipelineStage {self.stage_index}")
-        device = self.device if self.device is not None else impl.hp.default_device()
+        device = self.device if self.device is not None else hp_runtime.default_device()
         self.stage = impl.PipelineStage(self.submodule, self.stage_index, self.stage_num, device, group=group)
         self._chunks = virtual_chunk_num
         self.device = device
@@ -251,8 +254,8 @@ class _Schedule:
                              f"{name} runs one stage per rank (use ScheduleInterleaved1F1B for several)")
         impl = _impl()
         torch_stages = [s.init(n_local) for s in self.stages]
-        a, k = impl.hp.chunk_specs(_args_dims(args_batch_dim, name), _kwargs_dims(kwargs_batch_dim, name))
-        self._collect = impl.hp.StageOutputs()
+        a, k = hp_runtime.chunk_specs(_args_dims(args_batch_dim, name), _kwargs_dims(kwargs_batch_dim, name))
+        self._collect = hp_runtime.StageOutputs()
         has_backward = all(s.has_backward for s in self.stages)
         cls = impl.get_schedule_class(cls_name)
         first = torch_stages[0] if n_local == 1 and cls_name != "Interleaved1F1B" else torch_stages
@@ -272,7 +275,7 @@ class _Schedule:
     def exec_order(self):
         """Each pipeline rank's actions as lists of :class:`MetaStep` (``None``: an idle slot)."""
         out = {}
-        for rank, row in _impl().hp.exec_order(self._schedule).items():
+        for rank, row in hp_runtime.exec_order(self._schedule).items():
             steps = []
             for item in row:
                 if item is None:
@@ -290,7 +293,7 @@ class _Schedule:
         if not self._has_backward:
             outs = self._schedule.eval(*(args if self._has_first else ()), **kwargs)
             return outs if self._has_last else None
-        return impl.hp.run(self._schedule, self._collect, self.micro_batch_num, self._has_first, self._has_last,
+        return hp_runtime.run(self._schedule, self._collect, self.micro_batch_num, self._has_first, self._has_last,
                            self._output_concat_dim, self.stages[0].device, args, kwargs)
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 
-from hyper_parallel.platform import get_platform
 
 
 def _kind(schedule):
-    return get_platform().feature("pipelining").schedule_kind(schedule)
+    from hyper_parallel.pipelining.schedules import schedule_kind
+    return schedule_kind(schedule)
 
 
 def stage_ids_on_rank(pp_rank: int, pp_size: int, num_stages: int, style: str) -> list:

@@ -1,14 +1,15 @@
-"""Platform selection: the only place that decides which framework backs the core.
+"""``hyper_parallel.platform.get_platform()``: a compatibility facade for HyperParallel programs that call it.
 
-``HYPER_PARALLEL_PLATFORM=torch|mindspore`` picks one explicitly; otherwise the
-first installed framework wins, PyTorch first.
+The library has no platform indirection: its code imports torch where it needs torch, and the
+ground floor (``hyper_parallel.distributed``) adapts torch.distributed. HyperParallel removed its
+own platform layer in 2026-09; this facade keeps the old call working (``hyper_parallel/compat/platform.py``
+says what it answers). ``HYPER_PARALLEL_PLATFORM`` may still name ``torch``; anything else is refused.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
-from hyper_parallel.platform.platform import CommGroup, Platform, PlatformType
+from hyper_parallel.compat.platform import CommGroup, Platform, PlatformType, TorchPlatform
 
 _PLATFORM = None
 _ENV = "HYPER_PARALLEL_PLATFORM"
@@ -16,28 +17,20 @@ _ENV = "HYPER_PARALLEL_PLATFORM"
 
 def _detect() -> str:
     requested = os.environ.get(_ENV, "").strip().lower()
-    if requested:
-        if requested not in ("torch", "mindspore"):
-            raise ValueError(f"{_ENV}={requested!r} is not supported; expected 'torch' or 'mindspore'")
-        return requested
-    if importlib.util.find_spec("torch") is not None:
-        return "torch"
-    if importlib.util.find_spec("mindspore") is not None:
-        return "mindspore"
-    raise RuntimeError(f"hyper_parallel needs PyTorch (or MindSpore) installed; neither was found. Set {_ENV} or install torch.")
+    if requested and requested != "torch":
+        if requested == "mindspore":
+            raise ValueError(f"{_ENV}={requested!r} is not supported: hyper_parallel runs on torch only "
+                             "(HyperParallel removed its MindSpore backend in 2026-09); expected 'torch'")
+        raise ValueError(f"{_ENV}={requested!r} is not supported; expected 'torch'")
+    return "torch"
 
 
 def get_platform() -> Platform:
-    """Return the process-wide platform singleton (created on first call)."""
+    """The process-wide platform object (a facade over torch and ``hyper_parallel.distributed``)."""
     global _PLATFORM
     if _PLATFORM is None:
-        name = _detect()
-        if name == "torch":
-            from hyper_parallel.platform.torch.platform import TorchPlatform
-            _PLATFORM = TorchPlatform()
-        else:
-            raise NotImplementedError(
-                f"{_ENV}=mindspore: the MindSpore platform is not implemented yet; use 'torch'")
+        _detect()
+        _PLATFORM = TorchPlatform()
     return _PLATFORM
 
 

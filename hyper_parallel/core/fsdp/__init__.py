@@ -1,6 +1,8 @@
-"""Fully sharded data parallelism (FSDP2 API) and HyperParallel's ``hsdp`` entry point."""
-from hyper_parallel.core.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
-from hyper_parallel.core.fsdp.api import fully_shard, FSDPModule, UnshardHandle
+"""HyperParallel's package path ``hyper_parallel.core.fsdp``: re-exports :mod:`hyper_parallel.data_parallel` (see ``hyper_parallel/compat/``)."""
+from hyper_parallel.data_parallel import *  # noqa: F401,F403
+import hyper_parallel.data_parallel as _home
+__all__ = getattr(_home, "__all__", [n for n in dir(_home) if not n.startswith("_")])
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy"]
+
+def __getattr__(name):
+    return getattr(_home, name)

@@ -1,9 +1,8 @@
-"""Op dispatch, sharding rules and custom distributed functions."""
-from hyper_parallel.core.shard import dispatcher  # noqa: F401  (installs the DTensor op handler)
-from hyper_parallel.core.shard.ops.base import DistributedOp, Strategy, OpCall
-from hyper_parallel.core.shard.ops.op_table import load_all as _load_all
+"""HyperParallel's package path ``hyper_parallel.core.shard``: re-exports :mod:`hyper_parallel.dispatch` (see ``hyper_parallel/compat/``)."""
+from hyper_parallel.dispatch import *  # noqa: F401,F403
+import hyper_parallel.dispatch as _home
+__all__ = getattr(_home, "__all__", [n for n in dir(_home) if not n.startswith("_")])
 
-_load_all()
-from hyper_parallel.core.shard.dfunction import DFunction
-from hyper_parallel.core.shard.skip import SkipDTensorDispatch
-from hyper_parallel.core.shard.local_map import local_map, custom_shard
+
+def __getattr__(name):
+    return getattr(_home, name)

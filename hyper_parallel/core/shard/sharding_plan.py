@@ -1,31 +1,6 @@
-"""ShardingPlan: HyperParallel's declarative description of how to shard a module.
+"""HyperParallel's module path ``hyper_parallel.core.shard.sharding_plan``: an alias of :mod:`hyper_parallel.dispatch.sharding_plan` (see ``hyper_parallel/compat/``)."""
+import sys
 
-Pure data, consumed by :func:`hyper_parallel.core.shard.api.shard_module`:
+from hyper_parallel.dispatch import sharding_plan as _home
 
-* ``plan``: parameter name (as in ``named_parameters()``) -> layout, written as
-  placements (``(Replicate(), Shard(1))``), alias names (``("None", "tp")``,
-  one per tensor dim) or a :class:`Layout`;
-* ``input_plan`` / ``output_plan``: ``"input"`` / ``"output"`` for the module
-  itself, ``"<submodule path>.input"`` / ``"<path>.output"`` for a submodule;
-  the value is one layout (the first argument / the output), a list with one
-  per positional argument / output, or a dict keyed by argument name;
-* ``return_local_tensor``: submodule paths (``""`` = the module itself) whose
-  DTensor outputs are turned into local tensors.
-"""
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
-
-
-@dataclass
-class ShardingPlan:
-    """How :func:`shard_module` lays out parameters, inputs and outputs (see the module docstring)."""
-
-    plan: Optional[Dict[str, Any]] = None
-    input_plan: Optional[Dict[str, Any]] = None
-    output_plan: Optional[Dict[str, Any]] = None
-    return_local_tensor: Optional[List[str]] = None
-
-
-__all__ = ["ShardingPlan"]
+sys.modules[__name__] = _home

@@ -1,8 +1,6 @@
-"""SkipDTensorDispatch: run ops on DTensors as plain local-tensor ops.
+"""HyperParallel's module path ``hyper_parallel.core.shard.skip``: an alias of :mod:`hyper_parallel.compat.hp_skip` (see ``hyper_parallel/compat/``)."""
+import sys
 
-The class lives in ``core/dtensor/dispatch_state.py`` (the DTensor layer reads its
-state too); this is its historical path (same object).
-"""
-from hyper_parallel.core.dtensor.dispatch_state import SkipDTensorDispatch
+from hyper_parallel.compat import hp_skip as _home
 
-__all__ = ["SkipDTensorDispatch"]
+sys.modules[__name__] = _home

@@ -1,7 +1,8 @@
-"""Tensor/sequence parallel styles, parallelize_module, loss_parallel and data-parallel replication."""
-from hyper_parallel.core.tensor_parallel.style import (
-    ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
-    PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
-from hyper_parallel.core.tensor_parallel.api import parallelize_module
-from hyper_parallel.core.tensor_parallel.loss import loss_parallel
-from hyper_parallel.core.tensor_parallel.data_parallel import replicate, data_parallel
+"""HyperParallel's package path ``hyper_parallel.core.tensor_parallel``: re-exports :mod:`hyper_parallel.tensor_parallel` (see ``hyper_parallel/compat/``)."""
+from hyper_parallel.tensor_parallel import *  # noqa: F401,F403
+import hyper_parallel.tensor_parallel as _home
+__all__ = getattr(_home, "__all__", [n for n in dir(_home) if not n.startswith("_")])
+
+
+def __getattr__(name):
+    return getattr(_home, name)

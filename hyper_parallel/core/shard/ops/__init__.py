@@ -1,0 +1,8 @@
+"""HyperParallel's package path ``hyper_parallel.core.shard.ops``: re-exports :mod:`hyper_parallel.dispatch.rules` (see ``hyper_parallel/compat/``)."""
+from hyper_parallel.dispatch.rules import *  # noqa: F401,F403
+import hyper_parallel.dispatch.rules as _home
+__all__ = getattr(_home, "__all__", [n for n in dir(_home) if not n.startswith("_")])
+
+
+def __getattr__(name):
+    return getattr(_home, name)

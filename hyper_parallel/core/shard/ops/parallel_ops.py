@@ -1,10 +1,6 @@
-"""HyperParallel's module path of :class:`DistributedOp` (the base class of sharding rules).
+"""HyperParallel's module path ``hyper_parallel.core.shard.ops.parallel_ops``: an alias of :mod:`hyper_parallel.compat.hp_parallel_ops` (see ``hyper_parallel/compat/``)."""
+import sys
 
-``from hyper_parallel.core.shard.ops.parallel_ops import DistributedOp`` works as in
-HyperParallel; it is the same class as ``hyper_parallel.DistributedOp``. A rule's
-``infer_layout(layouts, extra_args)`` may return one layout or, HyperParallel
-style, a one-element tuple for a single-tensor output.
-"""
-from hyper_parallel.core.shard.ops.base import DistributedOp
+from hyper_parallel.compat import hp_parallel_ops as _home
 
-__all__ = ["DistributedOp"]
+sys.modules[__name__] = _home

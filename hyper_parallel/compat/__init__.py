@@ -1,0 +1,1 @@
+"""Compatibility shims (see docs/design.md)."""

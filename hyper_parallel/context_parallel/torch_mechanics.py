@@ -1,0 +1,89 @@
+"""The torch operations the context-parallel plan runs on: ring/all_to_all attention pieces, SDPA interception hooks."""
+from __future__ import annotations
+
+import torch
+
+from hyper_parallel.distributed import collectives as C
+from hyper_parallel.distributed import differentiable as Fn
+from hyper_parallel.context_parallel import opaque as _opaque
+from hyper_parallel.context_parallel import ring as _ring
+from hyper_parallel.context_parallel.ring import RingAttention
+from hyper_parallel.context_parallel.sdpa import SDPAMode, hook_module
+
+
+def ring_attention(q, k, v, plan):
+    """Differentiable ring attention on local ``[B, H, L, D]`` tensors (see :mod:`.ring`)."""
+    return RingAttention.apply(q, k, v, plan)
+
+
+def all_to_all(x, group, split_dim, cat_dim, split_sizes, cat_sizes):
+    """Differentiable all_to_all (uneven sizes allowed); backward is the inverse all_to_all."""
+    if group is None or group.size == 1:
+        return x
+    return Fn.AllToAll.apply(x.contiguous(), split_dim, cat_dim, group, list(split_sizes), list(cat_sizes))
+
+
+def repeat_heads(x, times: int, dim: int = 1):
+    return x if times == 1 else x.repeat_interleave(times, dim=dim)
+
+
+def take(x, dim: int, index):
+    """``x`` rows ``index`` (a list of ints) along ``dim`` (differentiable)."""
+    return torch.index_select(x, dim, torch.tensor(index, dtype=torch.long, device=x.device))
+
+
+def all_gather(x, dim: int, group, sizes):
+    if group is None or group.size == 1:
+        return x
+    return C.all_gather(x.contiguous(), dim, group, list(sizes))
+
+
+def gather_ints(value: int, group, device):
+    """Every rank's int ``value`` over ``group`` (one small all_gather)."""
+    t = torch.tensor([int(value)], dtype=torch.long, device=device)
+    if group is None or group.size == 1:
+        return [int(value)]
+    return [int(a) for a in C.all_gather(t, 0, group).tolist()]
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def set_stats(d):
+    """Benchmarks: a dict that ring steps add ``compute_s`` / ``wait_s`` to (None: off)."""
+    _ring.STATS = d
+
+
+def sdpa_mode(handler):
+    return SDPAMode(handler)
+
+
+def register_sdpa_handler(handler) -> int:
+    """An id for ``handler`` that the compile-opaque op ``hyper_parallel_cp::sdpa`` runs (:mod:`.opaque`)."""
+    return _opaque.register_handler(handler)
+
+
+def is_compiling() -> bool:
+    return _opaque.is_compiling()
+
+
+def opaque_sdpa(hid, q, k, v, is_causal, scale, enable_gqa):
+    """While compiling: one opaque graph node running handler ``hid`` (differentiable)."""
+    return _opaque.sdpa(q, k, v, hid, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))
+
+
+def resize_copy_(buffer, value):
+    with torch.no_grad():
+        buffer.resize_(value.shape)
+        buffer.copy_(value)
+
+
+def clone(x):
+    with torch.no_grad():
+        return x.clone()
+
+
+__all__ = ["ring_attention", "all_to_all", "repeat_heads", "take", "all_gather", "gather_ints", "is_tensor",
+           "set_stats", "sdpa_mode", "register_sdpa_handler", "is_compiling", "opaque_sdpa", "hook_module",
+           "resize_copy_", "clone"]

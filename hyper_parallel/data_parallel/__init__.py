@@ -1,0 +1,26 @@
+"""Data parallelism: ``replicate`` (DDP), ``fully_shard`` (FSDP2 API), HSDP and HyperParallel's ``hsdp`` (ZeRO-1/2/3).
+
+Design (one screen)
+-------------------
+* **One home for every data-parallel flavour.** ``ddp.py``: ``replicate`` (parameters replicated,
+  gradients averaged in one flat all_reduce per backward, through ``distributed/deferred_grads.py``).
+  ``api.py``: ``fully_shard`` / ``FSDPModule`` / ``UnshardHandle``, every argument checked and the plan of
+  which parameter is sharded on which dim made before anything changes. ``hsdp.py``: HyperParallel's
+  ``hsdp`` (levels 1/2/3 = ZeRO-1/2/3, ``threshold``, ``shard_size``) on the same mechanics.
+  ``policies.py``: ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``.
+* **Mechanics.** ``param.py``: one managed parameter (its sharded DTensor, its unsharded leaf, its place in
+  the flat buffer); ``param_group.py``: one flat all_gather and one flat reduce_scatter (or all_reduce)
+  per module group, asynchronous; ``state.py``: the forward/backward hooks with prefetching and the
+  root's end-of-backward callback.
+* **Imports.** The ground floor, ``dtensor``, ``dispatch``, and ``compile.compile_mode.eager_hook`` (FSDP's
+  hooks stay eager under ``torch.compile``). No other parallelism package.
+
+Docs: ``docs/fsdp.md``.
+"""
+from hyper_parallel.data_parallel.policies import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+from hyper_parallel.data_parallel.api import fully_shard, FSDPModule, UnshardHandle
+from hyper_parallel.data_parallel.ddp import replicate
+from hyper_parallel.data_parallel.hsdp import hsdp
+
+__all__ = ["replicate", "hsdp", "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CPUOffloadPolicy"]

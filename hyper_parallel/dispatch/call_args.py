@@ -1,0 +1,157 @@
+"""Argument walking for the op dispatcher: cache-key signatures, finding and replacing DTensors,
+plain tensors mixed with DTensors (see docs/design.md, "The op path")."""
+from __future__ import annotations
+
+import warnings
+
+from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.dispatch_state import IMPLICIT_REPLICATION as _IMPLICIT
+from hyper_parallel.dtensor.dtensor import DTensor
+from hyper_parallel.dtensor.placement_types import Replicate
+from hyper_parallel.dispatch.rules import base as _base
+from hyper_parallel.dtensor import torch_internals
+import torch
+
+_Tensor = torch.Tensor
+_LEAF_TYPES = (type(None), bool, int, float, str, complex, type(Ellipsis)) + tuple((lambda: torch_internals.HASHABLE_LEAF_TYPES)())
+_INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
+_BOOL = torch.bool
+
+
+_OP_NAMES: dict = {}
+
+
+def _op_name(func):
+    n = _OP_NAMES.get(func)
+    if n is None:
+        n = _OP_NAMES[func] = torch_internals.op_name(func)
+    return n
+
+
+def _sig(a):
+    """Hashable signature of a non-DTensor argument (part of the cache key)."""
+    if isinstance(a, _LEAF_TYPES):
+        return a
+    if isinstance(a, DTensor):
+        return (a._layout, a._gshape)
+    if isinstance(a, _Tensor):
+        return ("T", tuple(a.shape), a.dtype, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_sig(x) for x in a)
+    if isinstance(a, slice):
+        return ("slice", _sig(a.start), _sig(a.stop), _sig(a.step))
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _sig(v)) for k, v in a.items())
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return ("id", id(a))
+
+
+def _sig_nf(a):
+    """:func:`_sig` with float values replaced by their type (for rules whose answer ignores them)."""
+    t = type(a)
+    if t is float:
+        return float
+    if t is list or t is tuple:
+        return (t.__name__,) + tuple(_sig_nf(x) for x in a)
+    if t is dict:
+        return ("dict",) + tuple((k, _sig_nf(v)) for k, v in a.items())
+    return _sig(a)
+
+
+def _inplace_target(args, kwargs, dts):
+    """The DTensor an in-place op modifies: ``out=``, else ``self`` (first positional or keyword tensor)."""
+    out = kwargs.get("out")
+    if isinstance(out, DTensor):
+        return out
+    if args and isinstance(args[0], DTensor):
+        return args[0]
+    for k in ("self", "input", "tensor"):
+        v = kwargs.get(k)
+        if isinstance(v, DTensor):
+            return v
+    return dts[0] if dts else None
+
+
+def _collect(args, out):
+    """Append DTensors found in ``args`` (one level of list/tuple nesting and deeper) to ``out``."""
+    for a in args:
+        if isinstance(a, DTensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            _collect(a, out)
+
+
+def _replace(args, it):
+    """Rebuild ``args`` with DTensors replaced by successive items of ``it``."""
+    res = []
+    for a in args:
+        if isinstance(a, DTensor):
+            res.append(next(it))
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, (DTensor, list, tuple)) for x in a):
+            res.append(type(a)(_replace(a, it)) if type(a) in (list, tuple) else _replace(a, it))
+        else:
+            res.append(a)
+    return res
+
+
+def _check_plain_tensors(func, args, kwargs, mesh):
+    """Plain tensors mixed with DTensors: 0-d ones broadcast; others need implicit replication.
+
+    A 0-d tensor that requires grad is taken as replicated too (not passed through
+    as a number): its gradient may be partial over the mesh and must be summed.
+    """
+    index_op = _op_name(func) in _INDEX_OPS
+
+    one_elem = []
+    scalar_grad = []
+
+    def bad(a):
+        if not isinstance(a, _Tensor) or isinstance(a, DTensor):
+            return False
+        if a.dim() == 0:
+            if a.requires_grad:
+                scalar_grad.append(a)
+            return False
+        if a.numel() == 1:  # as PyTorch: a one-element tensor is taken as replicated
+            one_elem.append(a)
+            return False
+        # integer index tensors of indexing ops are naturally replicated (bool masks are not:
+        # the output shape depends on their values, which the cache key does not hold)
+        return not (index_op and a.dtype != _BOOL and not a.is_floating_point() and not a.is_complex())
+
+    def walk(xs):
+        for a in xs:
+            if bad(a):
+                return a
+            if isinstance(a, (list, tuple)):
+                r = walk(a)
+                if r is not None:
+                    return r
+        return None
+    offender = walk(args)
+    if offender is None:
+        offender = walk(kwargs.values())
+    if offender is None and not one_elem and not scalar_grad:
+        return args, kwargs
+    if offender is None and one_elem:
+        warnings.warn(f"{torch_internals.op_name(func)}: found a non-scalar tensor with numel=1 and ndim!=0 (shape "
+                      f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
+                      "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
+    elif offender is not None and not _IMPLICIT[0] and \
+            _op_name(func) not in _base.PLAIN_AS_REPLICATED and not uses_hp_semantics(mesh):
+        # (HyperParallel's meshes take plain tensors as replicated, as HyperParallel does)
+        # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
+        raise RuntimeError(
+            f"{torch_internals.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
+            "convert it with distribute_tensor()/DTensor.from_local(), or wrap the code in "
+            "`with hyper_parallel.implicit_replication():` to treat plain tensors as replicated")
+    def conv(a):
+        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and (a.dim() > 0 or a.requires_grad):
+            return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a) if type(a) in (list, tuple) else a
+        return a
+    return [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}

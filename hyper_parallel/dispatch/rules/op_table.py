@@ -1,0 +1,47 @@
+"""Which rule class serves which op: loaded once when hyper_parallel.dispatch is imported.
+
+Each family module exposes ``register_all()`` that instantiates its rules (one
+instance per op name). Users add rules for their own ops by instantiating a
+:class:`~hyper_parallel.dispatch.rules.base.DistributedOp` subclass.
+"""
+from __future__ import annotations
+
+import importlib
+
+FAMILIES = (
+    "elementwise",
+    "matmul",
+    "view",
+    "reduction",
+    "tensor_ops",
+    "gather_ops",
+    "triangular",
+    "nn_ops",
+    "foreach",
+    "init_ops",
+    "compare",
+    "strided",
+    "scatter_ops",
+    "sort_ops",
+    "misc_ops",
+    "random_ops",
+    "device_ops",
+    "grouped_mm",
+)
+
+_LOADED = False
+
+
+def load_all():
+    global _LOADED
+    if _LOADED:
+        return
+    for fam in FAMILIES:
+        try:
+            mod = importlib.import_module(f"hyper_parallel.dispatch.rules.{fam}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"hyper_parallel.dispatch.rules.{fam}":
+                continue  # family not written yet
+            raise
+        mod.register_all()
+    _LOADED = True

@@ -1,0 +1,137 @@
+"""Strict layouts: which redistributions count as implicit, and the errors / warnings for them.
+
+The dispatcher (``_op_dispatch.OpDispatcher._build``) calls :func:`violation` once
+per cache entry; the result (``None`` for almost every entry) is stored on the
+entry and :func:`enforce` runs only when strict or warn-only mode is on.
+
+**Implicit** (what strict mode refuses): redistributing an input so that a
+tensor dim that is sharded on a mesh dim of size > 1 is gathered (unsharded) or
+moved to another tensor dim, i.e. the mesh dims sharding tensor dim ``t`` in the
+input's layout are not a prefix of those sharding ``t`` in the target layout.
+Not implicit: a local split (``Replicate -> Shard``, no communication), a
+``Replicate -> Partial`` conversion, and the reduction of a ``Partial`` input
+(``all_reduce`` / ``reduce_scatter``: the pending reduction every consumer of a
+partial value needs). Collectives an op's own rule runs as part of its
+computation (a norm's all_reduce, ``equal``'s answer) are not redistributions.
+
+One semantic case without any redistribution is also refused, as HyperParallel
+does: ``squeeze(dim)`` of a dim whose global size is not 1 (PyTorch: a no-op).
+"""
+from __future__ import annotations
+
+import warnings
+
+from hyper_parallel.dispatch import modes as _modes
+
+_WARNED = _modes.STRICT_WARNED  # (op, layouts) warned about; cleared by modes._reset
+_SDPA = "scaled_dot_product_attention"
+
+
+def _pl(layout):
+    return "[" + ", ".join(str(p) for p in layout.placements) + "]"
+
+
+def _kept(dims, mesh_shape):
+    return tuple(m for m in dims if mesh_shape[m] > 1)
+
+
+def _dim_changes(src, tgt):
+    """[(tensor dim, description)] for the sharded dims of ``src`` that ``tgt`` gathers or moves."""
+    shape = src.mesh_shape
+    out = []
+    for t, dims in enumerate(src.dim_map):
+        s = _kept(dims, shape)
+        g = _kept(tgt.dim_map[t], shape)
+        if not s or g[:len(s)] == s:
+            continue
+        what = []
+        for m in s:
+            if m in g:
+                continue
+            u = tgt.tensor_dim_of(m)
+            name = src.alias_names[m]
+            what.append(f"gathered over mesh dim '{name}'" if u is None else
+                        f"moved from mesh dim '{name}' to dim {u}")
+        if not what:  # same mesh dims, other order
+            what.append(f"re-ordered over mesh dims {[src.alias_names[m] for m in g]}")
+        out.append((t, ", ".join(what)))
+    return out
+
+
+def _is_ring_attention(name, i, t, ndim):
+    """HyperParallel's NotImplementedError cases of SDPA: K/V sequence sharding, last (embedding) dim sharding."""
+    return name == _SDPA and ((i in (1, 2) and t == ndim - 2) or t == ndim - 1)
+
+
+def violation(name, dts, redist, args, kwargs):
+    """``(exception class, message, moves, name)`` when ``name`` would break strict layouts, else None.
+
+    ``redist[i]`` is the target layout of DTensor input ``i`` (None: unchanged);
+    ``moves`` are ``(i, target layout)`` of the implicit redistributions (for their bytes).
+    """
+    parts, moves, cls = [], [], _modes.StrictLayoutError
+    for i, (d, tl) in enumerate(zip(dts, redist)):
+        if tl is None:
+            continue
+        changes = _dim_changes(d._layout, tl)
+        if not changes:
+            continue
+        moves.append((i, tl))
+        for t, what in changes:
+            parts.append(f"input {i} dim {t} ({what}: {_pl(d._layout)} -> {_pl(tl)})")
+            if _is_ring_attention(name, i, t, len(d._gshape)):
+                cls = _modes.StrictLayoutNotImplementedError
+    if parts:
+        got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
+        msg = (f"strict layouts: {name} would redistribute implicitly {'; '.join(parts)} "
+               f"(inputs: {got}). Fix: call .redistribute(mesh, placements) on those inputs yourself (or create "
+               "them with matching placements), or leave strict mode (hyper_parallel.strict_layouts(False), "
+               "also spelt set_strict_layouts(False))")
+        if cls is _modes.StrictLayoutNotImplementedError:
+            msg += ("; HyperParallel supports neither K/V sequence sharding (ring attention) nor a sharded "
+                    "last (embedding) dim here")
+        return cls, msg, tuple(moves), name
+    check = _SEMANTIC.get(name)
+    return check(name, dts, args, kwargs) if check is not None else None
+
+
+def _squeeze(name, dts, args, kwargs):
+    if not args or args[0] is not dts[0]:
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None:
+        return None
+    shape = tuple(dts[0]._gshape)
+    dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+    bad = [d for d in dims if isinstance(d, int) and -len(shape) <= d < len(shape) and shape[d] != 1]
+    if not bad:
+        return None
+    lay = dts[0]._layout
+    msg = (f"strict layouts: {name} of dim {bad[0] % len(shape)} of size {shape[bad[0]]} (global shape {shape}, "
+           f"layout {_pl(lay)}): the dim is not a singleton, so PyTorch keeps it (a no-op) and HyperParallel "
+           "raises. Fix: squeeze only size-1 dims, or leave strict mode (hyper_parallel.strict_layouts(False))")
+    return _modes.StrictLayoutError, msg, (), name
+
+
+_SEMANTIC = {"squeeze": _squeeze}
+
+
+def enforce(info, dts):
+    """Strict mode: raise ``info``'s error. Warn-only: warn once per (op, layouts) with the bytes sent."""
+    cls, msg, moves, name = info
+    if _modes.STATE[0] == _modes.STRICT:
+        raise cls(msg)
+    key = (name, tuple((i, dts[i]._layout, tl) for i, tl in moves), msg if not moves else None)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    from hyper_parallel.dtensor import redistribute_plan as rp
+    total = 0
+    for i, tl in moves:
+        d = dts[i]
+        plan = rp.plan(d._layout, tl, tuple(d._gshape), d._local_tensor.element_size())
+        total += max(plan.bytes_for_rank(r) for r in range(len(d._layout.rank_list)))
+    text = msg.replace("strict layouts: ", "strict layouts (warn only): ", 1)
+    text += f" [implicit redistribution: {total} bytes sent by the busiest rank]" if moves else \
+        " [no data moved]"
+    warnings.warn(text, _modes.ImplicitRedistributionWarning, stacklevel=4)

@@ -1,0 +1,1 @@
+"""The ground floor: torch.distributed and autograd adapters (see docs/design.md)."""

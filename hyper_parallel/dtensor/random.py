@@ -1,0 +1,122 @@
+"""Layout-independent random numbers for DTensors.
+
+Values are a pure function of (seed, call counter, global position): the
+global tensor is cut into fixed blocks of rows along dim 0 (the block size
+depends only on the global shape), each block drawn from a generator seeded
+with ``(seed, counter, block)``. A rank draws just the blocks its shard
+touches and slices them, so replicas agree, shards differ, and the gathered
+tensor is the same for every mesh shape and placement.
+
+Every rank must make the same sequence of random calls (SPMD), exactly as for
+collectives. ``manual_seed`` resets the stream; otherwise the seed defaults to
+``torch.initial_seed()`` read on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+from hyper_parallel.distributed import rng
+import torch
+
+
+_BLOCK_ELEMS = 1 << 16
+_state = {"seed": None, "counter": 0}
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the DTensor random stream (call with the same seed on every rank)."""
+    if not isinstance(seed, int):
+        raise TypeError(f"manual_seed: seed must be an int, got {seed!r}")
+    _state["seed"] = seed
+    _state["counter"] = 0
+
+
+def _next_key():
+    if _state["seed"] is None:
+        _state["seed"] = torch.initial_seed()
+    c = _state["counter"]
+    _state["counter"] = c + 1
+    return _state["seed"], c
+
+
+def _block_seed(seed, counter, block):
+    h = hashlib.blake2b(f"{seed}:{counter}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def random_local(kind: str, global_shape, local_shape, offset, dtype=None, device=None):
+    """This rank's piece (``local_shape`` at ``offset``) of a layout-independent random tensor."""
+    seed, counter = _next_key()
+    global_shape = tuple(global_shape)
+    if not global_shape:
+        return rng.seeded_random(kind, (), _block_seed(seed, counter, 0), dtype, device)
+    row = 1
+    for s in global_shape[1:]:
+        row *= s
+    rows_per_block = max(1, _BLOCK_ELEMS // max(row, 1))
+    start, n = offset[0], local_shape[0]
+    if n == 0 or any(s == 0 for s in local_shape):
+        return torch.zeros(tuple(local_shape), dtype=dtype, device=device)
+    b0, b1 = start // rows_per_block, (start + n - 1) // rows_per_block
+    blocks = []
+    for b in range(b0, b1 + 1):
+        rows = min(rows_per_block, global_shape[0] - b * rows_per_block)
+        blocks.append(rng.seeded_random(kind, (rows,) + global_shape[1:], _block_seed(seed, counter, b),
+                                         dtype, device))
+    full = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 0)
+    offs = (start - b0 * rows_per_block,) + tuple(offset[1:])
+    return rng.narrow_block(full, offs, tuple(local_shape))
+
+
+def consume_key() -> None:
+    """Advance the stream by one call without drawing.
+
+    A random op on DTensors held whole by every rank draws from the framework's own
+    generator (torch's results); it still takes its place in the DTensor stream, so
+    the draws of later ops on shards do not depend on whether earlier ones ran whole.
+    """
+    _next_key()
+
+
+def random_rows(kind: str, n_rows: int, row_len: int, ranges, dtype=None, device=None):
+    """Rows ``ranges`` (a list of ``(start, stop)``) of a layout-independent ``(n_rows, row_len)`` random matrix.
+
+    One call of the stream (one key), concatenated in the order of ``ranges``:
+    ``random_rows(k, R, C, [(a, b)])`` equals ``random_local(k, (R, C), (b - a, C), (a, 0))``.
+    Each block of rows is drawn once per call however many ranges touch it.
+    """
+    seed, counter = _next_key()
+    ranges = [(int(a), int(b)) for a, b in ranges if b > a]
+    total = sum(b - a for a, b in ranges)
+    if total == 0 or row_len == 0:
+        return torch.zeros((total, row_len), dtype=dtype, device=device)
+    rows_per_block = max(1, _BLOCK_ELEMS // max(row_len, 1))
+    cache = {}
+    pieces = []
+    for a, b in ranges:
+        if a < 0 or b > n_rows:
+            raise ValueError(f"random_rows: row range ({a}, {b}) is outside the {n_rows} rows")
+        r = a
+        while r < b:
+            blk = r // rows_per_block
+            base = blk * rows_per_block
+            t = cache.get(blk)
+            if t is None:
+                rows = min(rows_per_block, n_rows - base)
+                t = cache[blk] = rng.seeded_random(kind, (rows, row_len), _block_seed(seed, counter, blk),
+                                                    dtype, device)
+            stop = min(b, base + rows_per_block)
+            pieces.append(rng.narrow_block(t, (r - base, 0), (stop - r, row_len)))
+            r = stop
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+
+
+def is_rng_supported_mesh(device_mesh=None) -> bool:
+    """HyperParallel's / PyTorch's check before using DTensor random ops: always True here.
+
+    The DTensor random stream is computed from (seed, call counter, global position),
+    so it works on every device type, CPU included.
+    """
+    return True
+
+
+__all__ = ["manual_seed", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]

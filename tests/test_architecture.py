@@ -1,11 +1,11 @@
 """The package's shape is checked, not just described (docs/design.md, "Layers").
 
-* ``lint-imports`` passes with the contracts in ``pyproject.toml`` (layers, the platform root,
-  no framework in core, independent parallelisms), and *fails* on a copy of the package with
-  one deliberately bad import, so the contracts are live;
+* ``lint-imports`` passes with the contracts in ``pyproject.toml`` (layers, the ground floor,
+  torch-free layout math and planners, independent parallelisms), and *fails* on a copy of the
+  package with one deliberately bad import, so the contracts are live;
 * the import graph of ``hyper_parallel`` (every import statement, at module level and inside
   functions, as grimp reads them) has no cycle;
-* every module at the platform's root is covered by the platform-root contract.
+* the ground floor imports nothing above it, and only the compatibility facade names ``get_platform``.
 """
 import os
 import shutil
@@ -37,13 +37,14 @@ def test_lint_imports_contracts_hold():
 
 
 @pytest.mark.parametrize("module,line,contract", [
-    ("core/dtensor/layout.py", "import hyper_parallel.core.shard.skip", "Layers"),
-    ("core/shard/skip.py", "import hyper_parallel.core.tensor_parallel.style", "Layers"),
-    ("distributed/differentiable.py", "import hyper_parallel.core.dtensor.placement_types", "platform's root"),
-    ("core/dtensor/placement_types.py", "import torch", "Nothing in core imports a framework"),
-    ("pipelining/split.py", "import hyper_parallel.core.fsdp.api", "Sibling parallelism packages are independent"),
+    ("dtensor/layout.py", "import hyper_parallel.dispatch.modes", "Layers"),
+    ("dispatch/modes.py", "import hyper_parallel.tensor_parallel.style", "Layers"),
+    ("compile/compile_mode.py", "import hyper_parallel.dispatch.dispatcher", "Layers"),
+    ("checkpoint/dcp.py", "import hyper_parallel.dtensor.dtensor", "Layers"),
+    ("distributed/differentiable.py", "import hyper_parallel.dtensor.placement_types", "The ground floor"),
+    ("dtensor/redistribute_plan.py", "import torch", "Layout math and the pure planners"),
+    ("pipelining/split.py", "import hyper_parallel.data_parallel.api", "Sibling parallelism packages are independent"),
     ("moe/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
-    ("moe/comm.py", "import hyper_parallel.moe.plan", "Layers"),
     ("context_parallel/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
 ])
 def test_contracts_are_live(tmp_path, module, line, contract):
@@ -117,22 +118,26 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles(G) == [["hyper_parallel.a", "hyper_parallel.b"]]
 
 
-def test_every_platform_root_module_is_under_the_root_contract():
+def test_ground_floor_imports_nothing_above_it():
+    """Every module of hyper_parallel.distributed imports only the ground floor itself (and torch), as grimp reads it."""
+    graph = grimp.build_graph("hyper_parallel", cache_dir=None)
+    bad = {}
+    for m in graph.find_descendants("hyper_parallel.distributed") | {"hyper_parallel.distributed"}:
+        up = {i for i in graph.find_modules_directly_imported_by(m)
+              if i.startswith("hyper_parallel") and not i.startswith("hyper_parallel.distributed")}
+        if up:
+            bad[m] = sorted(up)
+    assert bad == {}, f"ground-floor modules importing the library above: {bad}"
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    root = next(c for c in cfg if c.get("id") == "platform-root")
-    listed = set(root["source_modules"])
-    found = set()
-    for folder, prefix in ((PKG / "platform", "hyper_parallel.platform"),
-                           (PKG / "platform" / "torch", "hyper_parallel.platform.torch")):
-        for f in folder.glob("*.py"):
-            if f.name != "__init__.py":
-                found.add(f"{prefix}.{f.stem}")
-    feature_folders = {"hyper_parallel.data_parallel", "hyper_parallel.pipelining",
-                       "hyper_parallel.moe",
-                       "hyper_parallel.context_parallel"}  # may import core (layers contract)
-    for d in (PKG / "platform" / "torch").iterdir():
-        if d.is_dir() and (d / "__init__.py").exists():
-            name = f"hyper_parallel.platform.torch.{d.name}"
-            if name not in feature_folders:
-                found.add(name)
-    assert found <= listed, f"platform modules not covered by the platform-root contract: {sorted(found - listed)}"
+    floor = next(c for c in cfg if c.get("id") == "ground-floor")
+    assert floor["source_modules"] == ["hyper_parallel.distributed"]
+    top = {f"hyper_parallel.{p.stem}" for p in PKG.iterdir()
+           if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert top - {"hyper_parallel.distributed", "hyper_parallel.auto"} <= set(floor["forbidden_modules"]), \
+        sorted(top - set(floor["forbidden_modules"]))
+
+
+def test_no_get_platform_outside_the_facade():
+    """The Platform indirection is gone: only the compatibility facade names get_platform."""
+    hits = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if "get_platform" in p.read_text())
+    assert hits == ["compat/platform.py", "platform/__init__.py"], hits

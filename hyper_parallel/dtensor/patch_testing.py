@@ -18,8 +18,7 @@ _DTENSOR_CLASSES = []  # the core's DTensor class, injected (see register_dtenso
 def register_dtensor_class(cls) -> None:
     """Apply the DTensor rule to instances of ``cls`` (the core's DTensor; called once at import).
 
-    The platform sits below the core and does not import it: the class is handed in
-    (``get_platform().register_dtensor_class(DTensor)``). Idempotent.
+    The composition root (``hyper_parallel/__init__.py``) hands the class in. Idempotent.
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_dtensor_class: cls must be a class, got {cls!r}")

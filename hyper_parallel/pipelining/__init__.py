@@ -29,9 +29,11 @@ Design (one screen)
 * **Clipping over the pipeline.** :func:`clip_grad_norm_` (``pipelining/clip.py``) is torch's
   ``clip_grad_norm_`` whose norm covers every stage: per-rank norms (DTensor gradients reduced on
   their own meshes) combined over ``pp_group`` with one all_reduce.
-* **Layers.** This package is framework-neutral: it imports ``hyper_parallel.core`` and the
-  platform's accessors only. The torch mechanics live in
-  ``hyper_parallel/pipelining/``, reached by ``get_platform().feature("pipelining")``.
+* **Files.** ``split.py``: stage splitting (FQNs kept); ``stage.py``: the stage on torch's runtime
+  (DTensor boundaries, FSDP stage modules); ``schedules.py``: torch's schedules with argument checks;
+  ``clip.py``: the pipeline-wide ``clip_grad_norm_``; ``hp_api.py`` / ``hp_runtime.py``: HyperParallel's
+  pipeline API on the same machinery. Imports: the ground floor, ``dtensor``, ``dispatch`` and the
+  ``FSDPModule`` class of ``data_parallel`` (a stage recognises a fully_shard'ed module).
 
 Status and what is left: ``docs/pipelining.md``.
 """

@@ -27,11 +27,11 @@ from hyper_parallel.dispatch.shard_module import shard_module
 from hyper_parallel.tensor_parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                                             PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput,
                                             parallelize_module, loss_parallel)
-from hyper_parallel import data_parallel
-from hyper_parallel.data_parallel import replicate
-from hyper_parallel.data_parallel import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+from hyper_parallel.fsdp import data_parallel
+from hyper_parallel.fsdp import replicate
+from hyper_parallel.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                                       CPUOffloadPolicy)
-from hyper_parallel.data_parallel.hsdp import hsdp
+from hyper_parallel.fsdp.hsdp import hsdp
 
 
 def _compose():

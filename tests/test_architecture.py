@@ -43,7 +43,7 @@ def test_lint_imports_contracts_hold():
     ("checkpoint/dcp.py", "import hyper_parallel.dtensor.dtensor", "Layers"),
     ("distributed/differentiable.py", "import hyper_parallel.dtensor.placement_types", "The ground floor"),
     ("dtensor/redistribute_plan.py", "import torch", "Layout math and the pure planners"),
-    ("pipelining/split.py", "import hyper_parallel.data_parallel.api", "Sibling parallelism packages are independent"),
+    ("pipelining/split.py", "import hyper_parallel.fsdp.api", "Sibling parallelism packages are independent"),
     ("moe/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
     ("context_parallel/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
 ])

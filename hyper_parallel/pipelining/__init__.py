@@ -33,7 +33,7 @@ Design (one screen)
   (DTensor boundaries, FSDP stage modules); ``schedules.py``: torch's schedules with argument checks;
   ``clip.py``: the pipeline-wide ``clip_grad_norm_``; ``hp_api.py`` / ``hp_runtime.py``: HyperParallel's
   pipeline API on the same machinery. Imports: the ground floor, ``dtensor``, ``dispatch`` and the
-  ``FSDPModule`` class of ``data_parallel`` (a stage recognises a fully_shard'ed module).
+  ``FSDPModule`` class of ``fsdp`` (a stage recognises a fully_shard'ed module).
 
 Status and what is left: ``docs/pipelining.md``.
 """

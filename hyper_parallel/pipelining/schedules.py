@@ -24,7 +24,7 @@ import torch
 from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from hyper_parallel.data_parallel.api import FSDPModule
+from hyper_parallel.fsdp.api import FSDPModule
 from hyper_parallel.distributed import collective_guard as _fault
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",

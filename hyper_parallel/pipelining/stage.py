@@ -34,7 +34,7 @@ from torch.distributed.pipelining._utils import InferenceMode, _StageForwardMeta
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.dtensor import DTensor
-from hyper_parallel.data_parallel.api import FSDPModule
+from hyper_parallel.fsdp.api import FSDPModule
 
 __all__ = ["PipelineStage", "HeteroPipelineStage", "BoundaryLayout"]
 

@@ -16,8 +16,8 @@ carry the plan out are ``param.py``, ``param_group.py`` and ``state.py`` of this
 """
 from __future__ import annotations
 
-from hyper_parallel.data_parallel import state
-from hyper_parallel.data_parallel.policies import MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.fsdp import state
+from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.distributed import groups
 import torch
 

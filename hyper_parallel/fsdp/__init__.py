@@ -1,4 +1,4 @@
-"""Data parallelism: ``replicate`` (DDP), ``fully_shard`` (FSDP2 API), HSDP and HyperParallel's ``hsdp`` (ZeRO-1/2/3).
+"""Data parallelism (the torch-mirrored path ``torch.distributed.fsdp`` too): ``replicate`` (DDP), ``fully_shard`` (FSDP2 API), HSDP and HyperParallel's ``hsdp`` (ZeRO-1/2/3).
 
 Design (one screen)
 -------------------
@@ -17,10 +17,10 @@ Design (one screen)
 
 Docs: ``docs/fsdp.md``.
 """
-from hyper_parallel.data_parallel.policies import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
-from hyper_parallel.data_parallel.api import fully_shard, FSDPModule, UnshardHandle
-from hyper_parallel.data_parallel.ddp import replicate
-from hyper_parallel.data_parallel.hsdp import hsdp
+from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
+from hyper_parallel.fsdp.api import fully_shard, FSDPModule, UnshardHandle
+from hyper_parallel.fsdp.ddp import data_parallel, replicate
+from hyper_parallel.fsdp.hsdp import hsdp
 
-__all__ = ["replicate", "hsdp", "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+__all__ = ["replicate", "data_parallel", "hsdp", "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
            "CPUOffloadPolicy"]

@@ -39,9 +39,9 @@ is always asynchronous and fused per group here, so ``comm_async``,
 from __future__ import annotations
 
 from hyper_parallel.dtensor.dtensor import DTensor
-from hyper_parallel.data_parallel import state
-from hyper_parallel.data_parallel.api import FSDPModule, plan_params
-from hyper_parallel.data_parallel.policies import MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.fsdp import state
+from hyper_parallel.fsdp.api import FSDPModule, plan_params
+from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.distributed import groups
 
 LEVELS = {

@@ -48,7 +48,7 @@ class FSDPParam:
         self.param_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else self.param_dtype
         root = dp_mesh._root
-        # (fqn, mesh and shard dim were checked by hyper_parallel.data_parallel.api before any parameter changed)
+        # (fqn, mesh and shard dim were checked by hyper_parallel.fsdp.api before any parameter changed)
         if isinstance(param, DTensor):
             tp_mesh = param.device_mesh
             self.tp_mesh, self.tp_layout = tp_mesh, param._layout

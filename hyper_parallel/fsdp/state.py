@@ -28,8 +28,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import deferred_grads
 from hyper_parallel.compile.compile_mode import eager_hook
-from hyper_parallel.data_parallel.param import FSDPParam
-from hyper_parallel.data_parallel.param_group import SHARDED, UNSHARDING, FSDPParamGroup
+from hyper_parallel.fsdp.param import FSDPParam
+from hyper_parallel.fsdp.param_group import SHARDED, UNSHARDING, FSDPParamGroup
 
 
 def _in_backward() -> bool:
@@ -291,7 +291,7 @@ _CLASS_CACHE = {}
 
 def fully_shard(module, *, mesh, params, reshard_after_forward, mp_policy, offload_policy, module_cls,
                 _grad_reduce="reduce_scatter", _persistent=False):
-    """Carry out the plan of ``hyper_parallel.data_parallel.api`` (which validated every argument).
+    """Carry out the plan of ``hyper_parallel.fsdp.api`` (which validated every argument).
 
     ``params``: ``[(fqn, [(owner module, attribute name), ...], param, shard dim)]``, the
     parameters this module's group manages, in order; ``mesh``: the resolved 1-D or 2-D

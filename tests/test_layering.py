@@ -1,7 +1,7 @@
 """The public hooks between packages (issue 22): one home for the switches, checked hook arguments.
 
 The hooks that replaced writes into private tables (``register`` / ``override``,
-``register_special``, ``install_dispatcher``, ``provide_dtensor_names``, ``register_export``)
+``register_special``, ``set_dispatcher``, ``provide_dtensor_names``, ``register_export``)
 are exercised on real DTensors (2 ranks). The import layers and the absence of import cycles
 are checked by ``tests/test_architecture.py`` (import-linter contracts and grimp).
 """
@@ -41,8 +41,10 @@ def test_hook_arguments_are_checked():
     from hyper_parallel.compat import hp_dtensor_names as _hp_compat
     from hyper_parallel.dispatch import modes
     from hyper_parallel.dispatch.rules import base
-    with pytest.raises(TypeError, match="install_dispatcher: handler must be callable, got 3"):
-        dtensor.install_dispatcher(3)
+    with pytest.raises(TypeError, match="set_dispatcher: dispatcher must have a callable 'torch_function', got 3"):
+        dtensor.set_dispatcher(3)
+    with pytest.raises(ValueError, match="set_mode: mode must be 'eager' or 'compile', got 'jit'"):
+        dtensor.set_mode("jit")
     with pytest.raises(TypeError, match="register_special: fn must be callable, got 'x'"):
         dtensor.register_special(torch.Tensor.add, "x")
     with pytest.raises(ValueError, match=r"provide_dtensor_names: \['nope'\] are not HyperParallel"):

@@ -40,16 +40,13 @@ from torch._library.opaque_object import MemberType, register_opaque_type
 is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 is_compiling = torch.compiler.is_compiling
 
-_STATE = {"dtensor": None, "handler": None, "compile_mode": False, "removed": {}, "fast_names": (),
-          "dynamo_loaded": False, "api_traced": {}}
+_STATE = {"dtensor": None, "handler": None, "compile_mode": False, "on_mode": None, "dynamo_loaded": False}
 
 def is_dynamo_loaded() -> bool:
     """Whether dynamo has met a DTensor in this process (the dispatcher's compile-time branch is live)."""
     return bool(_STATE["dynamo_loaded"])
 
 
-# overridden methods dynamo cannot inline on a subclass (besides the fast methods): removed in compile mode
-_OVERRIDDEN = ("size", "dim", "numel", "to", "float")
 
 
 # ----------------------------------------------------------------------------- opaque constants
@@ -122,10 +119,6 @@ def _is_traced(t) -> bool:
     return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
 
 
-def _tensor_flatten(self):
-    return ["_local_tensor"], (self._mesh, self._layout, tuple(self._gshape))
-
-
 def _is_example_history(t) -> bool:
     """True for the fake history the meta converter gives a non-leaf example input.
 
@@ -140,39 +133,36 @@ def _is_example_history(t) -> bool:
     return fn is not None and type(fn).__name__ == "Error" and _is_traced(t)
 
 
-def _make_dispatch(DTensor, orig):
-    """``__torch_dispatch__`` that also serves the meta converter's fake history (see above).
+def fake_detach(DTensor, func, args):
+    """The meta converter's ``aten.detach`` of a fake non-leaf DTensor input, else None (``DTensor.__torch_dispatch__``).
 
     After fakeifying a non-leaf DTensor input, the converter gives the wrapper an
     error-raising history with ``DelayedError``, which calls ``aten.detach`` below
-    ``__torch_function__``. For a fake local tensor that detach is answered here
-    on a fake local tensor that requires grad is answered here: a new wrapper whose
-    local tensor carries the same error-raising history (this library keeps autograd
-    state on the local tensor, so that is where the converter's check looks); every
-    other op keeps the original error.
+    ``__torch_function__``. For a fake local tensor that detach is answered here: a new
+    wrapper whose local tensor carries the same error-raising history (this library keeps
+    autograd state on the local tensor, so that is where the converter's check looks);
+    every other call returns None and the caller raises its usual error.
     """
-    detach = torch.ops.aten.detach.default
-
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is detach and len(args) == 1 and isinstance(args[0], DTensor) and _is_traced(args[0]._local_tensor):
-            a = args[0]
-            local = a._local_tensor.detach()
-            if a._local_tensor.requires_grad:
-                local = torch._C._functions.DelayedError(
-                    "Internal error: Tried to backward() through example input", 1)(local.requires_grad_(True))
-            return DTensor._wrap(local, a._mesh, a._layout, a._gshape)
-        return orig(func, types, args, kwargs)
-    return classmethod(__torch_dispatch__)
+    if func is _DETACH and len(args) == 1 and isinstance(args[0], DTensor) and _is_traced(args[0]._local_tensor):
+        a = args[0]
+        local = a._local_tensor.detach()
+        if a._local_tensor.requires_grad:
+            local = torch._C._functions.DelayedError(
+                "Internal error: Tried to backward() through example input", 1)(local.requires_grad_(True))
+        return DTensor._wrap(local, a._mesh, a._layout, a._gshape)
+    return None
 
 
-def _make_unflatten(DTensor):
-    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        mesh, layout, shape = meta
-        local = inner_tensors["_local_tensor"]
-        if local.requires_grad and _is_example_history(local):
-            local = local.detach().requires_grad_(True)  # a leaf; see _is_example_history
-        return DTensor._wrap(local, mesh, layout, shape)
-    return staticmethod(__tensor_unflatten__)
+_DETACH = torch.ops.aten.detach.default
+
+
+def tensor_unflatten(DTensor, inner_tensors, meta):
+    """``DTensor.__tensor_unflatten__``: rebuild the wrapper from its fake local tensor (see above)."""
+    mesh, layout, shape = meta
+    local = inner_tensors["_local_tensor"]
+    if local.requires_grad and _is_example_history(local):
+        local = local.detach().requires_grad_(True)  # a leaf; see _is_example_history
+    return DTensor._wrap(local, mesh, layout, shape)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -313,7 +303,7 @@ def _api_node(name):
     return node
 
 
-def _traceable_method(orig, name, static=False):
+def traceable_method(orig, name, static=False):
     """``orig`` with a dynamo branch: while dynamo traces, the call is one nonstrict_trace node."""
     from functools import wraps
 
@@ -324,6 +314,7 @@ def _traceable_method(orig, name, static=False):
         if is_dynamo_compiling():
             return _NODES[name](_enc(args), _enc({k: v for k, v in kwargs.items() if v is not None}))
         return orig(*args, **kwargs)
+    method.__wrapped_eager__ = orig
     return staticmethod(method) if static else method
 
 
@@ -402,43 +393,23 @@ def _when_dynamo_loads():
 
 # ----------------------------------------------------------------------------- compile mode
 def _enter_compile_mode():
-    """Remove the class-level methods dynamo cannot inline (once per process; see module docstring)."""
+    """Put the op dispatcher in compile mode (once per process; see module docstring)."""
     _require_opaque()
     if _STATE["compile_mode"]:
         return
-    DTensor = _STATE["dtensor"]
-    removed = _STATE["removed"]
-    for name in tuple(_STATE["fast_names"]) + _OVERRIDDEN:
-        if name in DTensor.__dict__:
-            removed[name] = DTensor.__dict__[name]
-            delattr(DTensor, name)
-    for name, traced in _STATE["api_traced"].items():
-        removed[name] = DTensor.__dict__[name]
-        setattr(DTensor, name, traced)
-    removed["__torch_function__"] = DTensor.__dict__["__torch_function__"]
-    DTensor.__torch_function__ = classmethod(_compile_torch_function)
+    _STATE["on_mode"]("compile")
     _STATE["compile_mode"] = True
 
 
-def _compile_torch_function(cls, func, types, args=(), kwargs=None):
-    """``__torch_function__`` in compile mode: while dynamo traces, one opaque node per op (see
-    :func:`traced_op`); otherwise (eager, fake propagation, AOTAutograd) the ordinary dispatcher."""
-    if is_dynamo_compiling():
-        return traced_op(func, args, kwargs or {})
-    return _STATE["handler"](cls, func, types, args, kwargs)
-
-
 def restore_eager_fast_paths():
-    """Undo compile mode: reset dynamo's caches, then reinstall the eager fast methods.
+    """Undo compile mode: reset dynamo's caches, then put the dispatcher back in eager mode.
 
     For tests and benchmarks that mix compiled and eager measurements in one
     process; compiled functions must be recompiled afterwards (dynamo is reset).
     """
     torch._dynamo.reset()
-    DTensor = _STATE["dtensor"]
-    for name, attr in _STATE["removed"].items():
-        setattr(DTensor, name, attr)
-    _STATE["removed"] = {}
+    if _STATE["compile_mode"]:
+        _STATE["on_mode"]("eager")
     _STATE["compile_mode"] = False
 
 
@@ -446,31 +417,14 @@ def in_compile_mode() -> bool:
     return _STATE["compile_mode"]
 
 
-def install(DTensor, handler, constant_classes, fast_names):
-    """Make ``DTensor`` traceable by dynamo (called once by the op dispatcher on import).
+def install(DTensor, handler, constant_classes, on_mode):
+    """Make DTensor programs compilable (called once by the op dispatcher on import; the class is not touched).
 
-    ``handler``: ``__torch_function__``'s implementation ``(cls, func, types, args,
-    kwargs)``; ``constant_classes``: the layout/placement/mesh classes to treat as
-    compile-time constants; ``fast_names``: the eager-only fast methods.
+    ``handler``: the eager ``__torch_function__`` implementation ``(cls, func, types, args, kwargs)``
+    that the opaque op nodes run; ``constant_classes``: the layout/placement/mesh classes dynamo treats
+    as compile-time constants; ``on_mode(mode)``: the dispatcher's mode switch ("compile" the first
+    time dynamo meets a DTensor, "eager" from :func:`restore_eager_fast_paths`).
     """
-    _STATE.update(dtensor=DTensor, handler=handler, fast_names=tuple(fast_names))
-    DTensor.__tensor_flatten__ = _tensor_flatten
-    DTensor.__tensor_unflatten__ = _make_unflatten(DTensor)
-    DTensor.__torch_dispatch__ = _make_dispatch(DTensor, DTensor.__torch_dispatch__)
+    _STATE.update(dtensor=DTensor, handler=handler, on_mode=on_mode)
     _register_constants(tuple(constant_classes))
-    # from_local can be the first DTensor call a compiled region makes (plain inputs), so it carries
-    # its dynamo branch always; the methods of an existing DTensor get theirs in compile mode
-    # (a DTensor seen by dynamo has put the process in compile mode), so eager pays nothing for them
-    for name in _API:
-        attr = DTensor.__dict__.get(name)
-        if attr is None:
-            continue
-        if isinstance(attr, staticmethod):
-            traced = _traceable_method(attr.__func__, name, static=True)
-        else:
-            traced = _traceable_method(attr, name)
-        if name == "from_local":
-            setattr(DTensor, name, traced)
-        else:
-            _STATE["api_traced"][name] = traced
     _when_dynamo_loads()

@@ -604,21 +604,48 @@ def _wrap_entry(entry, out):
     return r
 
 
-# ----------------------------------------------------------------------------- installation
-# 1. eager: DTensor.__torch_function__ becomes _torch_function (fast path inlined), _handle the slow
-#    path, and the Python fast methods are defined on the class (dtensor.install_dispatcher)
-_dt.install_dispatcher(_handle, _torch_function, _fast_methods.make_methods(DTensor, sys.modules[__name__]))
+# ----------------------------------------------------------------------------- the dispatcher object
+def _compile_torch_function(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` in compile mode: while dynamo traces, one opaque node per op
+    (``compile_mode.traced_op``); otherwise (eager, fake propagation, AOTAutograd) the eager path."""
+    if _DYNAMO_COMPILING():
+        return _COMPILE.traced_op(func, args, kwargs or {})
+    return _torch_function(cls, func, types, args, kwargs)
 
-# 2. torch.compile: DTensor is a traceable subclass whose ops dynamo records as opaque nodes (platform layer;
-#    in compile mode it wraps __torch_function__ with the dynamo branch, so eager code pays nothing before)
+
+class Dispatcher:
+    """The one object ``DTensor.__torch_function__`` delegates to; eager or compile mode.
+
+    ``torch_function`` is the entry (eager: :func:`_torch_function`, the fast path inlined; compile:
+    :func:`_compile_torch_function`); ``handle`` the slow path. The mode changes once per process, the
+    first time dynamo meets a DTensor (``compile_mode`` calls :meth:`set_mode`), and back with
+    ``compile_mode.restore_eager_fast_paths()``.
+    """
+
+    __slots__ = ("mode", "torch_function", "handle")
+
+    def __init__(self):
+        self.mode = "eager"
+        self.torch_function = _torch_function
+        self.handle = _handle
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in ("eager", "compile"):
+            raise ValueError(f"Dispatcher.set_mode: mode must be 'eager' or 'compile', got {mode!r}")
+        _dt.set_mode(mode)  # the class's eager-only methods leave (compile) or come back (eager)
+        self.torch_function = _compile_torch_function if mode == "compile" else _torch_function
+        self.mode = mode
+
+
 _COMPILE = compile_mode
 _COMPILING = _COMPILE.is_compiling
+_DYNAMO_COMPILING = _COMPILE.is_dynamo_compiling
+_DYNAMO_LOADED = _COMPILE.is_dynamo_loaded  # the compile state is read through its function, never its table
 
-
-# the compile state is read through the platform's function, never its private table
-_DYNAMO_LOADED = _COMPILE.is_dynamo_loaded
+DISPATCHER = Dispatcher()
+_dt.set_dispatcher(DISPATCHER, _fast_methods.make_methods(DTensor, sys.modules[__name__]))
 _COMPILE.install(DTensor, _torch_function, (_Layout, _dt.DeviceMesh, _dt.Shard, _dt.Replicate, _dt.Partial),
-                 _fast_methods.METHODS)
+                 DISPATCHER.set_mode)
 
 
 def cache_stats() -> dict:

@@ -31,7 +31,7 @@ METHODS = (
 
 def make_methods(cls, dispatch) -> dict:
     """``{name: method}`` for each of :data:`METHODS` the framework's Tensor has, for ``cls`` (the
-    DTensor class); ``dtensor.install_dispatcher`` defines them on the class.
+    DTensor class); ``dtensor.set_dispatcher`` defines them on the class (eager mode).
 
     ``dispatch``: the dispatcher module (``dispatch/dispatcher.py``), whose fast cache
     (``_FAST``) and fast-path helpers the methods share

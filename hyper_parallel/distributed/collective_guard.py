@@ -35,7 +35,7 @@ import torch.distributed as dist
 from hyper_parallel.distributed import collective_errors as faults
 from hyper_parallel.distributed.collective_errors import CollectiveError, CollectiveMismatchError
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../hyper_parallel
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hyper_parallel
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 _CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",

@@ -40,6 +40,7 @@ from hyper_parallel.compat.hp_dtensor_names import _build_layout, _is_alias_plac
 from hyper_parallel.dtensor import torch_internals
 import torch
 from hyper_parallel.dtensor import vmap_bridge
+from hyper_parallel.compile import compile_mode
 
 _Tensor = torch.Tensor
 _Size = torch.Size
@@ -63,29 +64,80 @@ def _caller_is_framework(frame) -> bool:
     return bool(_FRAMEWORK_PKG) and (name.startswith(_FRAMEWORK_PREFIX) or name == _FRAMEWORK_PKG)
 
 
-# ------------------------------------------------------------------ the op dispatcher's hooks
-# The op dispatcher lives one layer up (dispatch/dispatcher.py) and installs itself here on import
-# with install_dispatcher(); this module never imports it. See docs/design.md, "The op path".
-_OP_HANDLER = None
+# ------------------------------------------------------------------ the op dispatcher
+# DTensor's torch entry points are defined once, in the class below, and delegate to one dispatcher
+# object: the op dispatcher of dispatch/dispatcher.py, handed over with set_dispatcher() when that
+# module is imported (this module never imports it). Its mode (eager or compile) is its own state;
+# what the class must look like in each mode is decided here, in set_mode(). docs/design.md, "The op path".
+class _NoDispatcher:
+    """The dispatcher until ``dispatch/dispatcher.py`` is imported: special methods only."""
+
+    mode = "eager"
+
+    @staticmethod
+    def torch_function(cls, func, types, args=(), kwargs=None):
+        special = SPECIAL_METHODS.get(func)
+        if special is not None:
+            return special(*args, **(kwargs or {}))
+        raise NotImplementedError(
+            f"{torch_internals.op_name(func)} on DTensor: op dispatch is not loaded; import hyper_parallel")
+
+    @staticmethod
+    def handle(func, types, args, kwargs):
+        raise NotImplementedError(
+            f"{torch_internals.op_name(func)} on DTensor: op dispatch is not loaded; import hyper_parallel")
 
 
-def install_dispatcher(handler, torch_function=None, methods=None) -> None:
-    """Install the op dispatcher on :class:`DTensor` (called once by ``dispatch/dispatcher.py``).
+_DISPATCHER = _NoDispatcher
+_FAST_METHODS: dict = {}   # the dispatcher's eager fast methods (name -> function), defined on the class in eager mode
+_EAGER_ONLY = ("size", "dim", "numel", "to", "float")  # overrides dynamo cannot inline: absent in compile mode
+_TRACED: dict = {}         # API methods with their dynamo branch (compile mode), made below the class
+_EAGER_ATTRS: dict = {}    # what set_mode("compile") took off the class, for set_mode("eager")
 
-    ``handler(func, types, args, kwargs)`` runs any op on DTensors (the slow path,
-    SkipDTensorDispatch included); ``torch_function`` replaces
-    ``DTensor.__torch_function__`` (the dispatcher's version with the fast path
-    inlined); ``methods`` maps Tensor method names to Python-level fast methods
-    defined on the class (``dispatch/fast_methods.py``).
+
+def set_dispatcher(dispatcher, fast_methods=None) -> None:
+    """Hand DTensor its op dispatcher (called once, by ``dispatch/dispatcher.py`` on import).
+
+    ``dispatcher`` has ``torch_function(cls, func, types, args, kwargs)`` (what ``__torch_function__``
+    calls) and ``handle(func, types, args, kwargs)`` (the slow path, for ``DTensor.to`` and the vmap
+    bridge); ``fast_methods`` maps Tensor method names to the dispatcher's Python-level fast methods
+    (``dispatch/fast_methods.py``), defined on the class while the dispatcher is in eager mode.
     """
-    global _OP_HANDLER
-    if not callable(handler):
-        raise TypeError(f"install_dispatcher: handler must be callable, got {handler!r}")
-    _OP_HANDLER = handler
-    if torch_function is not None:
-        DTensor.__torch_function__ = classmethod(torch_function)
-    for name, fn in (methods or {}).items():
+    global _DISPATCHER
+    for attr in ("torch_function", "handle"):
+        if not callable(getattr(dispatcher, attr, None)):
+            raise TypeError(f"set_dispatcher: dispatcher must have a callable {attr!r}, got {dispatcher!r}")
+    _DISPATCHER = dispatcher
+    _FAST_METHODS.clear()
+    _FAST_METHODS.update(fast_methods or {})
+    for name, fn in _FAST_METHODS.items():
         setattr(DTensor, name, fn)
+
+
+def set_mode(mode: str) -> None:
+    """Shape the class for the dispatcher's mode (called by the dispatcher's ``set_mode`` only).
+
+    "compile": dynamo refuses to call Tensor methods a subclass overrides, so the eager fast methods
+    and the ``size``/``dim``/``numel``/``to``/``float`` overrides leave the class (those calls then take
+    ``__torch_function__``: same results, ~1 us slower), and the API methods get their dynamo branch
+    (one opaque node while dynamo traces). "eager": everything is put back.
+    """
+    if mode == "compile":
+        if _EAGER_ATTRS:
+            return
+        for name in tuple(_FAST_METHODS) + _EAGER_ONLY:
+            if name in DTensor.__dict__:
+                _EAGER_ATTRS[name] = DTensor.__dict__[name]
+                delattr(DTensor, name)
+        for name, traced in _TRACED.items():
+            _EAGER_ATTRS[name] = DTensor.__dict__[name]
+            setattr(DTensor, name, traced)
+    elif mode == "eager":
+        for name, attr in _EAGER_ATTRS.items():
+            setattr(DTensor, name, attr)
+        _EAGER_ATTRS.clear()
+    else:
+        raise ValueError(f"set_mode: mode must be 'eager' or 'compile', got {mode!r}")
 
 
 def register_special(func, fn):
@@ -519,10 +571,10 @@ class DTensor(torch.Tensor):
             args, kwargs = _to_like(args, kwargs)  # x.to(other): other's device and dtype (DTensor or plain)
         if self._layout.has_partial():
             self._settle_grad()  # a pending .grad view becomes Replicate here
-        if self._layout.has_partial() and _OP_HANDLER is not None:
+        if self._layout.has_partial() and _DISPATCHER is not _NoDispatcher:
             # casting each pending partial piece is not casting their sum (int/bool targets): let the
             # op rule decide whether the partial must be reduced first
-            return _OP_HANDLER(_Tensor.to, (DTensor,), (self,) + args, kwargs)
+            return _DISPATCHER.handle(_Tensor.to, (DTensor,), (self,) + args, kwargs)
         return DTensor._wrap(self._local_tensor.to(*args, **kwargs), self._mesh, self._layout, self._gshape)
 
     def float(self) -> "DTensor":
@@ -540,30 +592,34 @@ class DTensor(torch.Tensor):
     # ------------------------------------------------------------------ interception
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """Every op on a DTensor enters here. This body is the fallback before the op dispatcher is
-        loaded: ``dispatch/dispatcher.py`` replaces it on import (:func:`install_dispatcher`) with
-        its fast-path version, and compile mode wraps that one (docs/design.md, "The op path")."""
-        special = SPECIAL_METHODS.get(func)
-        if special is not None:
-            return special(*args, **(kwargs or {}))
-        if _OP_HANDLER is None:
-            raise NotImplementedError(
-                f"{torch_internals.op_name(func)} on DTensor: op dispatch is not loaded; import hyper_parallel")
-        return _OP_HANDLER(func, types, args, kwargs or {})
+        """Every op on a DTensor enters here and goes to the op dispatcher (eager or compile mode)."""
+        return _DISPATCHER.torch_function(cls, func, types, args, kwargs)
+
+    # torch.compile: a traceable wrapper subclass (the local tensor is the one inner tensor)
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], (self._mesh, self._layout, tuple(self._gshape))
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return compile_mode.tensor_unflatten(DTensor, inner_tensors, meta)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Ops are handled in __torch_function__; reaching here means some code path
-        # bypassed it (e.g. a C++ utility receiving the wrapper directly).
+        # bypassed it (e.g. a C++ utility receiving the wrapper directly), or torch.compile's meta
+        # converter detaching a fake input (answered by compile_mode.fake_detach).
+        fake = compile_mode.fake_detach(DTensor, func, args)
+        if fake is not None:
+            return fake
         if torch_internals.functorch_active():
             # torch.vmap: a batching rule sends an aten op; run its torch-level twin through the
             # normal DTensor dispatch (plain tensors the rule makes, e.g. index offsets, are global)
             twin = vmap_bridge.translate(func, args)
             cause = None
-            if twin is not None and _OP_HANDLER is not None:
+            if twin is not None and _DISPATCHER is not _NoDispatcher:
                 try:
                     with implicit_replication():
-                        return _OP_HANDLER(twin[0], types, twin[1], kwargs or {})
+                        return _DISPATCHER.handle(twin[0], types, twin[1], kwargs or {})
                 except (TypeError, NotImplementedError) as e:  # no rule / another signature
                     cause = e
             raise RuntimeError(
@@ -636,7 +692,15 @@ SPECIAL_METHODS = _special_methods.build_table(DTensor)
 _SPECIAL = SPECIAL_METHODS  # the old private name
 
 
-__all__ = ["DTensor", "build_layout", "install_dispatcher", "register_special", "unregister_special",
+# torch.compile: the API methods' dynamo branch (one opaque node while dynamo traces). from_local carries it
+# always (it can be a compiled region's first DTensor call, on plain inputs); the others get it in compile mode
+# (set_mode), so eager calls pay nothing.
+DTensor.from_local = compile_mode.traceable_method(DTensor.__dict__["from_local"].__func__, "from_local", static=True)
+_TRACED.update({name: compile_mode.traceable_method(DTensor.__dict__[name], name)
+                for name in ("to_local", "redistribute", "full_tensor", "reduce_partial")})
+
+
+__all__ = ["DTensor", "build_layout", "set_dispatcher", "set_mode", "register_special", "unregister_special",
            "settle_pending_grads"]
 
 

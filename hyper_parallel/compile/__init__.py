@@ -1,20 +1,18 @@
-"""``torch.compile`` support for hyper_parallel's DTensor (a platform feature folder).
-from hyper_parallel.compile import compile_mode
+"""``torch.compile`` of DTensor programs: each DTensor op is one opaque node; the compiler sees local ops.
 
-What it holds: :mod:`.support`, everything torch-specific about compiling DTensor
-programs - DTensor as a traceable wrapper subclass, one ``nonstrict_trace`` node per
-DTensor op, layouts/placements/meshes as opaque value constants, the compile-mode switch
-of the eager fast methods, and :func:`~.support.eager_hook` for module hooks that must
-stay eager (FSDP's).
-
-Why a folder of its own: this is feature mechanics built on torch's compiler, not an
-adaptation of torch's basic services (tensors, collectives, autograd), which stay at the
-root of ``platform/torch/``. The traced *collectives* (``compile_collectives.py``) stay at
-the root: they are the other half of each raw collective (``collectives.py`` calls them
-under ``torch.compiler.is_compiling()``), not compile-feature logic.
-
-Layering: like the root, this folder imports nothing from ``hyper_parallel.core`` (or
-``checkpoint``, ``debug``, the package root); the DTensor class and the dispatcher's
-handler are injected by the core (``support.install``). The core reaches it through
-``compile_mode``.
+Design (one screen)
+-------------------
+* **Compile is a mode of the dispatcher.** The first time dynamo meets a DTensor, ``compile_mode``
+  asks the op dispatcher to switch to compile mode (``Dispatcher.set_mode``): while dynamo traces,
+  every op is one ``nonstrict_trace`` call whose body AOTAutograd runs natively, so sharding rules,
+  caches and layout arithmetic are constant-folded and the graph holds only aten ops on local
+  tensors and functional collectives. Outside tracing the eager path runs.
+* **What lives here** (``compile_mode.py``): the opaque-node machinery (``traced_op``, the API
+  methods' dynamo branch), layouts/placements/meshes registered as opaque constants, the fake-tensor
+  answers DTensor's ``__tensor_unflatten__`` / ``__torch_dispatch__`` delegate to, ``eager_hook``
+  (FSDP's hooks stay eager under compile), and the import hook that registers the nodes only when
+  ``torch._dynamo`` is imported, so eager programs never pay its import.
+* **Imports.** torch only. The op dispatcher hands its eager entry and its mode switch to
+  :func:`compile_mode.install`; this package never imports the library above it.
+* Docs: docs/design.md, "torch.compile".
 """

@@ -1,11 +1,31 @@
-"""HyperParallel's ``hyper_parallel.dtensor`` package: its public names, resolved lazily.
+"""The DTensor core: mesh, placements, layout math, the pure planners, the DTensor class and its API.
 
-``from hyper_parallel.dtensor import DTensor, Layout, distribute_tensor`` gives the same
-objects as ``hyper_parallel.DTensor`` ... (never copies). The names are looked up on first
-use (module ``__getattr__``) so that importing a submodule such as
-``hyper_parallel.dtensor.layout`` on its own does not pull in the DTensor class or the
-op dispatcher (no import cycles); ``CommDebugMode`` (a higher layer) is handed over by
-``hyper_parallel.debug`` (:func:`register_export`).
+Design (one screen)
+-------------------
+* **A storage-less wrapper.** ``dtensor.py``: ``DTensor`` is a ``torch.Tensor`` wrapper subclass with
+  the global shape that holds this rank's local tensor; autograd records the local computation, so
+  backward has no DTensor work per op. Its torch entry points are defined once and delegate to the
+  op dispatcher object (``dispatch/dispatcher.py``, handed over with ``set_dispatcher``).
+* **Layout math is pure.** ``placement_types.py`` (``Shard``/``Replicate``/``Partial``, torch's
+  semantics), ``layout.py`` (the immutable ``Layout``: per tensor dim the mesh dims sharding it, per
+  mesh dim a pending reduction; HyperParallel's alias spelling), ``layout_builder.py``,
+  ``mesh_coords.py``, ``device_mesh.py`` (``DeviceMesh``, both libraries' ``init_device_mesh``,
+  torch meshes adopted). The planners ``redistribute_plan.py`` (Dijkstra over layout states, minimum
+  bytes) and ``cross_mesh_plan.py`` are pure functions of layouts and shapes: no torch (the
+  ``pure-math`` import contract), so they are tested without processes.
+* **Executors.** ``redistribute.py`` (runs a plan with the ground floor's differentiable collectives,
+  partial-gradient views), ``cross_mesh.py``, ``run_check.py`` (``from_local(run_check=True)``),
+  ``random.py`` (layout-independent random streams), ``api.py`` (``distribute_tensor``,
+  ``distribute_module``, factories), ``grad_state.py`` / ``partial_grad_seed.py`` (Partial gradients),
+  ``function_bridge.py`` (``autograd.Function`` on DTensors), ``special_methods.py`` (``detach``,
+  ``backward``, ``item``...), ``dispatch_state.py`` (``SkipDTensorDispatch``, ``implicit_replication``),
+  ``cache_key.py`` (the interned (layout, shape) token the dispatcher's cache keys use).
+* **Torch patches owned here** (each listed with its reason in docs/design.md): ``patch_function_apply.py``,
+  ``patch_testing.py``, ``vmap_bridge.py``; ``torch_internals.py`` names the few private torch APIs used.
+* **Imports.** The ground floor, ``compile``, ``checkpoint.dcp`` (first use), and HyperParallel's mixins
+  in ``compat/``; nothing above. This package's public names resolve lazily (module ``__getattr__``), so
+  importing ``dtensor.layout`` alone does not pull in the class; ``CommDebugMode`` is handed over by
+  ``hyper_parallel.debug`` (:func:`register_export`).
 """
 from importlib import import_module as _import_module
 

@@ -8,17 +8,9 @@ from __future__ import annotations
 
 from hyper_parallel.dtensor.layout import chunk_size_and_offset
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy
-from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt, bind_args as _bind, input_layout
+from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt, bind_args as _bind
 import torch
 
-
-
-def _self(call, what="input"):
-    return input_layout(call, what)
-
-
-def _np(layout):
-    return layout.without_partial() if layout.has_partial() else layout
 
 
 _CONV_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")

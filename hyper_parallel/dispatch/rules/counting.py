@@ -7,16 +7,9 @@
 from __future__ import annotations
 
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy
-from hyper_parallel.dispatch.rules.base import bind_args as _bind, input_layout
+from hyper_parallel.dispatch.rules.base import bind_args as _bind
+from hyper_parallel.dispatch.rules.padding_repeat import _np, _self
 
-
-
-def _self(call, what="input"):
-    return input_layout(call, what)
-
-
-def _np(layout):
-    return layout.without_partial() if layout.has_partial() else layout
 
 
 class HistcRule(DistributedOp):

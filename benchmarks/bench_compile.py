@@ -91,7 +91,8 @@ def worker(iters, backend):
                          f"{t_comp[k] / t_comp['plain']:.2f}", f"{ctime[k]:.1f}", breaks if k == "ours" else ""))
         rows.append((ws, name, "plain (1 proc)", "", f"{t_comp['plain'] / 1e3:.2f}", "", "", "1.00",
                      f"{ctime['plain']:.1f}", ""))
-        hp.get_platform().compile_support.restore_eager_fast_paths()  # also resets dynamo for the next case
+        from hyper_parallel.compile import compile_mode
+        compile_mode.restore_eager_fast_paths()  # also resets dynamo for the next case
         counters.clear()
     return rows
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel import ColwiseParallel, Partial, Replicate, RowwiseParallel, Shard, parallelize_module
+from hyper_parallel.compile import compile_mode
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BACKEND = "aot_eager"
@@ -182,7 +183,7 @@ def _task():
         assert not breaks, f"graph breaks: {breaks}"
         return dict(counters["stats"])
     finally:
-        hp.get_platform().compile_support.restore_eager_fast_paths()  # leave the pool's worker as found
+        compile_mode.restore_eager_fast_paths()  # leave the pool's worker as found
 
 
 def _task_fsdp_tp():
@@ -201,7 +202,7 @@ def _task_fsdp_tp():
         assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
         assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     finally:
-        hp.get_platform().compile_support.restore_eager_fast_paths()
+        compile_mode.restore_eager_fast_paths()
 
 
 def test_compile_fsdp_tp_four_ranks(dist_runner):
@@ -216,12 +217,19 @@ def test_compile_parity_two_ranks(dist_runner):
 def test_compile_mode_restores_fast_methods():
     """Compile mode removes the eager fast methods (dynamo cannot inline them); the reset puts them back."""
     from hyper_parallel.dispatch import fast_methods as _fast_methods
-    cs = hp.get_platform().compile_support
+    cs = compile_mode
     assert all(n in hp.DTensor.__dict__ for n in _fast_methods.METHODS if hasattr(torch.Tensor, n))
-    eager = {n: hp.DTensor.__dict__[n] for n in ("to_local", "redistribute", "__torch_function__")}
+    from hyper_parallel.dispatch.dispatcher import DISPATCHER
+    eager = {n: hp.DTensor.__dict__[n] for n in ("to_local", "redistribute")}
+    entry, eager_tf = hp.DTensor.__dict__["__torch_function__"], DISPATCHER.torch_function
     cs._enter_compile_mode()
     assert cs.in_compile_mode() and "__add__" not in hp.DTensor.__dict__ and "size" not in hp.DTensor.__dict__
     assert all(hp.DTensor.__dict__[n] is not f for n, f in eager.items())  # dynamo branches installed
+    # compile is the dispatcher's mode: the class's entry point is the same object, the dispatcher's is not
+    assert DISPATCHER.mode == "compile" and DISPATCHER.torch_function is not eager_tf
+    assert hp.DTensor.__dict__["__torch_function__"] is entry
     cs.restore_eager_fast_paths()
     assert not cs.in_compile_mode() and "__add__" in hp.DTensor.__dict__ and "size" in hp.DTensor.__dict__
     assert all(hp.DTensor.__dict__[n] is f for n, f in eager.items())
+    assert DISPATCHER.mode == "eager" and DISPATCHER.torch_function is eager_tf
+    assert hp.DTensor.__dict__["__torch_function__"] is entry

@@ -1,0 +1,6 @@
+"""HyperParallel's ``hyper_parallel.core.*`` module paths, kept so its programs import unchanged.
+
+Every module under ``core/`` is a facade with no logic: a few lines that alias the module where the
+code lives (``dtensor/``, ``dispatch/``, ``tensor_parallel/``, ``fsdp/``, ``pipelining/``) or one of the
+shims in ``compat/``. docs/design.md ("Module paths") has the table.
+"""

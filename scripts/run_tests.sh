@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv if needed, then run pytest (default: tests/, see pyproject.toml).
-# Extra arguments go to pytest, e.g.  bash scripts/run_tests.sh tests/test_harness.py -x
+# Extra arguments go to pytest, e.g.  bash scripts/run_tests.sh tests/harness/test_harness.py -x
 # Exit status is pytest's, except that "no tests collected" (5) is a failure (1).
 set -uo pipefail
 

@@ -38,7 +38,7 @@ import importlib.metadata as md
 assert sys.version_info >= (3, 10)
 assert md.version("torch").split("+")[0] == sys.argv[1]
 md.version("hyper-parallel")
-md.version("hypothesis")  # the [test] extra (tests/test_property_sweep.py)
+md.version("hypothesis")  # the [test] extra (tests/dispatch/test_property_sweep.py)
 PYEOF
 }
 

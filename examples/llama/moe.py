@@ -105,7 +105,7 @@ def run_experts_loop(w1, w2, w3, x, num_tokens_per_expert):
     """Expert e's SwiGLU on its rows of ``x`` (rows grouped by expert, counts in ``num_tokens_per_expert``).
 
     A plain loop (one host read of the counts); the reference ``hyper_parallel.moe.grouped_mm`` is
-    checked against in tests/test_moe_model.py (``GroupedExperts(use_grouped_mm=False)`` uses it).
+    checked against in tests/moe/test_moe_model.py (``GroupedExperts(use_grouped_mm=False)`` uses it).
     """
     counts = [int(c) for c in num_tokens_per_expert.tolist()]
     if sum(counts) != x.shape[0]:

@@ -253,7 +253,7 @@ def train(args, steps, cfg, mesh, log=print, report=None):
     return losses
 
 
-# ---- fault injection for tests/test_elastic_restart.py (elastic restart) -------------------------
+# ---- fault injection for tests/distributed/test_elastic_restart.py (elastic restart) -------------------------
 def _test_kill_hook(step):
     """``HP_TEST_KILL_AT_STEP=RANK:STEP``: that rank SIGKILLs itself in step STEP (1-based, after
     forward and backward, before the optimizer step), only in torchrun's first attempt

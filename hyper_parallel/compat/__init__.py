@@ -9,8 +9,8 @@ Design (one screen)
   ``hp_placements.py`` (placement lists longer than the mesh), ``hp_dtensor_names.py`` (the names
   HyperParallel imports from ``core.dtensor.dtensor``), ``hp_tensor_redistribution.py``,
   ``hp_op_dispatch.py`` / ``hp_skip.py`` / ``hp_parallel_ops*.py`` (its dispatch module paths),
-  ``hp_utils.py`` / ``hp_shape_utils.py`` (its shape helpers), and ``platform.py`` (the
-  ``get_platform()`` facade: HyperParallel removed its platform layer in 2026-09).
+  ``hp_utils.py`` / ``hp_shape_utils.py`` (its shape helpers), and ``platform.py`` (HyperParallel's
+  platform object, a facade: HyperParallel removed its platform layer in 2026-09).
 * **Module paths.** HyperParallel's ``hyper_parallel.core.*`` paths and ``hyper_parallel.platform``
   must exist where its programs import them; each is a file of a few lines that aliases the home
   module (``sys.modules``) or re-exports a package, with no logic. PyTorch's mirrored paths

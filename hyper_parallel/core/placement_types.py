@@ -4,5 +4,6 @@ HyperParallel's programs (its shard tests: ``from hyper_parallel.core.placement_
 Replicate``) import the placements from here; these are the library's own classes (identity, not
 copies) from :mod:`hyper_parallel.core.dtensor.placement_types`.
 """
-from hyper_parallel.core.dtensor.placement_types import *  # noqa: F401,F403
-from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard  # noqa: F401
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial"]

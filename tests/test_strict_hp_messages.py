@@ -354,3 +354,42 @@ def test_every_strict_case_starts_with_hyperparallels_message(dist_runner):
     assert firsts["scatter"] == "Operation scatter: Src tensor layout (-1, 0) must match input tensor layout (0, -1)."
     assert firsts["softmax"] == ("Operation softmax: The axis dimension (in dim -1) is sharded (strategy is 2). "
                                  "This operation requires the reduction axis to be un-sharded.")
+
+
+def _keyword_forms_body():
+    """Keyword spellings of the calls find the same message; warn-only mode carries it too."""
+    import warnings
+    from hyper_parallel.core.shard.modes import ImplicitRedistributionWarning
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    x = torch.arange(24.0).reshape(4, 6)
+    d0 = distribute_tensor(x, mesh, (Shard(0),))
+    d1 = distribute_tensor(x, mesh, (Shard(1),))
+    t = distribute_tensor(torch.arange(4.0), mesh, (Shard(0),))
+    cases = [
+        (lambda: torch.cumsum(input=d0, dim=0),
+         "Operation cumsum: Cannot perform sharding on normalized dimension 0, but found sharding assignment: 0"),
+        (lambda: torch.topk(d1, k=2, dim=-1), "Operation topk: Cannot perform sharding on params along the chosen dim"),
+        (lambda: F.pad(d1, pad=(1, 1)), "Distributed Pad operator does not support padding on a sharded dimension. "
+         "Dimension 1 (alias: tp) is sharded."),
+        (lambda: torch.isin(elements=d0, test_elements=t),
+         "Operation isin: 'test_elements' must be unsharded. Current tensor_map: (0,)."),
+        (lambda: torch.sort(d1, stable=True, dim=1),
+         "For 'sort', sorting along a sharded dimension (dim 1 mapped to 0) is not supported."),
+        (lambda: F.layer_norm(d1, normalized_shape=torch.Size([6])),
+         "Operation layer_norm: Cannot perform sharding on normalized dimension 1, but found sharding assignment: 0"),
+    ]
+    for f, want in cases:
+        with hp.strict_layouts():
+            with pytest.raises(ValueError) as ei:
+                f()
+        assert str(ei.value).startswith(want), (want, str(ei.value))
+        with hp.strict_layouts(warn_only=True), warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            f()
+        msgs = [str(w.message) for w in rec if issubclass(w.category, ImplicitRedistributionWarning)]
+        assert len(msgs) == 1 and msgs[0].startswith(want) and "bytes sent by the busiest rank" in msgs[0], msgs
+    return len(cases)
+
+
+def test_keyword_forms_and_warn_only(dist_runner):
+    assert dist_runner.run(2, _keyword_forms_body) == [6, 6]

@@ -66,16 +66,16 @@ def _hp_dump(layout):
             f"  Rank List: {tuple(layout.rank_list)}")
 
 
-def _first(dts, args, pos=0, name="input"):
-    """The DTensor passed at ``args[pos]`` (or keyword ``name``), else None."""
-    a = _arg(args, {}, pos, name)
+def _first(dts, args, kwargs=None, pos=0, name="input"):
+    """The DTensor passed at ``args[pos]`` (or as keyword ``name``), else None."""
+    a = _arg(args, kwargs or {}, pos, name)
     return a if any(a is d for d in dts) else None
 
 
 # ----------------------------------------------------------------------------- the rules
 def _softmax(name, dts, args, kwargs):
     # ActivationWithAxisDistributedOp.check_layout
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, 1, "dim")
     if x is None or not isinstance(dim, int):
         return None
@@ -104,7 +104,7 @@ def _normalized_dim(name, dims, tm):
 
 
 def _cumsum(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, 1, "dim")
     if x is None or not isinstance(dim, int):
         return None
@@ -113,7 +113,7 @@ def _cumsum(name, dts, args, kwargs):
 
 
 def _layer_norm(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     shape = _arg(args, kwargs, 1, "normalized_shape")
     if x is None or shape is None:
         return None
@@ -123,7 +123,7 @@ def _layer_norm(name, dts, args, kwargs):
 
 
 def _sort(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, 1, "dim", -1)
     if x is None or not isinstance(dim, int):
         return None
@@ -139,7 +139,7 @@ def _sort(name, dts, args, kwargs):
 
 def _chosen_dim(name, dts, args, kwargs, pos, default):
     # TopKDistributedOp / RepeatInterleaveDistributedOp
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, pos, "dim", default)
     if x is None or not isinstance(dim, int):
         return None
@@ -154,7 +154,7 @@ def _topk(name, dts, args, kwargs):
 
 
 def _repeat_interleave(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, 2, "dim")
     if x is None:
         return None
@@ -168,7 +168,7 @@ def _repeat_interleave(name, dts, args, kwargs):
 
 
 def _unbind(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, 1, "dim", 0)
     if x is None or not isinstance(dim, int):
         return None
@@ -182,7 +182,7 @@ def _unbind(name, dts, args, kwargs):
 
 
 def _split(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     axis = _arg(args, kwargs, 2, "dim", 0)
     if x is None or not isinstance(axis, int):
         return None
@@ -194,7 +194,7 @@ def _split(name, dts, args, kwargs):
 
 
 def _expand(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     if x is None:
         return None
     if len(args) > 1:
@@ -215,7 +215,7 @@ def _expand(name, dts, args, kwargs):
 
 
 def _pad(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     pad = _arg(args, kwargs, 1, "pad")
     if x is None or not isinstance(pad, (tuple, list)) or len(pad) % 2:
         return None
@@ -235,7 +235,7 @@ def _pad(name, dts, args, kwargs):
 
 
 def _scatter(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     dim = _arg(args, kwargs, 1, "dim")
     if x is None or not isinstance(dim, int):
         return None
@@ -268,7 +268,7 @@ def _masked_scatter(name, dts, args, kwargs):
 
 
 def _multinomial(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     if x is None:
         return None
     alias = _lay(x).alias_tensor_map
@@ -290,7 +290,7 @@ def _isin(name, dts, args, kwargs):
 
 
 def _squeeze(name, dts, args, kwargs):
-    x = _first(dts, args)
+    x = _first(dts, args, kwargs)
     axis = _arg(args, kwargs, 1, "dim")
     if x is None or axis is None:
         return None

@@ -14,13 +14,20 @@ Not implicit: a local split (``Replicate -> Shard``, no communication), a
 partial value needs). Collectives an op's own rule runs as part of its
 computation (a norm's all_reduce, ``equal``'s answer) are not redistributions.
 
-One semantic case without any redistribution is also refused, as HyperParallel
-does: ``squeeze(dim)`` of a dim whose global size is not 1 (PyTorch: a no-op).
+Semantic cases without any redistribution are also refused, as HyperParallel
+does: ``squeeze(dim)`` of a dim whose global size is not 1 (PyTorch: a no-op), SDPA
+whose K and V (or Q and K on the batch/head/embedding dims) are laid out differently,
+and ``scatter`` whose index or src is laid out unlike the input (our rules slice a
+replicated operand locally there).
+
+Every message starts with HyperParallel's own message for that call, word for word
+(:mod:`._strict_hp`), then ours.
 """
 from __future__ import annotations
 
 import warnings
 
+from hyper_parallel.dispatch import strict_hp as _strict_hp
 from hyper_parallel.dispatch import modes as _modes
 
 _WARNED = _modes.STRICT_WARNED  # (op, layouts) warned about; cleared by modes._reset
@@ -90,9 +97,19 @@ def violation(name, dts, redist, args, kwargs):
         if cls is _modes.StrictLayoutNotImplementedError:
             msg += ("; HyperParallel supports neither K/V sequence sharding (ring attention) nor a sharded "
                     "last (embedding) dim here")
+        hp = _strict_hp.message(name, dts, args, kwargs)   # HyperParallel's own message first (issue 33)
+        if hp is not None:
+            if hp[0] is NotImplementedError:
+                cls = _modes.StrictLayoutNotImplementedError
+            msg = _join(hp[1], msg)
         return cls, msg, tuple(moves), name
     check = _SEMANTIC.get(name)
     return check(name, dts, args, kwargs) if check is not None else None
+
+
+def _join(hp_text, ours):
+    """HyperParallel's message, word for word, then ours (the layouts, the mesh dim, the fix)."""
+    return f"{hp_text}\n{ours}"
 
 
 def _squeeze(name, dts, args, kwargs):
@@ -107,13 +124,31 @@ def _squeeze(name, dts, args, kwargs):
     if not bad:
         return None
     lay = dts[0]._layout
+    hp = _strict_hp.message(name, dts, args, kwargs)
     msg = (f"strict layouts: {name} of dim {bad[0] % len(shape)} of size {shape[bad[0]]} (global shape {shape}, "
            f"layout {_pl(lay)}): the dim is not a singleton, so PyTorch keeps it (a no-op) and HyperParallel "
            "raises. Fix: squeeze only size-1 dims, or leave strict mode (hyper_parallel.strict_layouts(False))")
-    return _modes.StrictLayoutError, msg, (), name
+    return _modes.StrictLayoutError, (msg if hp is None else _join(hp[1], msg)), (), name
 
 
-_SEMANTIC = {"squeeze": _squeeze}
+def _layouts_agree(name, dts, args, kwargs):
+    """SDPA's Q/K/V and scatter's index/src layouts that HyperParallel's rules require to agree.
+
+    Our rules slice a replicated operand locally to match the others (no communication), so no
+    redistribution is implicit here; HyperParallel's rules refuse the call, and strict mode does too.
+    """
+    hp = _strict_hp.semantic(name, dts, args, kwargs)
+    if hp is None:
+        return None
+    got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
+    msg = (f"strict layouts: {name} with operands laid out unlike each other ({got}): HyperParallel's rule "
+           "requires them to agree (without strict layouts a replicated operand is sliced locally to match). "
+           "Fix: call .redistribute(mesh, placements) on the operands so that their placements agree, or leave "
+           "strict mode (hyper_parallel.strict_layouts(False))")
+    return _modes.StrictLayoutError, _join(hp[1], msg), (), name
+
+
+_SEMANTIC = {"squeeze": _squeeze, _SDPA: _layouts_agree, "scatter": _layouts_agree}
 
 
 def enforce(info, dts):

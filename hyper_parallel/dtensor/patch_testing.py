@@ -3,9 +3,11 @@
 PyTorch 2.13's ``assert_close`` and ``TestCase.assertEqual`` pass both inputs through
 ``torch.testing._comparison._unwrap_dtensor_for_comparison``, which, for two
 ``torch.distributed.tensor.DTensor`` s, requires equal placements ("DTensor placements do not
-match") and equal meshes, then compares the local shards. Its ``isinstance`` check does not
-see our DTensor, so this module wraps that function once to apply the same rule to ours.
-Other inputs (torch's DTensors, plain tensors, a DTensor mixed with a plain tensor) go to
+match") and equal meshes, then compares the local shards, and for a DTensor mixed with anything
+else raises ``TypeError`` ("Comparing a DTensor to a non-DTensor is ambiguous..."), in both
+argument orders. Its ``isinstance`` check does not see our DTensor, so this module wraps that
+function once to apply the same rules to ours (one of ours mixed with a plain tensor, a number,
+a sequence or torch's DTensor: the same ``TypeError``). Inputs that hold none of ours go to
 PyTorch's function unchanged. Without that function (older torch) nothing is installed.
 """
 from __future__ import annotations
@@ -30,6 +32,10 @@ def _ours(x):
     return any(isinstance(x, cls) for cls in _DTENSOR_CLASSES)
 
 
+_MIXED = ("Comparing a DTensor to a non-DTensor is ambiguous. Call .full_tensor() to compare the full logical "
+          "tensor or .to_local() to compare the local shard.")  # torch 2.13's text, word for word
+
+
 def _wrap(original):
     def unwrap_dtensor_for_comparison(actual, expected):
         if _ours(actual) and _ours(expected):
@@ -40,6 +46,10 @@ def _wrap(original):
                 raise AssertionError(f"DTensor device meshes do not match: {actual.device_mesh} != "
                                      f"{expected.device_mesh}")
             return actual.to_local(), expected.to_local()
+        if _ours(actual) or _ours(expected):
+            # one of ours and anything else (a plain tensor, a number, a list, torch's DTensor):
+            # torch 2.13 refuses the mix for its own DTensor, with this TypeError
+            raise TypeError(_MIXED)
         return original(actual, expected)
     unwrap_dtensor_for_comparison._hp_original = original
     return unwrap_dtensor_for_comparison

@@ -21,6 +21,16 @@ def _dtype_code(dtype) -> int:
     return h
 
 
+_MAX_DIMS = 64  # dims per shape/stride in the exchanged row (a tensor with more: ValueError on every rank)
+
+
+def _parse(row):
+    """(ndim, dtype code, requires_grad, local shape, global shape, stride) of one exchanged row."""
+    nd, m = row[0], _MAX_DIMS
+    k = min(nd, m)
+    return (nd, row[1], row[2], tuple(row[3:3 + k]), tuple(row[3 + m:3 + m + k]), tuple(row[3 + 2 * m:3 + 2 * m + k]))
+
+
 def run_check(local, mesh, layout, gshape, check_stride=True):
     """Validate every rank's local shape against one global layout and sync replicated data (collective).
 
@@ -33,24 +43,37 @@ def run_check(local, mesh, layout, gshape, check_stride=True):
     result's gradient flows to ``local`` unchanged (as in PyTorch).
     """
     coll = collectives
-    nd = len(gshape)
-    # one row per rank: ndim, local shape, global shape, then dtype, requires_grad and local
-    # stride (the metadata PyTorch's run_check compares across ranks)
-    meta = (_dtype_code(local.dtype), int(local.requires_grad)) + tuple(local.stride())
-    table = _int_tensor((nd,) + tuple(local.shape) + tuple(gshape) + meta,
-                            device=local.device).reshape(1, -1)
+    # one fixed-width row per rank, the same size on every rank whatever its tensor (so the
+    # exchange itself can never mismatch): local ndim, dtype, requires_grad, then the local
+    # shape, global shape and local stride, each padded to _MAX_DIMS (the metadata PyTorch's
+    # run_check compares across ranks)
+    row = [local.dim(), _dtype_code(local.dtype), int(local.requires_grad)]
+    for vals in (tuple(local.shape), tuple(gshape), tuple(local.stride())):
+        vals = vals[:_MAX_DIMS]
+        row += list(vals) + [-1] * (_MAX_DIMS - len(vals))
+    table = _int_tensor(row, device=local.device).reshape(1, -1)
     for d in reversed(range(mesh.ndim)):  # innermost dim first: rows end up in row-major mesh order
         if mesh.size(d) > 1:
             table = coll.all_gather(table, 0, mesh.get_comm_group(d))
-    rows = [tuple(r) for r in table.tolist()]
+    # every rank now holds the same table and reaches the same verdict from it: each error below
+    # is raised on every rank (no rank goes on to the broadcast while another has left)
+    rows = [_parse(r) for r in table.tolist()]
     first = mesh.rank_list[0]
-    ref = rows[0][1 + nd:1 + 2 * nd]
-    bad = []
-    for i, row in enumerate(rows):
-        want = layout.local_shape(ref, coord=coordinate_of(i, mesh.shape))
-        if row[0] != nd or row[1 + nd:1 + 2 * nd] != ref or row[1:1 + nd] != tuple(want):
-            bad.append(mesh.rank_list[i])
     me = mesh.get_rank()
+    if any(r[0] > _MAX_DIMS for r in rows):
+        raise ValueError(f"DTensor.from_local(run_check=True): a local tensor has more than {_MAX_DIMS} dims "
+                         f"(this rank: {local.dim()}); pass run_check=False")
+    odd_nd = [mesh.rank_list[i] for i, r in enumerate(rows) if r[0] != rows[0][0]]
+    if odd_nd:
+        raise ValueError(f"DTensor.from_local(run_check=True): inconsistent tensor metadata across ranks: the local "
+                         f"tensors of rank(s) {odd_nd} have another number of dims than rank {first}'s "
+                         f"({rows[0][0]}) (this rank: {local.dim()} dims, shape {tuple(local.shape)})")
+    ref = rows[0][4]
+    bad = []
+    for i, r in enumerate(rows):
+        want = layout.local_shape(ref, coord=coordinate_of(i, mesh.shape))
+        if r[4] != ref or r[3] != tuple(want):
+            bad.append(mesh.rank_list[i])
     if me in bad:
         want = layout.local_shape(ref, coord=mesh.get_coordinate())
         raise ValueError(f"DTensor.from_local(run_check=True): rank {me} has local shape {tuple(local.shape)} "
@@ -61,12 +84,11 @@ def run_check(local, mesh, layout, gshape, check_stride=True):
         raise ValueError(f"DTensor.from_local(run_check=True): the local shapes of rank(s) {bad} do not match "
                          f"placements {layout.placements} with the global shape {ref} of rank {first} "
                          "(see the error raised there)")
-    ref_meta = rows[0][1 + 2 * nd:]
-    odd = [mesh.rank_list[i] for i, row in enumerate(rows)
-           if row[1 + 2 * nd:3 + 2 * nd] != ref_meta[:2] or (check_stride and row[3 + 2 * nd:] != ref_meta[2:])]
+    odd = [mesh.rank_list[i] for i, r in enumerate(rows)
+           if r[1:3] != rows[0][1:3] or (check_stride and r[5] != rows[0][5])]
     if odd:
         raise ValueError(f"DTensor.from_local(run_check=True): inconsistent tensor metadata across ranks: rank(s) "
-                         f"{odd} differ from rank {mesh.rank_list[0]} in dtype, requires_grad"
+                         f"{odd} differ from rank {first} in dtype, requires_grad"
                          + (" or stride" if check_stride else "") + f" (this rank: dtype {local.dtype}, "
                          f"requires_grad={local.requires_grad}, stride {tuple(local.stride())})")
     for d, p in enumerate(layout.placements):

@@ -204,3 +204,43 @@ def _redistribute_to_layout():
 
 def test_redistribute_to_a_layout(dist_runner):
     assert dist_runner.run(2, _redistribute_to_layout) == [True] * 2
+
+
+def _base_shard_program():
+    """HyperParallel's own base_shard program (tests/compat/hp_base_shard.py) with its assertions, then ours."""
+    import numpy as np
+    from tests.compat.hp_base_shard import SimpleModel, mse_loss_sum, test_base_shard
+    rank = dist.get_rank()
+    ref_loss, dist_loss, ref_slice, dist_grad, dist_model = test_base_shard()   # HyperParallel's asserts, 1e-3
+    assert uses_hp_semantics(dist_loss.device_mesh) and dist_loss.layout.repeat_num() == 8
+    # the gradient: a DTensor laid out like the weight; .cpu() keeps it a DTensor, .numpy() is the piece
+    assert isinstance(dist_grad, DTensor) and dist_grad.placements == (Replicate(), Shard(1))
+    moved = dist_grad.cpu()
+    assert isinstance(moved, DTensor) and moved.placements == dist_grad.placements
+    piece = dist_grad.to_local()
+    assert dist_grad.cpu().detach().numpy().shape == (8, 1) and np.asarray(moved).shape == (8, 1)
+    np.testing.assert_array_equal(dist_grad.cpu().detach().numpy(), piece.numpy())
+    # tighter than the program's 1e-3: the same float32 computation as one process
+    torch.testing.assert_close(piece, ref_slice, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dist_loss.to_local(), ref_loss, rtol=1e-6, atol=1e-4)
+    # the weights after 2 SGD steps: this rank's column of one process's weights
+    torch.manual_seed(1)
+    ref_model = SimpleModel()
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.01)
+    torch.manual_seed(2)
+    x = torch.randn(32, 8)
+    torch.manual_seed(3)
+    y = torch.randn(32, 8)
+    for _ in range(2):
+        mse_loss_sum(ref_model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    w = dist_model.weight
+    torch.testing.assert_close(w.to_local(), ref_model.weight.detach()[:, rank:rank + 1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.full_tensor(), ref_model.weight.detach(), rtol=1e-5, atol=1e-5)
+    return True
+
+
+def test_hyperparallel_base_shard_program(dist_runner):
+    """HyperParallel's base_shard program ((1, 8) ("dp", "tp") mesh, shard_module, repeat_num seed) on 8 ranks."""
+    assert dist_runner.run(8, _base_shard_program, timeout=300) == [True] * 8

@@ -16,7 +16,7 @@ TORCH_STYLE = ["hyper_parallel.parallel", "hyper_parallel.parallel.style", "hype
                "hyper_parallel.parallel.loss", "hyper_parallel.placement_types", "hyper_parallel.experimental",
                "hyper_parallel.device_mesh", "hyper_parallel.debug", "hyper_parallel.fsdp",
                "hyper_parallel.checkpoint"]
-HP_STYLE = ["hyper_parallel.core.dtensor", "hyper_parallel.core.dtensor.dtensor",
+HP_STYLE = ["hyper_parallel.core.dtensor", "hyper_parallel.core.dtensor.dtensor", "hyper_parallel.core.placement_types",
             "hyper_parallel.core.dtensor.placement_types", "hyper_parallel.core.dtensor.device_mesh",
             "hyper_parallel.core.dtensor.layout", "hyper_parallel.core.dtensor.random",
             "hyper_parallel.core.dtensor.tensor_redistribution", "hyper_parallel.core.shard",

@@ -9,12 +9,16 @@
   rule: layout kept, Partial reduced first for integer/bool targets).
 * ``type_as(other)``: ``to(other.dtype)`` (``other`` may be a plain tensor of any
   shape: only its dtype is read).
-* ``numpy()``: the DTensor's value, the whole tensor, on every rank (collective, as
-  ``tolist()`` and ``item()``); the framework refuses it for a tensor that
-  requires grad, as for a plain tensor (``.detach().numpy()``).
+* ``numpy()``: on PyTorch's meshes the DTensor's value, the whole tensor, on every rank
+  (collective, as ``tolist()`` and ``item()``); on HyperParallel's meshes
+  (``uses_hp_semantics``) this rank's local piece, as HyperParallel's storage-backed
+  DTensor gives it (no communication; ``np.allclose(ref_slice, dt.cpu().detach().numpy())``
+  in its programs). The framework refuses it for a tensor that requires grad, as for a
+  plain tensor (``.detach().numpy()``). ``__array__`` (``np.asarray(dt)``) is the same.
 """
 from __future__ import annotations
 
+from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy, register_decomposition
 from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt
 from hyper_parallel.dispatch.rules.elementwise import NONLINEAR, UNARY_LINEAR, ElementwiseOp, elementwise_strategy
@@ -53,13 +57,19 @@ class TypeRule(CastRule):
 
 
 class NumpyRule(DistributedOp):
-    """``Tensor.numpy``: the whole tensor (Partial reduced, shards gathered), converted on every rank."""
+    """``Tensor.numpy``: the whole tensor (Partial reduced, shards gathered), converted on every rank.
+
+    On HyperParallel's meshes the local piece instead (HyperParallel's DTensor is backed by
+    the local tensor's storage, so its ``numpy()`` reads the piece).
+    """
 
     float_args_matter = False
 
     def strategy(self, call):
         if len(call.layouts) != 1:
             raise NotImplementedError(f"{call.name}: expected one DTensor argument")
+        if uses_hp_semantics(call.mesh):
+            return Strategy([None], None)   # the local piece, as it is
         return Strategy([call.layouts[0].replicated()], None)
 
 
@@ -74,6 +84,7 @@ def register_all():
     CastRule("to", UNARY_LINEAR)
     TypeRule("type", UNARY_LINEAR)
     NumpyRule("numpy")
+    NumpyRule("__array__")   # np.asarray(dt), np.allclose(ref, dt): numpy() under another name
     register_decomposition(torch.Tensor.type_as, _type_as)
 
 

@@ -49,6 +49,8 @@ def _compose():
 
 _compose()
 
+from hyper_parallel import core  # noqa: E402  HyperParallel's module paths, as attributes too (hp.core.dtensor...)
+
 __version__ = "0.1.0"
 
 

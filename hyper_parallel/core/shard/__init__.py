@@ -5,4 +5,12 @@ __all__ = getattr(_home, "__all__", [n for n in dir(_home) if not n.startswith("
 
 
 def __getattr__(name):
-    return getattr(_home, name)
+    """A name of the home package, or one of this path's own submodules (HyperParallel's module names)."""
+    try:
+        return getattr(_home, name)
+    except AttributeError:
+        import importlib
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,0 +1,226 @@
+"""Cost model: per-rank memory and step time of one candidate layout (equations: docs/auto_parallel.md).
+
+Everything here is arithmetic on a :class:`ModelSummary` (built once per ``plan()`` call from the meta
+trace), so one candidate costs microseconds and thousands are scored in well under a second.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import torch
+
+from hyper_parallel.auto.memory import ParamGroups, group_params, split_layers, state_bytes_per_stage
+from hyper_parallel.auto.model_stats import Trace
+from hyper_parallel.auto.plan import Memory, StepTime
+from hyper_parallel.auto.roles import ModelInfo
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
+
+
+@dataclasses.dataclass
+class ModelSummary:
+    info: ModelInfo
+    groups: ParamGroups
+    seq_len: int
+    act_item: int                     # bytes per activation element in the trace
+    blk_fwd: List[float]              # forward FLOPs per block, per sample
+    blk_expert_fwd: List[float]       # of which grouped-expert FLOPs (not divided by tp)
+    blk_attn_fwd: List[float]         # of which sdpa FLOPs
+    head_fwd: float                   # forward FLOPs outside the blocks, per sample
+    bwd_ratio: float                  # backward / forward FLOPs
+    blk_inner: List[float]            # saved bytes per sample inside attention / MLP / MoE (sharded by tp)
+    blk_outer: List[float]            # saved bytes per sample elsewhere in the block (sharded by tp with SP)
+    first_saved: float
+    last_saved: float
+    model_buffers: int                # bytes of the model's own buffers
+
+    @property
+    def n_layers(self):
+        return len(self.blk_fwd)
+
+
+def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
+    mods = trace.modules
+    nb = len(info.block_names)
+    b = trace.batch
+    inner_kinds = set(info.attention_modules) | set(info.mlp_modules) | set(info.moe_modules)
+    blk_fwd, blk_exp, blk_attn, blk_in, blk_out = [], [], [], [], []
+    for name in info.block_names:
+        blk_fwd.append(mods[name].fwd_flops / b if name in mods else 0.0)
+        exp = sum(t.fwd_flops for f, t in mods.items() if f.startswith(name + ".")
+                  and info.module_roles.get(f) == "experts")
+        blk_exp.append(exp / b)
+        blk_attn.append(sum(mods[a].sdpa_flops for a in info.attention_modules if a.startswith(name + ".")) / b)
+        inner = outer = 0
+        for f, t in mods.items():
+            if f == name or f.startswith(name + "."):
+                if any(f == k or f.startswith(k + ".") for k in inner_kinds):
+                    inner += t.saved_bytes
+                else:
+                    outer += t.saved_bytes
+        blk_in.append(inner / b)
+        blk_out.append(outer / b)
+    in_blocks = lambda f: any(f == n or f.startswith(n + ".") for n in info.block_names)
+    emb = {k for k, v in info.module_roles.items() if v == "embedding"}
+    first = sum(t.saved_bytes for f, t in mods.items() if f in emb) / b
+    last = sum(t.saved_bytes for f, t in mods.items() if not in_blocks(f) and f not in emb) / b
+    head = max(trace.fwd_flops / b - sum(blk_fwd), 0.0)
+    item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    bufs = sum(x.numel() * x.element_size() for x in model.buffers())
+    return ModelSummary(info, group_params(info), trace.seq_len, item, blk_fwd, blk_exp, blk_attn, head,
+                        trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs)
+
+
+@dataclasses.dataclass
+class Candidate:
+    degrees: Dict[str, int]
+    sp: bool
+    ac: str
+    schedule: str = None
+    microbatches: int = 1
+    cp_method: str = None
+
+
+def _span(order, sizes, dim):
+    """Contiguous ranks one group of ``dim`` spans (mesh order row-major): its size x the inner dims' sizes."""
+    i = order.index(dim)
+    span = 1
+    for d in order[i:]:
+        span *= sizes[d]
+    return span
+
+
+def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
+             reduce_item: int):
+    """-> (Memory, StepTime, stages) of candidate ``c``."""
+    d = c.degrees
+    dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
+    info = ms.info
+    v = STAGES_PER_RANK.get(c.schedule, 1) if pp > 1 else 1
+    n_stage_modules = pp * v
+    all_stages = split_layers(ms.n_layers, n_stage_modules)
+    # a rank holds stages r, r + pp, ... (interleaved); stage 0 / last hold embedding / head
+    rank_stages = [[all_stages[r + k * pp] for k in range(v)] for r in range(pp)]
+    per_stage_state = state_bytes_per_stage(ms.groups, d, all_stages, optimizer)
+    b_local = global_batch // (dp * fsdp)
+    m = c.microbatches if pp > 1 else 1
+    b_mb = b_local / m
+    sp_div = tp if c.sp else 1
+    act_scale = param_item / ms.act_item  # activations in the compute dtype
+    S = ms.seq_len
+    hidden_bytes = S / cp * info.dim * param_item  # one sample's hidden state [S/cp, dim]
+
+    def blk_act(i):
+        return (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div) / cp * act_scale
+
+    if pp > 1:
+        in_flight = {"gpipe": m, "1f1b": min(m, pp), "interleaved1f1b": min(m * v, pp * v + pp - 1) / v}[c.schedule]
+    else:
+        in_flight = 1
+    best_mem, worst = None, None
+    shard = fsdp * (cp if fsdp > 1 else 1)
+    for r in range(pp):
+        blocks = [i for st in rank_stages[r] for i in st]
+        st_ids = [r + k * pp for k in range(v)]
+        params = sum(per_stage_state[s][0] for s in st_ids)
+        opt = sum(per_stage_state[s][2] for s in st_ids)
+        ntens = sum(per_stage_state[s][3] for s in st_ids)
+        if c.ac == "full":
+            per_sample = sum(hidden_bytes / sp_div for _ in blocks) + max((blk_act(i) for i in blocks), default=0)
+        else:
+            per_sample = sum(blk_act(i) for i in blocks)
+        if 0 in st_ids:
+            per_sample += ms.first_saved / sp_div / cp * act_scale
+        if n_stage_modules - 1 in st_ids:
+            per_sample += ms.last_saved / cp * act_scale
+        acts = per_sample * b_mb * in_flight
+        # communication buffers: FSDP all-gather (this block + prefetched next) and reduce-scatter input;
+        # a replicated model's flat gradient all_reduce buffer; the optimizer's 4-byte step scalars
+        blk_full = max((ms.groups.block_full_bytes[i] for i in blocks), default=0)
+        if shard > 1:
+            bufs = (2 * blk_full * param_item + blk_full * reduce_item) / (ms.act_item * tp)
+        elif dp * cp > 1:
+            bufs = params * reduce_item / ms.act_item
+        else:
+            bufs = 0
+        bufs += 4 * ntens + ms.model_buffers
+        mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
+        if best_mem is None or mem.total > best_mem.total:
+            best_mem, worst = mem, r
+    # ---------------------------------------------------------------- time
+    order = ["pp", "dp", "fsdp", "cp", "tp"]
+    sizes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+    dpn = cluster.devices_per_node
+    intra = lambda span: span <= dpn
+    ct = cluster.collective_time
+    r = worst
+    blocks = [i for st in rank_stages[r] for i in st]
+    moe_blocks = [i for i in blocks if ms.info.block_is_moe[i]]
+    fwd_dense = sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] for i in blocks) / (tp * cp)
+    fwd_exp = sum(ms.blk_expert_fwd[i] for i in blocks) / cp
+    fwd = fwd_dense + fwd_exp
+    last = (n_stage_modules - 1) in [r + k * pp for k in range(v)]
+    if last:
+        fwd += ms.head_fwd / (tp * cp)
+    recompute = sum(ms.blk_fwd[i] for i in blocks) / (tp * cp) if c.ac == "full" else 0.0
+    flops = b_local * (fwd * (1 + ms.bwd_ratio) + recompute)
+    compute = flops / cluster.flops
+    comm: Dict[str, float] = {}
+    # TP / SP: per block, per microbatch
+    if tp > 1:
+        a = b_mb * hidden_bytes
+        span = _span(order, sizes, "tp")
+        fwd_n = 2 * len(blocks) * (2 if c.ac == "full" else 1)
+        bwd_n = 2 * len(blocks)
+        if c.sp:
+            per = ct("all_gather", a, tp, intra(span)) + ct("reduce_scatter", a, tp, intra(span))
+        else:
+            per = ct("all_reduce", a, tp, intra(span))
+        t = (fwd_n + bwd_n) * per
+        if last:  # head: logits all_gather forward; input-gradient reduction backward
+            t += ct("all_gather", b_mb * S / cp * info.vocab * param_item, tp, intra(span)) + per
+        comm["tp"] = t * m
+    # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all
+    if cp > 1:
+        span = _span(order, sizes, "cp")
+        kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
+        n_attn = len(blocks)
+        if c.cp_method == "ring":
+            ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * n_attn * m
+            attn = sum(ms.blk_attn_fwd[i] for i in blocks) / (tp * cp) * 3 * b_local / cluster.flops
+            comm["cp"] = max(0.0, ring - attn)
+        else:
+            a = b_mb * S / cp * info.dim / tp * param_item
+            comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * n_attn * m
+    # EP: dispatch + combine all_to_all, forward and backward
+    if ep > 1 and moe_blocks:
+        span = ep * cp * tp
+        rows = b_mb * S / cp * info.top_k * info.dim * param_item
+        comm["ep"] = 4 * ct("all_to_all", rows, ep, intra(span)) * len(moe_blocks) * m
+    # FSDP: all_gather forward + backward, reduce_scatter per block; prefetch overlaps all but the first
+    if shard > 1:
+        span = _span(order, sizes, "fsdp")
+        groups = [ms.groups.block_full_bytes[i] / tp for i in blocks]
+        total = 0.0
+        for g in groups:
+            total += 2 * ct("all_gather", g * param_item / ms.act_item, shard, intra(span))
+            total += ct("reduce_scatter", g * reduce_item / ms.act_item, shard, intra(span))
+        first = ct("all_gather", groups[0] * param_item / ms.act_item, shard, intra(span)) if groups else 0.0
+        if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
+            total += sum(ct("all_reduce", g / shard * reduce_item / ms.act_item, dp, intra(_span(order, sizes, "dp")))
+                         for g in groups)
+        comm["fsdp"] = first + max(0.0, total - first - compute)
+    elif dp * cp > 1:
+        params = best_mem.params
+        span = _span(order, sizes, "dp") if dp > 1 else _span(order, sizes, "cp")
+        comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
+    bubble = 0.0
+    if pp > 1:
+        span = _span(order, sizes, "pp")
+        p2p = ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
+        comm["pp"] = 2 * (pp - 1) * p2p
+        bubble = (compute + sum(comm.values())) * (pp - 1) / (m * v)
+    st = StepTime(compute, sum(comm.values()), bubble, comm)
+    return best_mem, st, [len(all_stages[s]) for s in range(n_stage_modules)]

@@ -1,0 +1,226 @@
+"""Trace one forward + backward of a model on the meta device: FLOPs, saved activations, call order.
+
+Nothing is computed: the model is deep-copied to ``meta`` and run on meta token ids under
+``torch.utils.flop_counter.FlopCounterMode``; ``saved_tensors_hooks`` record every tensor autograd
+keeps for backward (deduplicated by storage, parameters excluded), attributed to the module that was
+running. Data-dependent steps of mixture-of-experts layers cannot run on meta: a module with the
+GroupedExperts contract (3-D ``[E, ...]`` parameters, ``forward(rows, num_tokens_per_expert)``) is
+traced as a balanced SwiGLU over its rows, and host reads of meta scalars return 0 (and ``bincount``
+a meta tensor of ``minlength``), which is what a balanced router would need.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def is_grouped_experts(m: nn.Module) -> bool:
+    """The GroupedExperts contract: no child modules, >= 2 direct parameters, all 3-D with one leading E."""
+    ps = list(m.parameters(recurse=False))
+    return (len(ps) >= 2 and not list(m.children()) and all(p.dim() == 3 for p in ps)
+            and len({p.shape[0] for p in ps}) == 1)
+
+
+def _balanced_experts_forward(mod):
+    ps = dict(mod.named_parameters(recurse=False))
+    names = sorted(ps)
+
+    def forward(x, num_tokens_per_expert=None, *a, **k):
+        if {"w1", "w2", "w3"} <= set(ps):  # SwiGLU experts: w1/w3 [E, hidden, dim], w2 [E, dim, hidden]
+            h = F.silu(x @ ps["w1"][0].transpose(0, 1)) * (x @ ps["w3"][0].transpose(0, 1))
+            return h @ ps["w2"][0].transpose(0, 1)
+        h = x
+        for n in names:  # generic: chain the first expert's matrices in name order
+            w = ps[n][0]
+            h = h @ (w if w.shape[0] == h.shape[-1] else w.transpose(0, 1))
+        return h
+    return forward
+
+
+class _MetaDataDependent(TorchDispatchMode):
+    """Host reads of meta tensors return 0; ``bincount`` returns ``minlength`` meta entries."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return 0 if not args[0].dtype.is_floating_point else 0.0
+        if "bincount" in name and args[0].device.type == "meta":
+            n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.empty(max(int(n), 1), dtype=torch.int64, device="meta")
+        return func(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class ModuleTrace:
+    fqn: str
+    cls: str
+    calls: int = 0
+    n_args: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    saved_bytes: int = 0          # saved while this module was the innermost running one
+    linear_order: List[str] = dataclasses.field(default_factory=list)  # child Linear fqns in call order
+    sdpa_at: Optional[int] = None  # index into linear_order at which sdpa ran (attention modules)
+    sdpa_flops: int = 0
+
+
+@dataclasses.dataclass
+class Trace:
+    batch: int
+    seq_len: int
+    modules: Dict[str, ModuleTrace]
+    fwd_flops: int
+    bwd_flops: int
+    saved_bytes: int
+    sdpa_shapes: List[tuple]           # (q shape, k shape) of every sdpa call
+    input_arg_counts: Dict[str, int]
+    linear_inputs: Dict[str, int]      # linear fqn -> id of the tensor it consumed (for same-input grouping)
+    module_input_id: Dict[str, int]
+
+    def subtree(self, prefix: str, attr: str) -> int:
+        pre = prefix + "."
+        return sum(getattr(t, attr) for f, t in self.modules.items() if f == prefix or f.startswith(pre))
+
+
+def trace_model(model: nn.Module, seq_len: int, batch: int = 1, example_input=None,
+                loss=None) -> Trace:
+    """Run one forward/backward of a meta copy of ``model`` on ``[batch, seq_len]`` int64 token ids (or
+    ``example_input(batch, seq_len)``) and return per-module FLOPs and saved-activation bytes."""
+    with torch.device("meta"):
+        pass
+    meta = copy.deepcopy(model) if not _all_meta(model) else _shallow_meta_copy(model)
+    meta = meta.to("meta")
+    names = {m: n for n, m in meta.named_modules()}
+    for m in meta.modules():
+        if is_grouped_experts(m):
+            m.forward = _balanced_experts_forward(m)
+    mods = {n: ModuleTrace(n, type(m).__name__) for m, n in names.items()}
+    stack: List[str] = []
+    param_storages = {p.untyped_storage()._cdata for p in meta.parameters()}
+    seen_storages = set()
+    sdpa_shapes = []
+    linear_inputs, module_input_id = {}, {}
+    phase = {"bwd": False}
+
+    def pre(mod, args):
+        n = names.get(mod)
+        if n is None or phase["bwd"]:
+            return
+        t = mods[n]
+        t.calls += 1
+        t.n_args = len(args)
+        if args and isinstance(args[0], torch.Tensor):
+            module_input_id[n] = id(args[0])
+            if isinstance(mod, nn.Linear):
+                linear_inputs[n] = id(args[0])
+        parent = n.rsplit(".", 1)[0] if "." in n else ""
+        if isinstance(mod, nn.Linear):
+            for anc in _ancestors(n):
+                if anc in mods:
+                    mods[anc].linear_order.append(n)
+        stack.append(n)
+
+    def post(mod, args, out):
+        n = names.get(mod)
+        if n is None or phase["bwd"]:
+            return
+        if stack and stack[-1] == n:
+            stack.pop()
+
+    def pack(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return t
+        try:
+            key = t.untyped_storage()._cdata
+            nbytes = t.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001 - tensor subclasses without storage
+            key, nbytes = id(t), t.numel() * t.element_size()
+        if key in param_storages or key in seen_storages:
+            return t
+        seen_storages.add(key)
+        owner = stack[-1] if stack else ""
+        if owner in mods:
+            mods[owner].saved_bytes += nbytes
+        else:
+            mods.setdefault("", ModuleTrace("", "root")).saved_bytes += nbytes
+        return t
+
+    class _SdpaSpy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and not phase["bwd"]:
+                q, k = args[0], args[1]
+                sdpa_shapes.append((tuple(q.shape), tuple(k.shape)))
+                for anc in reversed(stack):
+                    t = mods[anc]
+                    if t.linear_order:
+                        if t.sdpa_at is None:
+                            t.sdpa_at = len(t.linear_order)
+                        b, h, s, d = q.shape
+                        t.sdpa_flops += 4 * b * h * s * k.shape[-2] * d
+                        break
+            return func(*args, **kwargs)
+
+    h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = nn.modules.module.register_module_forward_hook(post)
+    try:
+        if example_input is not None:
+            x = example_input(batch, seq_len)
+        else:
+            x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+        fwd_counter = FlopCounterMode(display=False)
+        with _MetaDataDependent(), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _SdpaSpy():
+            out = meta(*x) if isinstance(x, tuple) else meta(x)
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            lval = loss(out) if loss is not None else out.float().mean()
+        phase["bwd"] = True
+        bwd_counter = FlopCounterMode(display=False)
+        with _MetaDataDependent(), bwd_counter:
+            lval.backward()
+    finally:
+        h1.remove()
+        h2.remove()
+    _assign_flops(mods, fwd_counter, "fwd_flops", meta)
+    _assign_flops(mods, bwd_counter, "bwd_flops", meta)
+    saved = sum(t.saved_bytes for t in mods.values())
+    return Trace(batch, seq_len, mods, fwd_counter.get_total_flops(), bwd_counter.get_total_flops(), saved,
+                 sdpa_shapes, {n: t.n_args for n, t in mods.items()}, linear_inputs, module_input_id)
+
+
+def _ancestors(fqn: str):
+    parts = fqn.split(".")
+    yield ""
+    for i in range(1, len(parts)):
+        yield ".".join(parts[:i])
+
+
+def _assign_flops(mods, counter, attr, root):
+    """FlopCounterMode counts per module path (root class name first); keep each module's inclusive total."""
+    counts = counter.get_flop_counts()
+    root_name = type(root).__name__
+    for key, ops in counts.items():
+        if key == "Global":
+            continue
+        fqn = key[len(root_name) + 1:] if key.startswith(root_name + ".") else ("" if key == root_name else None)
+        if fqn is None or fqn not in mods:
+            continue
+        setattr(mods[fqn], attr, getattr(mods[fqn], attr) + int(sum(ops.values())))
+
+
+def _all_meta(model):
+    return all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _shallow_meta_copy(model):
+    return copy.deepcopy(model)

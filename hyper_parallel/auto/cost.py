@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import torch
 
-from hyper_parallel.auto.memory import ParamGroups, group_params, split_layers, state_bytes_per_stage
+from hyper_parallel.auto.memory import ParamGroups, group_params, shard_degrees, split_layers, state_bytes_per_stage
 from hyper_parallel.auto.model_stats import Trace
 from hyper_parallel.auto.plan import Memory, StepTime
 from hyper_parallel.auto.roles import ModelInfo
@@ -92,18 +92,39 @@ def _span(order, sizes, dim):
     return span
 
 
+def _stages(ms: ModelSummary, n_stage_modules: int):
+    """Per stage module: aggregates of its blocks (cached per split)."""
+    cache = ms.__dict__.setdefault("_stage_cache", {})
+    if n_stage_modules in cache:
+        return cache[n_stage_modules]
+    g = ms.groups
+    out = []
+    for idx in split_layers(ms.n_layers, n_stage_modules):
+        kinds = sorted({g.block_kind[i] for i in idx})
+        rep = {k: next(i for i in idx if g.block_kind[i] == k) for k in kinds}
+        out.append(dict(
+            blocks=idx, n=len(idx),
+            fwd=sum(ms.blk_fwd[i] for i in idx), exp=sum(ms.blk_expert_fwd[i] for i in idx),
+            attn=sum(ms.blk_attn_fwd[i] for i in idx), inner=sum(ms.blk_inner[i] for i in idx),
+            outer=sum(ms.blk_outer[i] for i in idx),
+            reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]]) for k in kinds],
+            kind_counts={k: sum(1 for i in idx if g.block_kind[i] == k) for k in kinds},
+            n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]),
+        ))
+    cache[n_stage_modules] = out
+    return out
+
+
 def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
              reduce_item: int):
-    """-> (Memory, StepTime, stages) of candidate ``c``."""
+    """-> (Memory, StepTime, layers per stage module) of candidate ``c``."""
     d = c.degrees
     dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
-    info = ms.info
+    info, g = ms.info, ms.groups
     v = STAGES_PER_RANK.get(c.schedule, 1) if pp > 1 else 1
-    n_stage_modules = pp * v
-    all_stages = split_layers(ms.n_layers, n_stage_modules)
-    # a rank holds stages r, r + pp, ... (interleaved); stage 0 / last hold embedding / head
-    rank_stages = [[all_stages[r + k * pp] for k in range(v)] for r in range(pp)]
-    per_stage_state = state_bytes_per_stage(ms.groups, d, all_stages, optimizer)
+    nsm = pp * v
+    stages = _stages(ms, nsm)
+    per_stage_state = state_bytes_per_stage(g, d, [st["blocks"] for st in stages], optimizer)
     b_local = global_batch // (dp * fsdp)
     m = c.microbatches if pp > 1 else 1
     b_mb = b_local / m
@@ -111,111 +132,105 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     act_scale = param_item / ms.act_item  # activations in the compute dtype
     S = ms.seq_len
     hidden_bytes = S / cp * info.dim * param_item  # one sample's hidden state [S/cp, dim]
-
-    def blk_act(i):
-        return (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div) / cp * act_scale
-
+    shard, expert_shard = shard_degrees(d)
     if pp > 1:
         in_flight = {"gpipe": m, "1f1b": min(m, pp), "interleaved1f1b": min(m * v, pp * v + pp - 1) / v}[c.schedule]
     else:
         in_flight = 1
-    best_mem, worst = None, None
-    shard = fsdp * (cp if fsdp > 1 else 1)
+    worst_mem, worst = None, 0
     for r in range(pp):
-        blocks = [i for st in rank_stages[r] for i in st]
         st_ids = [r + k * pp for k in range(v)]
         params = sum(per_stage_state[s][0] for s in st_ids)
         opt = sum(per_stage_state[s][2] for s in st_ids)
         ntens = sum(per_stage_state[s][3] for s in st_ids)
+        nblk = sum(stages[s]["n"] for s in st_ids)
         if c.ac == "full":
-            per_sample = sum(hidden_bytes / sp_div for _ in blocks) + max((blk_act(i) for i in blocks), default=0)
+            biggest = max(((i / tp + o / sp_div) for s in st_ids for i, o in stages[s]["reps"]), default=0)
+            per_sample = nblk * hidden_bytes / sp_div / act_scale + biggest / cp
         else:
-            per_sample = sum(blk_act(i) for i in blocks)
+            per_sample = sum(stages[s]["inner"] / tp + stages[s]["outer"] / sp_div for s in st_ids) / cp
         if 0 in st_ids:
-            per_sample += ms.first_saved / sp_div / cp * act_scale
-        if n_stage_modules - 1 in st_ids:
-            per_sample += ms.last_saved / cp * act_scale
-        acts = per_sample * b_mb * in_flight
-        # communication buffers: FSDP all-gather (this block + prefetched next) and reduce-scatter input;
-        # a replicated model's flat gradient all_reduce buffer; the optimizer's 4-byte step scalars
-        blk_full = max((ms.groups.block_full_bytes[i] for i in blocks), default=0)
+            per_sample += ms.first_saved / sp_div / cp
+        if nsm - 1 in st_ids:
+            per_sample += ms.last_saved / cp
+        acts = per_sample * act_scale * b_mb * in_flight
+        # communication buffers: FSDP all-gather (this block + the prefetched next) and reduce-scatter input,
+        # or a replicated model's flat gradient all_reduce buffer; the optimizer's 4-byte step scalars
+        kinds = {k for s in st_ids for k in stages[s]["kind_counts"]}
+        blk = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1) for k in kinds),
+                  default=0) / ms.act_item
         if shard > 1:
-            bufs = (2 * blk_full * param_item + blk_full * reduce_item) / (ms.act_item * tp)
+            bufs = blk * (2 * param_item + reduce_item)
         elif dp * cp > 1:
             bufs = params * reduce_item / ms.act_item
         else:
             bufs = 0
         bufs += 4 * ntens + ms.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
-        if best_mem is None or mem.total > best_mem.total:
-            best_mem, worst = mem, r
-    # ---------------------------------------------------------------- time
+        if worst_mem is None or mem.total > worst_mem.total:
+            worst_mem, worst = mem, r
+    # ---------------------------------------------------------------- time (the slowest stage's rank)
     order = ["pp", "dp", "fsdp", "cp", "tp"]
     sizes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
     dpn = cluster.devices_per_node
     intra = lambda span: span <= dpn
     ct = cluster.collective_time
-    r = worst
-    blocks = [i for st in rank_stages[r] for i in st]
-    moe_blocks = [i for i in blocks if ms.info.block_is_moe[i]]
-    fwd_dense = sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] for i in blocks) / (tp * cp)
-    fwd_exp = sum(ms.blk_expert_fwd[i] for i in blocks) / cp
-    fwd = fwd_dense + fwd_exp
-    last = (n_stage_modules - 1) in [r + k * pp for k in range(v)]
-    if last:
+    st_ids = [worst + k * pp for k in range(v)]
+    mine = [stages[s] for s in st_ids]
+    nblk = sum(x["n"] for x in mine)
+    n_moe = sum(x["n_moe"] for x in mine)
+    fwd = sum(x["fwd"] - x["exp"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
+    last = (nsm - 1) in st_ids
+    if last or pp == 1:
         fwd += ms.head_fwd / (tp * cp)
-    recompute = sum(ms.blk_fwd[i] for i in blocks) / (tp * cp) if c.ac == "full" else 0.0
-    flops = b_local * (fwd * (1 + ms.bwd_ratio) + recompute)
-    compute = flops / cluster.flops
+    recompute = sum(x["fwd"] for x in mine) / (tp * cp) if c.ac == "full" else 0.0
+    compute = b_local * (fwd * (1 + ms.bwd_ratio) + recompute) / cluster.flops
     comm: Dict[str, float] = {}
-    # TP / SP: per block, per microbatch
-    if tp > 1:
+    if tp > 1:  # TP / SP per block and microbatch: Megatron's 2 collectives per block in each direction
         a = b_mb * hidden_bytes
         span = _span(order, sizes, "tp")
-        fwd_n = 2 * len(blocks) * (2 if c.ac == "full" else 1)
-        bwd_n = 2 * len(blocks)
+        n_coll = 2 * nblk * (2 if c.ac == "full" else 1) + 2 * nblk
         if c.sp:
             per = ct("all_gather", a, tp, intra(span)) + ct("reduce_scatter", a, tp, intra(span))
         else:
             per = ct("all_reduce", a, tp, intra(span))
-        t = (fwd_n + bwd_n) * per
-        if last:  # head: logits all_gather forward; input-gradient reduction backward
+        t = n_coll * per
+        if last or pp == 1:  # head: logits all_gather forward; input-gradient reduction backward
             t += ct("all_gather", b_mb * S / cp * info.vocab * param_item, tp, intra(span)) + per
         comm["tp"] = t * m
-    # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all
-    if cp > 1:
+    if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
         span = _span(order, sizes, "cp")
-        kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
-        n_attn = len(blocks)
         if c.cp_method == "ring":
-            ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * n_attn * m
-            attn = sum(ms.blk_attn_fwd[i] for i in blocks) / (tp * cp) * 3 * b_local / cluster.flops
+            kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
+            ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
+            attn = sum(x["attn"] for x in mine) / (tp * cp) * 3 * b_local / cluster.flops
             comm["cp"] = max(0.0, ring - attn)
         else:
             a = b_mb * S / cp * info.dim / tp * param_item
-            comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * n_attn * m
-    # EP: dispatch + combine all_to_all, forward and backward
-    if ep > 1 and moe_blocks:
-        span = ep * cp * tp
+            comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * nblk * m
+    if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
         rows = b_mb * S / cp * info.top_k * info.dim * param_item
-        comm["ep"] = 4 * ct("all_to_all", rows, ep, intra(span)) * len(moe_blocks) * m
-    # FSDP: all_gather forward + backward, reduce_scatter per block; prefetch overlaps all but the first
-    if shard > 1:
+        comm["ep"] = 4 * ct("all_to_all", rows, ep, intra(ep * cp * tp)) * n_moe * m
+    if shard > 1:  # FSDP: all_gather fwd + bwd, reduce_scatter per block; prefetch hides all but the first
         span = _span(order, sizes, "fsdp")
-        groups = [ms.groups.block_full_bytes[i] / tp for i in blocks]
-        total = 0.0
-        for g in groups:
-            total += 2 * ct("all_gather", g * param_item / ms.act_item, shard, intra(span))
-            total += ct("reduce_scatter", g * reduce_item / ms.act_item, shard, intra(span))
-        first = ct("all_gather", groups[0] * param_item / ms.act_item, shard, intra(span)) if groups else 0.0
-        if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
-            total += sum(ct("all_reduce", g / shard * reduce_item / ms.act_item, dp, intra(_span(order, sizes, "dp")))
-                         for g in groups)
+        total = first = 0.0
+        for x in mine:
+            for k, cnt in x["kind_counts"].items():
+                dense = g.kind_dense_bytes[k] / tp / ms.act_item
+                expert = g.kind_expert_bytes[k] / (ep if ep > 1 else 1) / ms.act_item
+                one = (2 * ct("all_gather", dense * param_item, shard, intra(span))
+                       + ct("reduce_scatter", dense * reduce_item, shard, intra(span))
+                       + 2 * ct("all_gather", expert * param_item, expert_shard, intra(span))
+                       + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
+                total += cnt * one
+                first = first or one / 3
+                if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
+                    total += cnt * ct("all_reduce", (dense + expert) / shard * reduce_item, dp,
+                                      intra(_span(order, sizes, "dp")))
         comm["fsdp"] = first + max(0.0, total - first - compute)
-    elif dp * cp > 1:
-        params = best_mem.params
+    elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
         span = _span(order, sizes, "dp") if dp > 1 else _span(order, sizes, "cp")
-        comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
+        comm["dp"] = ct("all_reduce", worst_mem.params * reduce_item / ms.act_item, dp * cp, intra(span))
     bubble = 0.0
     if pp > 1:
         span = _span(order, sizes, "pp")
@@ -223,4 +238,4 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         comm["pp"] = 2 * (pp - 1) * p2p
         bubble = (compute + sum(comm.values())) * (pp - 1) / (m * v)
     st = StepTime(compute, sum(comm.values()), bubble, comm)
-    return best_mem, st, [len(all_stages[s]) for s in range(n_stage_modules)]
+    return worst_mem, st, [x["n"] for x in stages]

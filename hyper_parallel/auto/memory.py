@@ -55,15 +55,26 @@ def _numel(shape):
 
 @dataclasses.dataclass
 class ParamGroups:
-    """Parameters grouped as (role, shape, itemsize) -> count, per block and outside the blocks."""
+    """Parameters grouped as (role, shape, itemsize) -> count: per block kind, and outside the blocks."""
 
-    blocks: List[Counter]       # one Counter per block
+    kinds: List[Counter]        # distinct blocks' parameter groups
+    block_kind: List[int]       # kind of each block
     first: Counter              # before the blocks (embedding): pipeline stage 0
     last: Counter               # after the blocks (final norm, head): last stage
-    n_tensors_block: List[int]
+    n_tensors_kind: List[int]
     n_tensors_first: int
     n_tensors_last: int
-    block_full_bytes: List[int]  # unsharded bytes per block
+    kind_dense_bytes: List[int]   # unsharded bytes of a block of this kind, grouped experts excluded
+    kind_expert_bytes: List[int]  # unsharded bytes of its grouped experts
+    _cache: dict = dataclasses.field(default_factory=dict)
+
+    def bytes_of(self, which, tp, shard, ep, expert_shard) -> int:
+        key = (which, tp, shard, ep, expert_shard)
+        v = self._cache.get(key)
+        if v is None:
+            c = self.first if which == "first" else self.last if which == "last" else self.kinds[which]
+            v = self._cache[key] = _bytes(c, tp, shard, ep, expert_shard)
+        return v
 
 
 def group_params(info: ModelInfo) -> ParamGroups:
@@ -71,21 +82,34 @@ def group_params(info: ModelInfo) -> ParamGroups:
     blocks = [Counter() for _ in range(nb)]
     first, last = Counter(), Counter()
     nt = [0] * nb
-    full = [0] * nb
+    dense, expert = [0] * nb, [0] * nb
     nf = nl = 0
     for p in info.params:
         key = (p.role, p.shape, torch.empty((), dtype=p.dtype).element_size())
         if p.block is not None:
             blocks[p.block][key] += 1
             nt[p.block] += 1
-            full[p.block] += _numel(p.shape) * key[2]
+            if p.role == "experts":
+                expert[p.block] += _numel(p.shape) * key[2]
+            else:
+                dense[p.block] += _numel(p.shape) * key[2]
         elif p.role == "embedding":
             first[key] += 1
             nf += 1
         else:
             last[key] += 1
             nl += 1
-    return ParamGroups(blocks, first, last, nt, nf, nl, full)
+    kinds, kind_of, index = [], [], {}
+    for b in blocks:
+        sig = tuple(sorted(b.items()))
+        if sig not in index:
+            index[sig] = len(kinds)
+            kinds.append(b)
+        kind_of.append(index[sig])
+    first_block = {k: kind_of.index(k) for k in range(len(kinds))}
+    return ParamGroups(kinds, kind_of, first, last, [nt[first_block[k]] for k in range(len(kinds))], nf, nl,
+                       [dense[first_block[k]] for k in range(len(kinds))],
+                       [expert[first_block[k]] for k in range(len(kinds))])
 
 
 def _bytes(counter: Counter, tp, shard, ep, expert_shard) -> int:
@@ -95,23 +119,30 @@ def _bytes(counter: Counter, tp, shard, ep, expert_shard) -> int:
     return total
 
 
+def shard_degrees(degrees: Dict[str, int]) -> Tuple[int, int]:
+    """(ranks that shard a dense parameter, ranks that shard an expert's local slice) under FSDP."""
+    shard = degrees["fsdp"] * (degrees["cp"] if degrees["fsdp"] > 1 else 1)
+    ep = degrees["ep"]
+    return shard, (shard // ep if ep > 1 else shard)
+
+
 def state_bytes_per_stage(groups: ParamGroups, degrees: Dict[str, int], stages: List[List[int]],
                           optimizer: str = "adamw") -> List[Tuple[int, int, int, int]]:
     """For each pipeline stage (``stages``: block indices per stage): (params, grads, optimizer, n_tensors)
     bytes of the stage's rank 0."""
     tp, ep = degrees["tp"], degrees["ep"]
-    shard = degrees["fsdp"] * (degrees["cp"] if degrees["fsdp"] > 1 else 1)
-    expert_shard = shard // ep if ep > 1 else shard
+    shard, expert_shard = shard_degrees(degrees)
     n_opt = OPT_STATES[optimizer]
     out = []
     for s, idx in enumerate(stages):
-        b = sum(_bytes(groups.blocks[i], tp, shard, ep, expert_shard) for i in idx)
-        n = sum(groups.n_tensors_block[i] for i in idx)
+        cnt = Counter(groups.block_kind[i] for i in idx)
+        b = sum(n * groups.bytes_of(k, tp, shard, ep, expert_shard) for k, n in cnt.items())
+        n = sum(c * groups.n_tensors_kind[k] for k, c in cnt.items())
         if s == 0:
-            b += _bytes(groups.first, tp, shard, ep, expert_shard)
+            b += groups.bytes_of("first", tp, shard, ep, expert_shard)
             n += groups.n_tensors_first
         if s == len(stages) - 1:
-            b += _bytes(groups.last, tp, shard, ep, expert_shard)
+            b += groups.bytes_of("last", tp, shard, ep, expert_shard)
             n += groups.n_tensors_last
         out.append((b, b, n_opt * b, n))
     return out

@@ -95,10 +95,90 @@ def trace_model(model: nn.Module, seq_len: int, batch: int = 1, example_input=No
                 loss=None) -> Trace:
     """Run one forward/backward of a meta copy of ``model`` on ``[batch, seq_len]`` int64 token ids (or
     ``example_input(batch, seq_len)``) and return per-module FLOPs and saved-activation bytes."""
-    with torch.device("meta"):
-        pass
-    meta = copy.deepcopy(model) if not _all_meta(model) else _shallow_meta_copy(model)
-    meta = meta.to("meta")
+    blocks = find_blocks(model)
+    if blocks is not None:
+        path, names_, reps, traced_name = blocks
+        if len(set(reps.values())) < len(reps):  # identical blocks: trace one of each kind, copy the numbers
+            try:
+                t = _trace(_reduced_meta_copy(model, path, set(reps.values())), seq_len, batch, example_input, loss)
+                return _expand(t, path, reps, traced_name)
+            except Exception:  # noqa: BLE001 - a forward that needs every block: trace the whole model
+                pass
+    return _trace(copy.deepcopy(model).to("meta"), seq_len, batch, example_input, loss)
+
+
+def find_blocks(model: nn.Module):
+    """(path of the largest ModuleList/ModuleDict, child names, {child: representative child with the same
+    class and parameter shapes}, {representative: its name in the reduced copy}) or None."""
+    best, best_n = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            n = sum(1 for c in m.children() if any(True for _ in c.parameters()))
+            if n > best_n:
+                best, best_n = name, n
+    if best is None:
+        return None
+    container = model.get_submodule(best)
+    reps, seen = {}, {}
+    for n, c in container.named_children():
+        sig = (type(c).__name__, tuple((k, tuple(p.shape), p.dtype) for k, p in c.named_parameters()),
+               tuple(type(x).__name__ for x in c.modules()))
+        reps[n] = seen.setdefault(sig, n)
+    keep = [n for n in reps if reps[n] == n]
+    traced = {n: (n if isinstance(container, nn.ModuleDict) else str(i)) for i, n in enumerate(keep)}
+    return best, list(reps), reps, traced
+
+
+def _reduced_meta_copy(model, path, keep):
+    container = model.get_submodule(path)
+    if isinstance(container, nn.ModuleDict):
+        reduced = nn.ModuleDict({n: c for n, c in container.named_children() if n in keep})
+    else:
+        reduced = nn.ModuleList([c for n, c in container.named_children() if n in keep])
+    reduced = copy.deepcopy(reduced).to("meta")
+    return copy.deepcopy(model, memo={id(container): reduced}).to("meta")
+
+
+def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, str]) -> "Trace":
+    """Copy each traced representative block's numbers to every block of its kind (fqns renamed)."""
+    pre = lambda n: f"{path}.{n}" if path else n
+    traced_prefix = {pre(traced_name[r]): r for r in traced_name}
+
+    def owner(f):
+        for tp_, r in traced_prefix.items():
+            if f == tp_ or f.startswith(tp_ + "."):
+                return tp_, r
+        return None, None
+
+    def rename(f, src, dst):
+        return dst + f[len(src):]
+
+    mods, lin_in, mod_in, nargs = {}, {}, {}, {}
+    extra_fwd = 0
+    for f, mt in t.modules.items():
+        src, r = owner(f)
+        targets = [f] if src is None else [rename(f, src, pre(b)) for b, rb in reps.items() if rb == r]
+        for g in targets:
+            c = dataclasses.replace(mt, fqn=g, linear_order=[
+                rename(x, src, g[: len(g) - (len(f) - len(src))]) if src and (x == src or x.startswith(src + "."))
+                else x for x in mt.linear_order])
+            mods[g] = c
+            if f in t.linear_inputs:
+                lin_in[g] = t.linear_inputs[f]
+            if f in t.module_input_id:
+                mod_in[g] = t.module_input_id[f]
+            nargs[g] = t.input_arg_counts.get(f, 0)
+        if src is not None and f == src:
+            extra_fwd += mt.fwd_flops * (len(targets) - 1)
+    ratio = t.bwd_flops / max(t.fwd_flops, 1)
+    fwd = t.fwd_flops + extra_fwd
+    saved = sum(m.saved_bytes for m in mods.values())
+    shapes = list(t.sdpa_shapes)
+    return Trace(t.batch, t.seq_len, mods, fwd, int(t.bwd_flops + extra_fwd * ratio), saved, shapes, nargs,
+                 lin_in, mod_in)
+
+
+def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     names = {m: n for n, m in meta.named_modules()}
     for m in meta.modules():
         if is_grouped_experts(m):
@@ -183,7 +263,13 @@ def trace_model(model: nn.Module, seq_len: int, batch: int = 1, example_input=No
             out = meta(*x) if isinstance(x, tuple) else meta(x)
             if isinstance(out, (tuple, list)):
                 out = out[0]
-            lval = loss(out) if loss is not None else out.float().mean()
+            if loss is not None:
+                lval = loss(out)
+            elif out.dim() == 3 and out.is_floating_point():  # logits: next-token cross-entropy
+                tgt = torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long, device=out.device)
+                lval = F.cross_entropy(out.flatten(0, 1), tgt)
+            else:
+                lval = out.float().mean()
         phase["bwd"] = True
         bwd_counter = FlopCounterMode(display=False)
         with _MetaDataDependent(), bwd_counter:

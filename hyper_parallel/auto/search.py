@@ -132,9 +132,11 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                                                  reduce_dtype, info))
     _LAST_REJECTIONS = rejections
     if not scored:
-        reasons = sorted({why for _, why in rejections})
+        relevant = [f"{name}: {why}" for name, why in rejections if "is not in parallelisms" not in why]
+        reasons = relevant or [f"no product of the allowed degrees equals world_size={W}"]
         raise ValueError(f"plan(): no valid layout of the model for world_size={W} under parallelisms="
-                         f"{tuple(parallelisms)!r}: " + "; ".join(reasons[:6]))
+                         f"{tuple(parallelisms)!r}: " + "; ".join(reasons[:6])
+                         + (f" (+{len(reasons) - 6} more: explain_rejections())" if len(reasons) > 6 else ""))
     fits = [p for p in scored if p.fits]
     if not fits:
         closest = min(scored, key=lambda p: p.memory.total)

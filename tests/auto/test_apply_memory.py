@@ -24,7 +24,26 @@ LAYOUTS = [  # (config, degrees, sp, ac)
     ("moe-tiny", {"fsdp": 4, "ep": 2}, False, "none"),
     ("moe-tiny", {"fsdp": 2, "tp": 2}, True, "none"),
     ("moe-tiny", {"fsdp": 4, "ep": 4}, False, "none"),
+    ("renamed", {"fsdp": 2, "tp": 2}, True, "none"),   # other names, nn.LayerNorm / nn.RMSNorm, ModuleList
+    ("renamed", {"dp": 2, "tp": 2}, False, "full"),
 ]
+
+
+def _config(name):
+    if name == "renamed":
+        from types import SimpleNamespace
+        from tests.auto.models import build_renamed
+        return SimpleNamespace(seed=0, global_batch=8, seq_len=16, build=lambda: build_renamed(0).to(DT),
+                               vocab=96)
+    cfg = get_config(name)
+    cfg.build = lambda: build_model(cfg.model, cfg.seed).to(DT)
+    cfg.vocab = cfg.model.vocab_size
+    return cfg
+
+
+def _batch(cfg):
+    x, y = TokenBatches(seed=cfg.seed).get_batch(0, cfg.global_batch, cfg.seq_len)
+    return x % cfg.vocab, y % cfg.vocab
 
 
 def _local(t):
@@ -36,8 +55,8 @@ def _full(t):
 
 
 def _reference(cfg):
-    model = build_model(cfg.model, cfg.seed).to(DT)
-    x, y = TokenBatches(seed=cfg.seed).get_batch(0, cfg.global_batch, cfg.seq_len)
+    model = cfg.build()
+    x, y = _batch(cfg)
     loss = loss_fn(model(x), y)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -49,14 +68,14 @@ def _reference(cfg):
 def _body(case):
     from hyper_parallel.auto import Cluster, evaluate_plan
     name, degrees, sp, ac = LAYOUTS[case]
-    cfg = get_config(name)
+    cfg = _config(name)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(cfg.model, cfg.seed).to(DT)
+    model = cfg.build()
     plan = evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=cfg.global_batch,
                          seq_len=cfg.seq_len, sequence_parallel=sp, activation_checkpointing=ac)
     model = plan.apply(model)
     idx, n = plan.data_shard(rank)
-    x, y = TokenBatches(seed=cfg.seed).get_batch(0, cfg.global_batch, cfg.seq_len)
+    x, y = _batch(cfg)
     loss = loss_fn(model(dp_shard(x, idx, n)), dp_shard(y, idx, n))
     loss.backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -84,7 +103,7 @@ def _body(case):
 def test_apply_parity_and_exact_state_bytes(dist_runner, case):
     out = dist_runner.run(4, _body, case)
     name = LAYOUTS[case][0]
-    ref_loss, ref_grads, ref_params = _reference(get_config(name))
+    ref_loss, ref_grads, ref_params = _reference(_config(name))
     assert out[0]["predicted"] == out[0]["measured"], out[0]
     assert all(o["measured"] == out[0]["measured"] for o in out)
     assert abs(out[0]["loss"] - ref_loss) < 1e-10

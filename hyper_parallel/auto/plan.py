@@ -82,8 +82,9 @@ class Plan:
     def explain(self) -> str:
         """A table a person reads in 10 seconds."""
         m, t = self.memory, self.step_time
-        g = lambda b: f"{b / GiB:8.2f} GiB"
-        ms = lambda s: f"{s * 1e3:10.2f} ms"
+        unit, div = ("GiB", GiB) if m.total >= GiB / 4 else ("MiB", 2**20) if m.total >= 2**18 else ("KiB", 1024)
+        g = lambda b: f"{b / div:8.2f} {unit}"
+        ms = lambda s: f"{s * 1e3:10.3f} ms"
         d = self.degrees
         lines = [
             f"plan: {self.summary()}   (world {self.world_size}, batch {self.global_batch} x {self.seq_len})",
@@ -94,7 +95,7 @@ class Plan:
                if d["pp"] > 1 else "") + (f"  cp={self.cp_method}" if d["cp"] > 1 else ""),
             "  memory/rank params " + g(m.params) + " | grads " + g(m.grads) + " | optimizer " + g(m.optimizer),
             "              activ. " + g(m.activations) + " | buffers " + g(m.buffers) + " | TOTAL " + g(m.total)
-            + f" of {self.device_memory / GiB:.1f} GiB" + ("" if self.fits else "  (DOES NOT FIT)"),
+            + f" of {self.device_memory / div:.1f} {unit}" + ("" if self.fits else "  (DOES NOT FIT)"),
             "  step time   compute" + ms(t.compute) + " | comm" + ms(t.comm) + " | bubble" + ms(t.bubble)
             + " | TOTAL" + ms(t.total),
         ]

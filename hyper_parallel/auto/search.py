@@ -120,7 +120,12 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                         rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
                                            f"into >= pp={pp} microbatches"))
                         continue
+                    if sched == "interleaved1f1b":
+                        mbs = [k for k in mbs if k % pp == 0]
                     for m, sp, ac, cpm in itertools.product(mbs, sps, acs, cpms):
+                        if cpm == "ulysses" and pp > 1:
+                            rejections.append((_name(d, sp, ac, sched, m, cpm), "cp with pp runs the ring method only"))
+                            continue
                         if cpm == "ulysses" and info.n_heads % (tp * cp):
                             rejections.append((_name(d, sp, ac, sched, m, cpm),
                                                f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
@@ -215,6 +220,10 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
             return "ep with cp is not supported"
         if pp > 1 and tp > 1:
             return "ep with both pp and tp is not supported"
+    if pp > 1 and dp > 1:
+        return "pp with dp (replication) is not supported (pp composes with fsdp and tp)"
+    if pp > 1 and cp > 1 and tp > 1:
+        return "pp with both cp and tp is not supported"
     if cp > 1 and dp > 1 and fsdp > 1:
         return "cp with HSDP (dp > 1 and fsdp > 1) is not supported"
     return None

@@ -129,7 +129,7 @@ class Cluster:
         return (n - 1) * lat + (n - 1) / n * nbytes / bw
 
     # ------------------------------------------------------------------ calibration
-    def measure(self, mesh_or_group=None, *, sizes=(2**12, 2**20), matmul_n=None, repeats=3) -> "Cluster":
+    def measure(self, mesh_or_group=None, *, sizes=(2**14, 2**22), matmul_n=None, repeats=5) -> "Cluster":
         """Calibrate on the launched world (call on every rank): matmul FLOP/s, and latency + bandwidth
         of all_reduce, all_gather, reduce_scatter, all_to_all and p2p over the group (the whole world,
         a process group, or a DeviceMesh's flattened group). Works on gloo/CPU and NCCL.
@@ -159,7 +159,9 @@ def _group_of(mesh_or_group):
 def _fit(points):
     """Least-squares t = a + b * x over (x, t) points -> (a >= 0, 1/b bandwidth)."""
     (x0, t0), (x1, t1) = points[0], points[-1]
-    b = max((t1 - t0) / max(x1 - x0, 1), 1e-15)
+    if t1 <= t0:  # noise swamped the size difference: all of the large message's time is bandwidth
+        return t0, x1 / t1
+    b = (t1 - t0) / max(x1 - x0, 1)
     a = max(t0 - b * x0, 0.0)
     return a, 1.0 / b
 

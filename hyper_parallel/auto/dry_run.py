@@ -3,7 +3,7 @@ process, under torch's fake process group (collectives return without moving dat
 
 For each rank role that differs (rank 0, which holds the largest ``torch.chunk`` shards, and the last rank,
 which holds the smallest; with a pipeline the first rank of every stage) it builds the model with
-``model_fn()``, applies the plan, runs forward, backward and an AdamW step under
+``model_fn()``, applies the plan, and runs forward, backward and an AdamW step under
 a live-storage tracker (a ``TorchDispatchMode`` that adds the bytes of every new tensor storage and
 subtracts them when the storage is freed; the peak over the step) and
 ``hyper_parallel.CommDebugMode`` (every collective the library issues with its bytes and group).
@@ -26,7 +26,7 @@ import hyper_parallel as hp
 class RankReport:
     rank: int
     role: str
-    peak_memory: int                       # bytes, peak of live tensors over the step
+    peak_memory: int                       # bytes: parameters + buffers before the step + the step's peak of new storages
     state_bytes: int                       # params + grads + optimizer states after the step (local shards)
     collectives: List[tuple]               # (kind, bytes sent by this rank, group size) in issue order
     counts: Dict[str, int]
@@ -139,7 +139,8 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
 
         def freed(_ref, key=key, n=n):
-            if self.live.pop(key, None) is not None:
+            if key in self.live:
+                del self.live[key]
                 self.current -= n
         self.live[key] = weakref.ref(st, freed)
 
@@ -162,21 +163,25 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr):
     if plan.degrees["pp"] > 1 or plan.degrees["cp"] > 1:
         raise NotImplementedError("dry_run: pipeline and context-parallel plans are not dry-run yet "
                                   "(docs/auto_parallel.md \"Limits\")")
+    model = plan.apply(model_fn())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if batch_fn is not None:
+        x, y = batch_fn(plan, rank)
+    else:
+        x, y = _default_batch(plan, rank, plan._model_info.vocab)
+    # live before the step: this rank's parameters (local shards) and buffers
+    base = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        t = _local(t)
+        base[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     mt = LiveBytes()
+    mt.live.update({k: None for k in base})
     with mt:
-        model = model_fn()
-        model = plan.apply(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        if batch_fn is not None:
-            x, y = batch_fn(plan, rank)
-        else:
-            vocab = plan._model_info.vocab
-            x, y = _default_batch(plan, rank, vocab)
         with hp.CommDebugMode() as comm:
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
-    peak = mt.peak
+    peak = sum(base.values()) + mt.peak
     state = 0
     for p in model.parameters():
         state += _local(p).numel() * _local(p).element_size()

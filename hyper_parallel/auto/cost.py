@@ -16,6 +16,7 @@ from hyper_parallel.auto.plan import Memory, StepTime
 from hyper_parallel.auto.roles import ModelInfo
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+GATHERED = {"attention_q", "attention_k", "attention_v", "mlp_gate", "mlp_up", "router", "experts"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
 
 
@@ -35,6 +36,7 @@ class ModelSummary:
     first_saved: float
     last_saved: float
     model_buffers: int                # bytes of the model's own buffers
+    blk_gathered: List[float] = None  # saved bytes per sample that stay whole under tp (colwise inputs, experts)
 
     @property
     def n_layers(self):
@@ -46,22 +48,27 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     nb = len(info.block_names)
     b = trace.batch
     inner_kinds = set(info.attention_modules) | set(info.mlp_modules) | set(info.moe_modules)
-    blk_fwd, blk_exp, blk_attn, blk_in, blk_out = [], [], [], [], []
+    blk_fwd, blk_exp, blk_attn, blk_in, blk_out, blk_gat = [], [], [], [], [], []
     for name in info.block_names:
         blk_fwd.append(mods[name].fwd_flops / b if name in mods else 0.0)
         exp = sum(t.fwd_flops for f, t in mods.items() if f.startswith(name + ".")
                   and info.module_roles.get(f) == "experts")
         blk_exp.append(exp / b)
         blk_attn.append(sum(mods[a].sdpa_flops for a in info.attention_modules if a.startswith(name + ".")) / b)
-        inner = outer = 0
+        inner = outer = gathered = 0
         for f, t in mods.items():
             if f == name or f.startswith(name + "."):
-                if any(f == k or f.startswith(k + ".") for k in inner_kinds):
+                role = info.module_roles.get(f)
+                in_moe = any(f == k or f.startswith(k + ".") for k in info.moe_modules)
+                if role in GATHERED or (in_moe and role not in ("attention_o", "mlp_down")):
+                    gathered += t.saved_bytes  # full-size inputs of colwise projections; experts replicated over tp
+                elif any(f == k or f.startswith(k + ".") for k in inner_kinds):
                     inner += t.saved_bytes
                 else:
                     outer += t.saved_bytes
         blk_in.append(inner / b)
         blk_out.append(outer / b)
+        blk_gat.append(gathered / b)
     in_blocks = lambda f: any(f == n or f.startswith(n + ".") for n in info.block_names)
     emb = {k for k, v in info.module_roles.items() if v == "embedding"}
     first = sum(t.saved_bytes for f, t in mods.items() if f in emb) / b
@@ -70,7 +77,7 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     bufs = sum(x.numel() * x.element_size() for x in model.buffers())
     return ModelSummary(info, group_params(info), trace.seq_len, item, blk_fwd, blk_exp, blk_attn, head,
-                        trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs)
+                        trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs, blk_gat)
 
 
 @dataclasses.dataclass
@@ -106,8 +113,8 @@ def _stages(ms: ModelSummary, n_stage_modules: int):
             blocks=idx, n=len(idx),
             fwd=sum(ms.blk_fwd[i] for i in idx), exp=sum(ms.blk_expert_fwd[i] for i in idx),
             attn=sum(ms.blk_attn_fwd[i] for i in idx), inner=sum(ms.blk_inner[i] for i in idx),
-            outer=sum(ms.blk_outer[i] for i in idx),
-            reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]]) for k in kinds],
+            outer=sum(ms.blk_outer[i] for i in idx), gathered=sum(ms.blk_gathered[i] for i in idx),
+            reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]], ms.blk_gathered[rep[k]]) for k in kinds],
             kind_counts={k: sum(1 for i in idx if g.block_kind[i] == k) for k in kinds},
             n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]),
         ))
@@ -145,10 +152,11 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         ntens = sum(per_stage_state[s][3] for s in st_ids)
         nblk = sum(stages[s]["n"] for s in st_ids)
         if c.ac == "full":
-            biggest = max(((i / tp + o / sp_div) for s in st_ids for i, o in stages[s]["reps"]), default=0)
+            biggest = max(((i / tp + o / sp_div + gg) for s in st_ids for i, o, gg in stages[s]["reps"]), default=0)
             per_sample = nblk * hidden_bytes / sp_div / act_scale + biggest / cp
         else:
-            per_sample = sum(stages[s]["inner"] / tp + stages[s]["outer"] / sp_div for s in st_ids) / cp
+            per_sample = sum(stages[s]["inner"] / tp + stages[s]["outer"] / sp_div + stages[s]["gathered"]
+                             for s in st_ids) / cp
         if 0 in st_ids:
             per_sample += ms.first_saved / sp_div / cp
         if nsm - 1 in st_ids:
@@ -161,8 +169,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
                   default=0) / ms.act_item
         if shard > 1:
             bufs = blk * (2 * param_item + reduce_item)
-        elif dp * cp > 1:
-            bufs = params * reduce_item / ms.act_item
+        elif dp * cp > 1:  # the flat gradient all_reduce runs after backward, when the activations are gone
+            bufs = max(0.0, params * reduce_item / ms.act_item - acts)
         else:
             bufs = 0
         bufs += 4 * ntens + ms.model_buffers

@@ -3,7 +3,8 @@ process, under torch's fake process group (collectives return without moving dat
 
 For each rank role that differs (rank 0, which holds the largest ``torch.chunk`` shards, and the last rank,
 which holds the smallest; with a pipeline the first rank of every stage) it builds the model with
-``model_fn()``, applies the plan, and runs forward, backward and an AdamW step under
+``model_fn()``, applies the plan, runs one step (creating the optimizer states), and then measures a second
+step (forward, backward, AdamW; gradients freed before it as ``zero_grad`` does) under
 a live-storage tracker (a ``TorchDispatchMode`` that adds the bytes of every new tensor storage and
 subtracts them when the storage is freed; the peak over the step) and
 ``hyper_parallel.CommDebugMode`` (every collective the library issues with its bytes and group).
@@ -26,7 +27,7 @@ import hyper_parallel as hp
 class RankReport:
     rank: int
     role: str
-    peak_memory: int                       # bytes: parameters + buffers before the step + the step's peak of new storages
+    peak_memory: int                       # bytes: parameters + buffers + optimizer states + the step's peak of new storages
     state_bytes: int                       # params + grads + optimizer states after the step (local shards)
     collectives: List[tuple]               # (kind, bytes sent by this rank, group size) in issue order
     counts: Dict[str, int]
@@ -169,9 +170,15 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr):
         x, y = batch_fn(plan, rank)
     else:
         x, y = _default_batch(plan, rank, plan._model_info.vocab)
-    # live before the step: this rank's parameters (local shards) and buffers
+    # a first step creates the optimizer states (the steady state of training); the second is measured
+    loss_fn(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    # live before the measured step: this rank's parameters (local shards), buffers and optimizer states
     base = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    live = list(model.parameters()) + list(model.buffers())
+    live += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in live:
         t = _local(t)
         base[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     mt = LiveBytes()

@@ -59,6 +59,22 @@ class _MetaDataDependent(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _FusedAttention(torch.autograd.Function):
+    """Stands in for fused attention in the trace: saves what flash attention saves (q, k, v, out, lse)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        res = out.clone()
+        ctx.save_for_backward(q, k, v, res, lse)
+        return res
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _, _ = ctx.saved_tensors
+        return None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 @dataclasses.dataclass
 class ModuleTrace:
     fqn: str
@@ -188,6 +204,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     param_storages = {p.untyped_storage()._cdata for p in meta.parameters()}
     seen_storages = set()
     sdpa_shapes = []
+    extra_bwd = [0]
     linear_inputs, module_input_id = {}, {}
     phase = {"bwd": False}
 
@@ -248,6 +265,13 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
                         b, h, s, d = q.shape
                         t.sdpa_flops += 4 * b * h * s * k.shape[-2] * d
                         break
+                # fused (flash / memory-efficient) attention, as real CPU and GPU runs use: it keeps q, k, v,
+                # the output and a float32 log-sum-exp [B, H, S] for backward, never the [S, S] scores
+                b, h, s, d = q.shape
+                extra_bwd[0] += 2 * 4 * b * h * s * k.shape[-2] * d  # dq, dk, dv (+ recomputed scores)
+                with torch.no_grad():
+                    out = func(*args, **kwargs)
+                return _FusedAttention.apply(out, args[0], args[1], args[2])
             return func(*args, **kwargs)
 
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
@@ -277,10 +301,11 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     finally:
         h1.remove()
         h2.remove()
+    bwd_total = bwd_counter.get_total_flops() + extra_bwd[0]
     _assign_flops(mods, fwd_counter, "fwd_flops", meta)
     _assign_flops(mods, bwd_counter, "bwd_flops", meta)
     saved = sum(t.saved_bytes for t in mods.values())
-    return Trace(batch, seq_len, mods, fwd_counter.get_total_flops(), bwd_counter.get_total_flops(), saved,
+    return Trace(batch, seq_len, mods, fwd_counter.get_total_flops(), bwd_total, saved,
                  sdpa_shapes, {n: t.n_args for n, t in mods.items()}, linear_inputs, module_input_id)
 
 

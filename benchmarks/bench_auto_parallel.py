@@ -142,13 +142,21 @@ def bench_dryrun():
                      len(rep.collectives), "yes" if rep.collectives == coll else "NO"))
     print(f"\n## dry run at world 8 ({p.summary()}, tiny) vs 8 real gloo ranks; dry run took {t_fake:.1f}s\n")
     print(table(["rank", "role", "dry-run peak B", "real peak B", "ratio", "collectives", "same list+bytes"], rows))
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(1) as pool:  # one dry-run world size per process
+        took, summ, ranks, peak, pred, ncoll = pool.apply(_dry_256)
+    print(f"\ndry run at world 256 ({summ}, tiny config, batch 256): {took:.1f}s for ranks {ranks}; peak "
+          f"{peak / 2**20:.2f} MiB, predicted {pred / 2**20:.2f} MiB, {ncoll} collectives on rank 0")
+
+
+def _dry_256():
+    from hyper_parallel.auto import dry_run
+    torch.set_num_threads(1)
     cfg, p = _dry_plan(256, deg={"fsdp": 128, "tp": 2}, gb=256)
     t0 = time.perf_counter()
     big = dry_run(p, _builder(cfg), world_size=256)
     took = time.perf_counter() - t0
-    print(f"\ndry run at world 256 ({p.summary()}, tiny config, batch 256): {took:.1f}s for ranks "
-          f"{sorted(big.ranks)}; peak {big.peak_memory / 2**20:.2f} MiB, predicted {p.memory.total / 2**20:.2f} MiB, "
-          f"{len(big.ranks[0].collectives)} collectives on rank 0")
+    return took, p.summary(), sorted(big.ranks), big.peak_memory, p.memory.total, len(big.ranks[0].collectives)
 
 
 # ------------------------------------------------------------------ ranking

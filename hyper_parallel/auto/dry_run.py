@@ -23,6 +23,9 @@ from torch.utils._pytree import tree_flatten
 import hyper_parallel as hp
 
 
+_WORLDS = set()  # world sizes dry-run in this process
+
+
 @dataclasses.dataclass
 class RankReport:
     rank: int
@@ -92,6 +95,11 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
                            "own fake one per rank (run it in a fresh process)")
     if rank is not None and not 0 <= rank < W:
         raise ValueError(f"dry_run: rank={rank} is not in [0, {W})")
+    if _WORLDS and W not in _WORLDS:
+        raise RuntimeError(f"dry_run: this process already dry-ran world_size={sorted(_WORLDS)[0]}; the library caches "
+                           f"layouts per mesh, so dry-run world_size={W} in a fresh process (one world size per "
+                           "process; any number of plans and ranks)")
+    _WORLDS.add(W)
     roles = {rank: f"rank {rank}"} if rank is not None else _roles(plan, W)
     reports = {}
     for r, role in roles.items():

@@ -69,9 +69,10 @@ class Cluster:
     inter_node_bw: Optional[float] = None
     latency: Optional[float] = None
     comm: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    op_overhead: float = 0.0
 
     def __init__(self, world_size, devices_per_node, device_memory, *, flops=None, intra_node_bw=None,
-                 inter_node_bw=None, latency=None, comm=None):
+                 inter_node_bw=None, latency=None, comm=None, op_overhead=0.0):
         for name, v in (("world_size", world_size), ("devices_per_node", devices_per_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Cluster: {name} must be a positive int, got {v!r}")
@@ -88,6 +89,7 @@ class Cluster:
         if self.latency < 0:
             raise ValueError(f"Cluster: latency must be >= 0, got {self.latency!r}")
         self.comm = dict(comm or {})
+        self.op_overhead = float(op_overhead)  # host seconds per operator (measured on CPU worlds; 0: hidden)
 
     @classmethod
     def preset(cls, name: str, world_size: int, devices_per_node: int = 8, **overrides) -> "Cluster":
@@ -195,6 +197,9 @@ def _measure(cluster, mesh_or_group, sizes, matmul_n, repeats):
     b = torch.randn(mn, mn, device=dev, dtype=dt)
     t_mm = timed(lambda: torch.mm(a, b))
     times = {"matmul": t_mm}
+    if dev.type == "cpu":  # eager host cost per operator: CPU runs execute each op synchronously
+        s1, s2 = torch.ones(64), torch.ones(64)
+        times["op"] = timed(lambda: [torch.add(s1, s2) for _ in range(200)]) / 200
     if n > 1:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
         for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
@@ -246,4 +251,4 @@ def _measure(cluster, mesh_or_group, sizes, matmul_n, repeats):
     bw = ar[1]
     return Cluster(cluster.world_size, cluster.devices_per_node, cluster.device_memory, flops=flops,
                    intra_node_bw=bw, inter_node_bw=bw if cluster.world_size <= cluster.devices_per_node
-                   else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm)
+                   else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm, op_overhead=times.get("op", 0.0))

@@ -37,6 +37,9 @@ class ModelSummary:
     last_saved: float
     model_buffers: int                # bytes of the model's own buffers
     blk_gathered: List[float] = None  # saved bytes per sample that stay whole under tp (colwise inputs, experts)
+    blk_ops: List[int] = None         # aten ops per block forward (any batch)
+    head_ops: int = 0
+    bwd_op_ratio: float = 2.0
 
     @property
     def n_layers(self):
@@ -48,7 +51,7 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     nb = len(info.block_names)
     b = trace.batch
     inner_kinds = set(info.attention_modules) | set(info.mlp_modules) | set(info.moe_modules)
-    blk_fwd, blk_exp, blk_attn, blk_in, blk_out, blk_gat = [], [], [], [], [], []
+    blk_fwd, blk_exp, blk_attn, blk_in, blk_out, blk_gat, blk_ops = [], [], [], [], [], [], []
     for name in info.block_names:
         blk_fwd.append(mods[name].fwd_flops / b if name in mods else 0.0)
         exp = sum(t.fwd_flops for f, t in mods.items() if f.startswith(name + ".")
@@ -69,6 +72,7 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
         blk_in.append(inner / b)
         blk_out.append(outer / b)
         blk_gat.append(gathered / b)
+        blk_ops.append(sum(t.ops for f, t in mods.items() if f == name or f.startswith(name + ".")))
     in_blocks = lambda f: any(f == n or f.startswith(n + ".") for n in info.block_names)
     emb = {k for k, v in info.module_roles.items() if v == "embedding"}
     first = sum(t.saved_bytes for f, t in mods.items() if f in emb) / b
@@ -77,7 +81,8 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     bufs = sum(x.numel() * x.element_size() for x in model.buffers())
     return ModelSummary(info, group_params(info), trace.seq_len, item, blk_fwd, blk_exp, blk_attn, head,
-                        trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs, blk_gat)
+                        trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs, blk_gat,
+                        blk_ops, max(trace.fwd_ops - sum(blk_ops), 0), trace.bwd_ops / max(trace.fwd_ops, 1))
 
 
 @dataclasses.dataclass
@@ -116,7 +121,7 @@ def _stages(ms: ModelSummary, n_stage_modules: int):
             outer=sum(ms.blk_outer[i] for i in idx), gathered=sum(ms.blk_gathered[i] for i in idx),
             reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]], ms.blk_gathered[rep[k]]) for k in kinds],
             kind_counts={k: sum(1 for i in idx if g.block_kind[i] == k) for k in kinds},
-            n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]),
+            n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]), ops=sum(ms.blk_ops[i] for i in idx),
         ))
     cache[n_stage_modules] = out
     return out
@@ -193,6 +198,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         fwd += ms.head_fwd / (tp * cp)
     recompute = sum(x["fwd"] for x in mine) / (tp * cp) if c.ac == "full" else 0.0
     compute = b_local * (fwd * (1 + ms.bwd_ratio) + recompute) / cluster.flops
+    if cluster.op_overhead:  # host time per operator (eager CPU runs): forward, backward and recomputed ops
+        ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
+        re_ops = sum(x["ops"] for x in mine) if c.ac == "full" else 0
+        compute += m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.op_overhead
     comm: Dict[str, float] = {}
     if tp > 1:  # TP / SP per block and microbatch: Megatron's 2 collectives per block in each direction
         a = b_mb * hidden_bytes

@@ -48,8 +48,14 @@ def _balanced_experts_forward(mod):
 class _MetaDataDependent(TorchDispatchMode):
     """Host reads of meta tensors return 0; ``bincount`` returns ``minlength`` meta entries."""
 
+    def __init__(self, on_op=None):
+        super().__init__()
+        self.on_op = on_op
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.on_op is not None:
+            self.on_op(func)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             return 0 if not args[0].dtype.is_floating_point else 0.0
@@ -87,6 +93,7 @@ class ModuleTrace:
     linear_order: List[str] = dataclasses.field(default_factory=list)  # child Linear fqns in call order
     sdpa_at: Optional[int] = None  # index into linear_order at which sdpa ran (attention modules)
     sdpa_flops: int = 0
+    ops: int = 0                   # aten ops run while this module was the innermost one (forward)
 
 
 @dataclasses.dataclass
@@ -101,6 +108,8 @@ class Trace:
     input_arg_counts: Dict[str, int]
     linear_inputs: Dict[str, int]      # linear fqn -> id of the tensor it consumed (for same-input grouping)
     module_input_id: Dict[str, int]
+    fwd_ops: int = 0
+    bwd_ops: int = 0
 
     def subtree(self, prefix: str, attr: str) -> int:
         pre = prefix + "."
@@ -170,7 +179,7 @@ def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, 
         return dst + f[len(src):]
 
     mods, lin_in, mod_in, nargs = {}, {}, {}, {}
-    extra_fwd = 0
+    extra_fwd = extra_ops = 0
     for f, mt in t.modules.items():
         src, r = owner(f)
         targets = [f] if src is None else [rename(f, src, pre(b)) for b, rb in reps.items() if rb == r]
@@ -186,12 +195,15 @@ def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, 
             nargs[g] = t.input_arg_counts.get(f, 0)
         if src is not None and f == src:
             extra_fwd += mt.fwd_flops * (len(targets) - 1)
+        if src is not None:
+            extra_ops += mt.ops * (len(targets) - 1)
     ratio = t.bwd_flops / max(t.fwd_flops, 1)
     fwd = t.fwd_flops + extra_fwd
     saved = sum(m.saved_bytes for m in mods.values())
     shapes = list(t.sdpa_shapes)
+    oratio = t.bwd_ops / max(t.fwd_ops, 1)
     return Trace(t.batch, t.seq_len, mods, fwd, int(t.bwd_flops + extra_fwd * ratio), saved, shapes, nargs,
-                 lin_in, mod_in)
+                 lin_in, mod_in, t.fwd_ops + extra_ops, int(t.bwd_ops + extra_ops * oratio))
 
 
 def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
@@ -205,6 +217,19 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     seen_storages = set()
     sdpa_shapes = []
     extra_bwd = [0]
+    n_ops = {"fwd": 0, "bwd": 0}
+    _skip = {torch.ops.aten.detach.default, torch.ops.aten._local_scalar_dense.default}
+
+    def on_op(func):
+        if func in _skip:
+            return
+        if phase["bwd"]:
+            n_ops["bwd"] += 1
+            return
+        n_ops["fwd"] += 1
+        owner = stack[-1] if stack else ""
+        if owner in mods:
+            mods[owner].ops += 1
     linear_inputs, module_input_id = {}, {}
     phase = {"bwd": False}
 
@@ -282,7 +307,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
         else:
             x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
         fwd_counter = FlopCounterMode(display=False)
-        with _MetaDataDependent(), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with _MetaDataDependent(on_op), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 _SdpaSpy():
             out = meta(*x) if isinstance(x, tuple) else meta(x)
             if isinstance(out, (tuple, list)):
@@ -296,7 +321,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
                 lval = out.float().mean()
         phase["bwd"] = True
         bwd_counter = FlopCounterMode(display=False)
-        with _MetaDataDependent(), bwd_counter:
+        with _MetaDataDependent(on_op), bwd_counter:
             lval.backward()
     finally:
         h1.remove()
@@ -306,7 +331,8 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     _assign_flops(mods, bwd_counter, "bwd_flops", meta)
     saved = sum(t.saved_bytes for t in mods.values())
     return Trace(batch, seq_len, mods, fwd_counter.get_total_flops(), bwd_total, saved,
-                 sdpa_shapes, {n: t.n_args for n, t in mods.items()}, linear_inputs, module_input_id)
+                 sdpa_shapes, {n: t.n_args for n, t in mods.items()}, linear_inputs, module_input_id,
+                 n_ops["fwd"], n_ops["bwd"])
 
 
 def _ancestors(fqn: str):

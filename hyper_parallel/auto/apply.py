@@ -9,8 +9,9 @@ checkpointing "full" wraps each block's forward in ``torch.utils.checkpoint`` (n
 Then ``fully_shard`` per block and on the root over ``fsdp`` (HSDP over ``("dp", "fsdp")``), or
 ``replicate`` over ``dp``. Grouped experts: ``ExpertParallel`` over ``ep`` and ``fully_shard`` over
 the remaining ``efsdp`` ranks (their gradients averaged over every data-parallel rank).
-Pipelining and context parallelism need the training loop's cooperation (microbatches, sharded
-inputs): ``apply`` raises for them and names what to use instead (docs/auto_parallel.md "Limits").
+Pipelines (with fsdp): ``hyper_parallel.pipelining.split_into_stages`` (names kept), FSDP per stage,
+torch's schedule returned. Context parallelism needs the training loop to shard the sequence: ``apply``
+raises for it and names what to use instead (docs/auto_parallel.md "Limits").
 """
 from __future__ import annotations
 
@@ -35,13 +36,10 @@ def _rel(prefix, fqn):
     return fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else fqn
 
 
-def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=None):
+def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=None, loss_fn=None):
     d = plan.degrees
     if d["pp"] > 1:
-        raise NotImplementedError(
-            f"Plan.apply: pipeline plans (pp={d['pp']}) are not applied by hyper_parallel.auto yet; run them with "
-            f"examples/llama/train.py {' '.join(plan.to_args())} or hyper_parallel.pipelining (split_into_stages "
-            "+ a schedule)")
+        return _apply_pipeline(plan, model, roles=roles, device_type=device_type, mesh=mesh, loss_fn=loss_fn)
     if d["cp"] > 1:
         raise NotImplementedError(
             f"Plan.apply: context-parallel plans (cp={d['cp']}) need the training loop to shard the sequence; run "
@@ -138,3 +136,53 @@ def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=No
 def plan_args(info, module_fqn, model):
     """Positional arguments the module's forward took in the trace (attention takes (x, cos, sin) ...)."""
     return info.n_args.get(module_fqn, 1)
+
+
+PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}
+
+
+def _ce_loss(out, target):
+    out = out.full_tensor() if isinstance(out, hp.DTensor) else out
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
+
+
+def _apply_pipeline(plan, model, *, roles, device_type, mesh, loss_fn):
+    """pp (x fsdp): this rank's stages (``hyper_parallel.pipelining.split_into_stages``, names kept), each
+    ``fully_shard``-ed per block and on the stage root over ``fsdp``, in torch's schedule. Returns the
+    schedule (``step(x, target=y, losses=[])``); its ``stage_modules`` hold this rank's modules (for the
+    optimizer) and ``pp_group`` the pipeline group (for ``hyper_parallel.pipelining.clip_grad_norm_``)."""
+    from hyper_parallel import pipelining as pp
+    d = plan.degrees
+    if d["tp"] > 1 or d["cp"] > 1 or d["ep"] > 1 or plan.activation_checkpointing != "none":
+        raise NotImplementedError(
+            f"Plan.apply: pipeline plans are applied with fsdp only (got {plan.summary()}); run this one with "
+            f"examples/llama/train.py {' '.join(plan.to_args())}")
+    info = plan._model_info
+    if info is None or roles is not None:
+        info = infer_roles(model, trace_model(model, plan.seq_len), roles)
+    if "." in info.blocks_path or not info.blocks_path:
+        raise NotImplementedError(f"Plan.apply: pipelining needs the blocks as a ModuleDict attribute of the model "
+                                  f"root, found them at {info.blocks_path!r}")
+    mesh = mesh if mesh is not None else build_mesh(plan, device_type)
+    inputs = tuple(n for n, r in info.module_roles.items() if r == "embedding" and "." not in n)
+    outputs = tuple(n for n, c in model.named_children()
+                    if n not in inputs and n != info.blocks_path and any(True for _ in c.parameters()))
+    name = PP_SCHEDULES[plan.pp_schedule]
+    n_stages = len(plan.layers_per_stage)
+    parts = pp.split_into_stages(model, mesh["pp"], num_stages=n_stages, schedule=name, layers=info.blocks_path,
+                                 input_modules=inputs, output_modules=outputs)
+    if d["fsdp"] > 1:
+        for _, m in parts:
+            for block in getattr(m, info.blocks_path).values():
+                hp.fully_shard(block, mesh=mesh["fsdp"])
+            hp.fully_shard(m, mesh=mesh["fsdp"])
+    dev = torch.device(device_type)
+    stages = [pp.PipelineStage(m, s, n_stages, dev, group=mesh["pp"].get_group()) for s, m in parts]
+    cls = pp.get_schedule_class(name)
+    single = n_stages == d["pp"]
+    schedule = cls(stages[0] if single else stages, n_microbatches=plan.microbatches, loss_fn=loss_fn or _ce_loss)
+    schedule.stage_modules = [m for _, m in parts]
+    schedule.pp_group = mesh["pp"]
+    schedule.has_first = any(s == 0 for s, _ in parts)
+    schedule.has_last = any(s == n_stages - 1 for s, _ in parts)
+    return schedule

@@ -148,8 +148,9 @@ class Plan:
         return idx, n
 
     # ------------------------------------------------------------------ doing
-    def apply(self, model, *, roles=None, device_type: str = "cpu"):
+    def apply(self, model, *, roles=None, device_type: str = "cpu", loss_fn=None):
         """Build the mesh and parallelize ``model`` (call on every rank of the launched world): returns the
-        module, or, with a pipeline, the schedule (``step(...)``). See ``hyper_parallel.auto.apply``."""
+        module, or, with a pipeline, the schedule (torch's ``step(x, target=y, losses=[])``; ``loss_fn(output,
+        target)``, default cross-entropy). See ``hyper_parallel.auto.apply``."""
         from hyper_parallel.auto.apply import apply_plan
-        return apply_plan(self, model, roles=roles, device_type=device_type)
+        return apply_plan(self, model, roles=roles, device_type=device_type, loss_fn=loss_fn)

@@ -1,4 +1,4 @@
-"""hyper_parallel.auto on 4 gloo ranks: Plan.apply trains like one process (loss, gradients, one AdamW step,
+"""hyper_parallel.auto on 4 gloo ranks: Plan.apply (also pipelines: the schedule) trains like one process (loss, gradients, one AdamW step,
 float64), and the predicted parameter + gradient + optimizer bytes equal the measured local shards exactly
 (the maximum over ranks)."""
 import pytest
@@ -110,3 +110,47 @@ def test_apply_parity_and_exact_state_bytes(dist_runner, case):
     for k, g in ref_grads.items():
         torch.testing.assert_close(out[0]["grads"][k], g, **TOL, msg=lambda m: f"grad {k}: {m}")
         torch.testing.assert_close(out[0]["params"][k], ref_params[k], **TOL, msg=lambda m: f"param {k}: {m}")
+
+
+PP_LAYOUTS = [("tiny", {"pp": 2, "fsdp": 2}, "1f1b", 2), ("tiny", {"pp": 2, "fsdp": 2}, "gpipe", 4),
+              ("moe-tiny", {"pp": 2, "fsdp": 2}, "gpipe", 2), ("demo", {"pp": 2, "fsdp": 2}, "interleaved1f1b", 2)]
+
+
+def _pp_body(case):
+    from hyper_parallel.auto import Cluster, evaluate_plan
+    from hyper_parallel.pipelining import clip_grad_norm_  # noqa: F401  (the schedule's companion)
+    name, degrees, sched, m = PP_LAYOUTS[case]
+    cfg = _config(name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = cfg.build()
+    plan = evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=cfg.global_batch,
+                         seq_len=cfg.seq_len, pp_schedule=sched, microbatches=m)
+    schedule = plan.apply(model)
+    idx, n = plan.data_shard(rank)
+    x, y = _batch(cfg)
+    x, y = dp_shard(x, idx, n), dp_shard(y, idx, n)
+    losses = []
+    schedule.step(*((x,) if schedule.has_first else ()), target=y if schedule.has_last else None, losses=losses)
+    params = [p for mod in schedule.stage_modules for p in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    loss = torch.stack([_local(l).detach() for l in losses]).mean() if losses else torch.zeros((), dtype=DT)
+    dist.all_reduce(loss)
+    out = {k: _full(p.detach()) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
+    grads = {k: _full(p.grad) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
+    return dict(loss=loss.item() / (n if n > 1 else 1), params=out, grads=grads)
+
+
+@pytest.mark.parametrize("case", range(len(PP_LAYOUTS)),
+                         ids=[f"{c}-{'x'.join(f'{k}{v}' for k, v in d.items())}-{s}-m{m}" for c, d, s, m in PP_LAYOUTS])
+def test_apply_pipeline_returns_a_schedule_with_parity(dist_runner, case):
+    out = dist_runner.run(4, _pp_body, case)
+    ref_loss, ref_grads, ref_params = _reference(_config(PP_LAYOUTS[case][0]))
+    assert abs(out[0]["loss"] - ref_loss) < 1e-10, (out[0]["loss"], ref_loss)
+    seen = set()
+    for o in out:
+        for k, v in o["params"].items():
+            torch.testing.assert_close(o["grads"][k], ref_grads[k], **TOL, msg=lambda m: f"grad {k}: {m}")
+            torch.testing.assert_close(v, ref_params[k], **TOL, msg=lambda m: f"param {k}: {m}")
+            seen.add(k)
+    assert seen == set(ref_params)

@@ -167,13 +167,13 @@ def _rank_body(name, steps):
     cluster = Cluster(4, 4, "1GiB").measure()
     plans = plan(meta, cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                  parallelisms=("dp", "fsdp", "tp", "sp", "ep"), top_k=1000)
-    out = []
-    for p in plans:
+    runs = []
+    for p in plans:  # every plan built first, then timed round-robin: the machine's drift hits all alike
         model = p.apply(_builder(cfg)())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x, y = _default_batch(p, dist.get_rank(), cfg.model.vocab_size)
-        times = []
-        for i in range(steps + 1):
+        runs.append((p, model, opt, _default_batch(p, dist.get_rank(), cfg.model.vocab_size), []))
+    for i in range(steps + 1):
+        for p, model, opt, (x, y), times in runs:
             dist.barrier()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -183,8 +183,7 @@ def _rank_body(name, steps):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i:
                 times.append(t.item())
-        out.append((p.summary(), p.step_time.total, statistics.median(times)))
-    return out
+    return [(p.summary(), p.step_time.total, statistics.median(times)) for p, _, _, _, times in runs]
 
 
 def _spearman(a, b):
@@ -203,7 +202,7 @@ def _spearman(a, b):
     return cov / (va * vb) if va and vb else float("nan")
 
 
-def bench_ranking(configs=("tiny", "demo"), steps=5):
+def bench_ranking(configs=("tiny", "demo"), steps=7):
     for name in configs:
         res = launch(4, _rank_body, name, steps)
         fastest = min(r[2] for r in res)

@@ -180,3 +180,18 @@ def test_plan_speed_at_world_1024(which):
         assert p.memory.total <= 80 * GiB
     if which == "deepseek-v3-class":
         assert ps[0].degrees["ep"] > 1
+
+
+def test_command_line_prints_top_plans():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "hyper_parallel.auto", "--config", "moe-demo", "--world", "64",
+                          "--devices-per-node", "8", "--device-memory", "80GiB", "--top-k", "2", "--rejections", "2"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("plan: ") == 2 and "args: " in out.stdout and "candidates rejected" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "hyper_parallel.auto", "--config", "nope", "--world", "8"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unknown config 'nope'" in bad.stderr

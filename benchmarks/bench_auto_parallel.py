@@ -38,6 +38,9 @@ MEM_LAYOUTS = [  # (config, degrees, sp, ac)
     ("moe-tiny", {"fsdp": 4, "ep": 2}, False, "none"),
     ("moe-tiny", {"fsdp": 4, "ep": 4}, False, "full"),
     ("moe-demo", {"fsdp": 2, "tp": 2}, True, "none"),
+    ("tiny", {"pp": 2, "fsdp": 2}, False, "1f1b"),        # pipelines: the last field is the schedule
+    ("demo", {"pp": 2, "fsdp": 2}, False, "gpipe"),
+    ("demo", {"pp": 2, "fsdp": 2}, False, "interleaved1f1b"),
 ]
 
 
@@ -90,8 +93,10 @@ def _mem_body():
     out = []
     for name, deg, sp, ac in MEM_LAYOUTS:
         cfg, meta = _meta(name)
+        sched = ac if deg.get("pp", 1) > 1 else None
         p = evaluate_plan(meta, Cluster(4, 4, "1GiB"), degrees=deg, global_batch=cfg.global_batch,
-                          seq_len=cfg.seq_len, sequence_parallel=sp, activation_checkpointing=ac)
+                          seq_len=cfg.seq_len, sequence_parallel=sp, activation_checkpointing="none" if sched else ac,
+                          pp_schedule=sched, microbatches=2 if sched else None)
         rep = measure_step(p, _builder(cfg))
         v = torch.tensor([rep.state_bytes, rep.peak_memory], dtype=torch.float64)
         dist.all_reduce(v, op=dist.ReduceOp.MAX)

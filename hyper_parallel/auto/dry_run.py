@@ -105,7 +105,7 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
     for r, role in roles.items():
         dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=W)
         try:
-            reports[r] = _one_rank(plan, model_fn, r, role, batch_fn, loss_fn or _loss, lr)
+            reports[r] = _one_rank(plan, model_fn, r, role, batch_fn, loss_fn or _loss, lr, fake=True)
         finally:
             _release_groups()
             dist.destroy_process_group()
@@ -168,23 +168,39 @@ def measure_step(plan, model_fn, *, role: str = "", batch_fn=None, loss_fn=None,
                      loss_fn or _loss, lr)
 
 
-def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr):
-    if plan.degrees["pp"] > 1 or plan.degrees["cp"] > 1:
-        raise NotImplementedError("dry_run: pipeline and context-parallel plans are not dry-run yet "
-                                  "(docs/auto_parallel.md \"Limits\")")
-    model = plan.apply(model_fn())
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
+    pp = plan.degrees["pp"] > 1
+    if plan.degrees["cp"] > 1 or (pp and fake):
+        raise NotImplementedError("dry_run: pipeline and context-parallel plans are not dry-run yet (torch's stage "
+                                  "metadata exchange needs real data; docs/auto_parallel.md \"Limits\"); "
+                                  "measure_step runs pipelines on a real world")
     if batch_fn is not None:
         x, y = batch_fn(plan, rank)
     else:
         x, y = _default_batch(plan, rank, plan._model_info.vocab)
+    if pp:  # the schedule: this rank's stage modules; their forward and backward inside step()
+        sched = plan.apply(model_fn(), loss_fn=loss_fn)
+        modules = sched.stage_modules
+        params = [p for m in modules for p in m.parameters()]
+
+        def step():
+            sched.step(*((x,) if sched.has_first else ()), target=y if sched.has_last else None,
+                       losses=[] if sched.has_last else None)
+    else:
+        model = plan.apply(model_fn())
+        modules = [model]
+        params = list(model.parameters())
+
+        def step():
+            loss_fn(model(x), y).backward()
+    opt = torch.optim.AdamW(params, lr=lr)
     # a first step creates the optimizer states (the steady state of training); the second is measured
-    loss_fn(model(x), y).backward()
+    step()
     opt.step()
     opt.zero_grad(set_to_none=True)
     # live before the measured step: this rank's parameters (local shards), buffers and optimizer states
     base = {}
-    live = list(model.parameters()) + list(model.buffers())
+    live = params + [b for m in modules for b in m.buffers()]
     live += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     for t in live:
         t = _local(t)
@@ -193,12 +209,11 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr):
     mt.live.update({k: None for k in base})
     with mt:
         with hp.CommDebugMode() as comm:
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            step()
             opt.step()
     peak = sum(base.values()) + mt.peak
     state = 0
-    for p in model.parameters():
+    for p in params:
         state += _local(p).numel() * _local(p).element_size()
         if p.grad is not None:
             state += _local(p.grad).numel() * _local(p.grad).element_size()

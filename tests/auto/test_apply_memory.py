@@ -134,11 +134,16 @@ def _pp_body(case):
     params = [p for mod in schedule.stage_modules for p in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3)
     opt.step()
+    nbytes = sum(_local(t).numel() * _local(t).element_size() for p in params
+                 for t in [p, p.grad] + [v for v in opt.state[p].values() if v.dim() > 0])
+    measured = torch.tensor([nbytes])
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     loss = torch.stack([_local(l).detach() for l in losses]).mean() if losses else torch.zeros((), dtype=DT)
     dist.all_reduce(loss)
     out = {k: _full(p.detach()) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
     grads = {k: _full(p.grad) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
-    return dict(loss=loss.item() / (n if n > 1 else 1), params=out, grads=grads)
+    return dict(loss=loss.item() / (n if n > 1 else 1), params=out, grads=grads, predicted=plan.memory.state,
+                measured=int(measured.item()))
 
 
 @pytest.mark.parametrize("case", range(len(PP_LAYOUTS)),
@@ -147,6 +152,7 @@ def test_apply_pipeline_returns_a_schedule_with_parity(dist_runner, case):
     out = dist_runner.run(4, _pp_body, case)
     ref_loss, ref_grads, ref_params = _reference(_config(PP_LAYOUTS[case][0]))
     assert abs(out[0]["loss"] - ref_loss) < 1e-10, (out[0]["loss"], ref_loss)
+    assert out[0]["predicted"] == out[0]["measured"]  # exact for these balanced stage splits too
     seen = set()
     for o in out:
         for k, v in o["params"].items():

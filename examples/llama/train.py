@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 4 examples/llama/train.py --pp 2 --tp 2 --sp --pp-schedule 1f1b   # pipeline x TP
     torchrun --nproc_per_node 4 examples/llama/train.py --config long --cp 4 --cp-method hybrid   # context parallel
     torchrun --nproc_per_node 4 examples/llama/train.py --config moe-tiny --dp-shard 4 --ep 2      # expert parallel
+    torchrun --nproc_per_node 4 examples/llama/train.py --plan auto        # hyper_parallel.auto picks the layout
 
 ``--pp N`` (with ``--pp-schedule``, ``--pp-microbatches``, ``--pp-layers-per-stage``) splits the
 model into pipeline stages on a ("pp", "dp_shard", "tp") mesh: examples/llama/pipeline.py.
@@ -107,6 +108,12 @@ def parse_args(argv=None):
     p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses", "hybrid"),
                    help="context-parallel attention (hybrid: a 2-D (ulysses, ring) cp mesh, --cp 4 -> (2, 2))")
     # --- end CP
+    # --- auto-parallel: hyper_parallel.auto picks the flags above for the launched world (auto_plan.py)
+    p.add_argument("--plan", default="manual", choices=("manual", "auto"),
+                   help="auto: plan dp/fsdp/tp/sp/pp/cp/ep for the launched world (hyper_parallel.auto, calibrated "
+                        "with Cluster.measure()) instead of the flags")
+    p.add_argument("--device-memory", default=None, help="with --plan auto: per-rank memory (e.g. 4GiB); default: "
+                   "this machine's RAM / processes per node")
     return p.parse_args(argv)
 
 
@@ -304,6 +311,9 @@ def main(argv=None):
         raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.plan == "auto":  # --- auto-parallel: the plan sets --dp/--dp-shard/--tp/--sp/--pp*/--cp*/--ep
+        from examples.llama.auto_plan import choose
+        choose(args, get_config(args.config), world)
     need = args.dp * args.dp_shard * args.tp * args.pp * args.cp  # --- CP: x cp
     if args.cp < 1:  # --- CP
         raise SystemExit(f"--cp must be >= 1, got {args.cp}")

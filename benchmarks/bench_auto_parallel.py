@@ -1,0 +1,226 @@
+"""hyper_parallel.auto: is the planner right, and fast?  (docs/auto_parallel.md, docs/performance.md)
+
+    .venv/bin/python benchmarks/bench_auto_parallel.py            # everything (~10 min on 2 busy cores)
+    .venv/bin/python benchmarks/bench_auto_parallel.py speed memory dryrun ranking   # a subset
+
+* speed:   plan() for a 70B-class dense Llama and a DeepSeek-V3-class MoE on the meta device at world 1024
+           (8 per node, 80 GiB): seconds, and the top plan's predicted memory.
+* memory:  on 4 gloo ranks, for plans of the example Llama (dense and MoE: fsdp, hsdp, dp, tp+sp, ep, AC on/off),
+           predicted parameter + gradient + optimizer bytes vs the measured local shards (max over ranks) and
+           the predicted per-rank peak vs the measured one (parameters + buffers + the step's peak of new storages).
+* dryrun:  dry_run at world 8 vs the same step on 8 real gloo ranks (peak, collective list with bytes), and
+           dry_run at world 256 (tiny config) wall time.
+* ranking: on 4 ranks, calibrated with Cluster.measure(), every plan that Plan.apply runs for the tiny and demo
+           configs is timed for a few steps; predicted vs measured step time, Spearman rho, top pick vs fastest.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+from common import ROOT, launch, table  # noqa: F401  (ROOT puts the repo on sys.path)
+
+import torch
+import torch.distributed as dist
+
+MEM_LAYOUTS = [  # (config, degrees, sp, ac)
+    ("tiny", {"fsdp": 4}, False, "none"),
+    ("tiny", {"dp": 4}, False, "none"),
+    ("tiny", {"dp": 2, "fsdp": 2}, False, "none"),
+    ("tiny", {"fsdp": 2, "tp": 2}, True, "none"),
+    ("tiny", {"dp": 2, "tp": 2}, False, "none"),
+    ("tiny", {"fsdp": 2, "tp": 2}, True, "full"),
+    ("demo", {"fsdp": 4}, False, "none"),
+    ("demo", {"fsdp": 4}, False, "full"),
+    ("demo", {"tp": 4}, True, "none"),
+    ("demo", {"fsdp": 2, "tp": 2}, False, "none"),
+    ("moe-tiny", {"fsdp": 4, "ep": 2}, False, "none"),
+    ("moe-tiny", {"fsdp": 4, "ep": 4}, False, "full"),
+    ("moe-demo", {"fsdp": 2, "tp": 2}, True, "none"),
+    ("tiny", {"pp": 2, "fsdp": 2}, False, "1f1b"),        # pipelines: the last field is the schedule
+    ("demo", {"pp": 2, "fsdp": 2}, False, "gpipe"),
+    ("demo", {"pp": 2, "fsdp": 2}, False, "interleaved1f1b"),
+]
+
+
+def _meta(name):
+    from examples.llama.configs import get_config
+    from examples.llama.model import Transformer
+    cfg = get_config(name)
+    with torch.device("meta"):
+        return cfg, Transformer(cfg.model, init_seed=None)
+
+
+def _builder(cfg):
+    from examples.llama.model import build_model
+    return lambda: build_model(cfg.model, cfg.seed)
+
+
+# ------------------------------------------------------------------ speed
+def bench_speed():
+    from examples.llama.model import ModelArgs, Transformer
+    from examples.llama.moe import MoEArgs
+    from hyper_parallel.auto import Cluster, plan
+    models = {
+        "llama-70b": (ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
+                                ffn_dim_multiplier=1.3, max_seq_len=8192, rope_theta=500000.0), 1024, 8192),
+        "deepseek-v3-class": (ModelArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                                        multiple_of=256, max_seq_len=4096, n_dense_layers=3,
+                                        moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=2048, n_shared_experts=1,
+                                                    score_func="sigmoid", route_norm=True, n_groups=8, topk_groups=4)),
+                              4096, 4096),
+    }
+    rows = []
+    for name, (args, gb, s) in models.items():
+        with torch.device("meta"):
+            m = Transformer(args, init_seed=None)
+        n = sum(p.numel() for p in m.parameters())
+        t0 = time.perf_counter()
+        ps = plan(m, Cluster(1024, 8, "80GiB"), global_batch=gb, seq_len=s, param_dtype=torch.bfloat16,
+                  reduce_dtype=torch.float32)
+        took = time.perf_counter() - t0
+        rows.append((name, f"{n / 1e9:.1f} B", f"{gb}x{s}", f"{took:.2f}", ps[0].summary(),
+                     f"{ps[0].memory.total / 2**30:.1f}", f"{ps[0].step_time.total:.2f}"))
+    print("\n## plan() speed at world 1024 (8 per node, 80 GiB, bf16 compute / fp32 reduce)\n")
+    print(table(["model", "params", "batch", "plan() s", "top plan", "GiB/rank", "pred. step s"], rows))
+
+
+# ------------------------------------------------------------------ memory
+def _mem_body():
+    from hyper_parallel.auto import Cluster, evaluate_plan
+    from hyper_parallel.auto.dry_run import measure_step
+    out = []
+    for name, deg, sp, ac in MEM_LAYOUTS:
+        cfg, meta = _meta(name)
+        sched = ac if deg.get("pp", 1) > 1 else None
+        p = evaluate_plan(meta, Cluster(4, 4, "1GiB"), degrees=deg, global_batch=cfg.global_batch,
+                          seq_len=cfg.seq_len, sequence_parallel=sp, activation_checkpointing="none" if sched else ac,
+                          pp_schedule=sched, microbatches=2 if sched else None)
+        rep = measure_step(p, _builder(cfg))
+        v = torch.tensor([rep.state_bytes, rep.peak_memory], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        out.append((name, p.summary(), p.memory.state, int(v[0]), p.memory.total, int(v[1])))
+        dist.barrier()
+    return out
+
+
+def bench_memory():
+    rows = []
+    for name, summ, ps, ms, pt, mt in launch(4, _mem_body):
+        rows.append((name, summ, f"{ps:,}", f"{ms:,}", "yes" if ps == ms else "NO", f"{pt / 2**20:.2f}",
+                     f"{mt / 2**20:.2f}", f"{pt / mt:.2f}"))
+    print("\n## memory: predicted vs measured per rank (max over 4 gloo ranks)\n")
+    print(table(["config", "plan", "pred. state B", "meas. state B", "exact", "pred. peak MiB", "meas. peak MiB",
+                 "pred/meas"], rows))
+
+
+# ------------------------------------------------------------------ dry run
+def _dry_plan(world, name="tiny", deg=None, gb=None):
+    from hyper_parallel.auto import Cluster, evaluate_plan
+    cfg, meta = _meta(name)
+    deg = deg or {"fsdp": world // 2, "tp": 2}
+    return cfg, evaluate_plan(meta, Cluster(world, 8, "1GiB"), degrees=deg, global_batch=gb or cfg.global_batch,
+                              seq_len=cfg.seq_len, sequence_parallel=True)
+
+
+def _dry_body():
+    from hyper_parallel.auto.dry_run import measure_step
+    cfg, p = _dry_plan(8)
+    rep = measure_step(p, _builder(cfg))
+    allr = [None] * dist.get_world_size()
+    dist.all_gather_object(allr, (rep.rank, rep.peak_memory, rep.collectives))
+    return allr
+
+
+def bench_dryrun():
+    from hyper_parallel.auto import dry_run
+    cfg, p = _dry_plan(8)
+    t0 = time.perf_counter()
+    fake = dry_run(p, _builder(cfg), world_size=8)
+    t_fake = time.perf_counter() - t0
+    real = {r: (peak, coll) for r, peak, coll in launch(8, _dry_body)}
+    rows = []
+    for r, rep in fake.ranks.items():
+        peak, coll = real[r]
+        rows.append((r, rep.role, f"{rep.peak_memory:,}", f"{peak:,}", f"{rep.peak_memory / peak:.3f}",
+                     len(rep.collectives), "yes" if rep.collectives == coll else "NO"))
+    print(f"\n## dry run at world 8 ({p.summary()}, tiny) vs 8 real gloo ranks; dry run took {t_fake:.1f}s\n")
+    print(table(["rank", "role", "dry-run peak B", "real peak B", "ratio", "collectives", "same list+bytes"], rows))
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(1) as pool:  # one dry-run world size per process
+        took, summ, ranks, peak, pred, ncoll = pool.apply(_dry_256)
+    print(f"\ndry run at world 256 ({summ}, tiny config, batch 256): {took:.1f}s for ranks {ranks}; peak "
+          f"{peak / 2**20:.2f} MiB, predicted {pred / 2**20:.2f} MiB, {ncoll} collectives on rank 0")
+
+
+def _dry_256():
+    from hyper_parallel.auto import dry_run
+    torch.set_num_threads(1)
+    cfg, p = _dry_plan(256, deg={"fsdp": 128, "tp": 2}, gb=256)
+    t0 = time.perf_counter()
+    big = dry_run(p, _builder(cfg), world_size=256)
+    took = time.perf_counter() - t0
+    return took, p.summary(), sorted(big.ranks), big.peak_memory, p.memory.total, len(big.ranks[0].collectives)
+
+
+# ------------------------------------------------------------------ ranking
+def _rank_body(name, steps):
+    from hyper_parallel.auto import Cluster, plan
+    from hyper_parallel.auto.dry_run import _default_batch, _loss
+    cfg, meta = _meta(name)
+    cluster = Cluster(4, 4, "1GiB").measure()
+    plans = plan(meta, cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                 parallelisms=("dp", "fsdp", "tp", "sp", "ep"), top_k=1000)
+    runs = []
+    for p in plans:  # every plan built first, then timed round-robin: the machine's drift hits all alike
+        model = p.apply(_builder(cfg)())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs.append((p, model, opt, _default_batch(p, dist.get_rank(), cfg.model.vocab_size), []))
+    for i in range(steps + 1):
+        for p, model, opt, (x, y), times in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            _loss(model(x), y).backward()
+            opt.step()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i:
+                times.append(t.item())
+    return [(p.summary(), p.step_time.total, statistics.median(times)) for p, _, _, _, times in runs]
+
+
+def _spearman(a, b):
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else float("nan")
+
+
+def bench_ranking(configs=("tiny", "demo"), steps=7):
+    for name in configs:
+        res = launch(4, _rank_body, name, steps)
+        fastest = min(r[2] for r in res)
+        rows = [(i + 1, s, f"{pred * 1e3:.1f}", f"{meas * 1e3:.1f}", f"{meas / fastest:.2f}")
+                for i, (s, pred, meas) in enumerate(res)]
+        rho = _spearman([r[1] for r in res], [r[2] for r in res])
+        print(f"\n## ranking on 4 gloo ranks, config {name}: {len(res)} plans (planner order), "
+              f"Spearman rho {rho:.2f}, top pick {res[0][2] / fastest:.2f}x the fastest\n")
+        print(table(["#", "plan", "pred. ms", "meas. ms", "meas./fastest"], rows))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    which = sys.argv[1:] or ["speed", "memory", "dryrun", "ranking"]
+    for w in which:
+        {"speed": bench_speed, "memory": bench_memory, "dryrun": bench_dryrun, "ranking": bench_ranking}[w]()

@@ -1,0 +1,222 @@
+"""``dry_run(plan, model_fn, world_size=W)``: one real training step of one rank of a W-rank job, in this
+process, under torch's fake process group (collectives return without moving data).
+
+For each rank role that differs (rank 0, which holds the largest ``torch.chunk`` shards, and the last rank,
+which holds the smallest; with a pipeline the first rank of every stage) it builds the model with
+``model_fn()``, applies the plan, runs one step (creating the optimizer states), and then measures a second
+step (forward, backward, AdamW; gradients freed before it as ``zero_grad`` does) under
+a live-storage tracker (a ``TorchDispatchMode`` that adds the bytes of every new tensor storage and
+subtracts them when the storage is freed; the peak over the step) and
+``hyper_parallel.CommDebugMode`` (every collective the library issues with its bytes and group).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import hyper_parallel as hp
+
+
+_WORLDS = set()  # world sizes dry-run in this process
+
+
+@dataclasses.dataclass
+class RankReport:
+    rank: int
+    role: str
+    peak_memory: int                       # bytes: parameters + buffers + optimizer states + the step's peak of new storages
+    state_bytes: int                       # params + grads + optimizer states after the step (local shards)
+    collectives: List[tuple]               # (kind, bytes sent by this rank, group size) in issue order
+    counts: Dict[str, int]
+    bytes: Dict[str, int]
+
+
+@dataclasses.dataclass
+class DryRunResult:
+    world_size: int
+    ranks: Dict[int, RankReport]
+
+    @property
+    def peak_memory(self) -> int:
+        return max(r.peak_memory for r in self.ranks.values())
+
+    def __str__(self):
+        out = [f"dry run at world {self.world_size}:"]
+        for r in self.ranks.values():
+            out.append(f"  rank {r.rank} ({r.role}): peak {r.peak_memory / 2**20:.2f} MiB, state "
+                       f"{r.state_bytes / 2**20:.2f} MiB, collectives {dict(r.counts)} bytes {dict(r.bytes)}")
+        return "\n".join(out)
+
+
+def _roles(plan, world_size):
+    if plan.degrees["pp"] > 1:
+        per = world_size // plan.degrees["pp"]
+        return {s * per: f"stage {s}" + (" (first)" if s == 0 else " (last)" if s == plan.degrees["pp"] - 1 else "")
+                for s in range(plan.degrees["pp"])}
+    out = {0: "rank 0 (largest shards)"}
+    if world_size > 1:
+        out[world_size - 1] = "last rank (smallest shards)"
+    return out
+
+
+def _default_batch(plan, rank, vocab):
+    from hyper_parallel.auto.plan import Plan  # noqa: F401
+    idx, n = plan.data_shard(rank)
+    b = plan.global_batch // n
+    g = torch.Generator().manual_seed(idx)
+    x = torch.randint(0, vocab, (b, plan.seq_len + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _loss(out, y):
+    out = out.full_tensor() if isinstance(out, hp.DTensor) else out
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+
+
+def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Optional[int] = None,
+            rank: Optional[int] = None, batch_fn=None, loss_fn=None, lr: float = 1e-3) -> DryRunResult:
+    """Run one training step of ``rank`` (default: every differing rank role) of a ``world_size``-rank job
+    laid out by ``plan``, in this process on the fake process group. ``model_fn()`` builds the model
+    (the same on every rank); ``batch_fn(plan, rank)`` gives this rank's (inputs, targets) (default: random
+    token ids of the plan's batch share); ``loss_fn(output, targets)`` (default: cross-entropy)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    W = plan.world_size if world_size is None else world_size
+    if W != plan.world_size:
+        raise ValueError(f"dry_run: world_size={W} differs from the plan's world size {plan.world_size}")
+    if dist.is_initialized():
+        raise RuntimeError("dry_run: a process group is already initialized in this process; dry_run creates its "
+                           "own fake one per rank (run it in a fresh process)")
+    if rank is not None and not 0 <= rank < W:
+        raise ValueError(f"dry_run: rank={rank} is not in [0, {W})")
+    if _WORLDS and W not in _WORLDS:
+        raise RuntimeError(f"dry_run: this process already dry-ran world_size={sorted(_WORLDS)[0]}; the library caches "
+                           f"layouts per mesh, so dry-run world_size={W} in a fresh process (one world size per "
+                           "process; any number of plans and ranks)")
+    _WORLDS.add(W)
+    roles = {rank: f"rank {rank}"} if rank is not None else _roles(plan, W)
+    reports = {}
+    for r, role in roles.items():
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=W)
+        try:
+            reports[r] = _one_rank(plan, model_fn, r, role, batch_fn, loss_fn or _loss, lr, fake=True)
+        finally:
+            _release_groups()
+            dist.destroy_process_group()
+            reset = getattr(hp, "_testing_reset", None)
+            if reset is not None:
+                reset()
+    return DryRunResult(W, reports)
+
+
+def _release_groups():
+    """Forget the library's cached process groups of the previous fake world (the next rank builds its own)."""
+    from hyper_parallel.distributed import groups
+    groups.release_groups()
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, hp.DTensor) else t
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of live tensor storages created under this mode (current and peak)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}
+        self.current = 0
+        self.peak = 0
+
+    def _track(self, t):
+        try:
+            st = t.untyped_storage()
+            key, n = st._cdata, st.nbytes()
+        except Exception:  # noqa: BLE001 - wrapper subclasses without storage
+            return
+        if key in self.live or st.device.type == "meta":
+            return
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+        def freed(_ref, key=key, n=n):
+            if key in self.live:
+                del self.live[key]
+                self.current -= n
+        self.live[key] = weakref.ref(st, freed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def measure_step(plan, model_fn, *, role: str = "", batch_fn=None, loss_fn=None, lr: float = 1e-3) -> RankReport:
+    """One training step of this rank of the launched (real or fake) world under ``plan``: the report
+    ``dry_run`` gives, measured the same way, so a real multi-process run compares one to one."""
+    return _one_rank(plan, model_fn, dist.get_rank(), role or f"rank {dist.get_rank()}", batch_fn,
+                     loss_fn or _loss, lr)
+
+
+def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
+    pp = plan.degrees["pp"] > 1
+    if plan.degrees["cp"] > 1 or (pp and fake):
+        raise NotImplementedError("dry_run: pipeline and context-parallel plans are not dry-run yet (torch's stage "
+                                  "metadata exchange needs real data; docs/auto_parallel.md \"Limits\"); "
+                                  "measure_step runs pipelines on a real world")
+    if batch_fn is not None:
+        x, y = batch_fn(plan, rank)
+    else:
+        x, y = _default_batch(plan, rank, plan._model_info.vocab)
+    if pp:  # the schedule: this rank's stage modules; their forward and backward inside step()
+        sched = plan.apply(model_fn(), loss_fn=loss_fn)
+        modules = sched.stage_modules
+        params = [p for m in modules for p in m.parameters()]
+
+        def step():
+            sched.step(*((x,) if sched.has_first else ()), target=y if sched.has_last else None,
+                       losses=[] if sched.has_last else None)
+    else:
+        model = plan.apply(model_fn())
+        modules = [model]
+        params = list(model.parameters())
+
+        def step():
+            loss_fn(model(x), y).backward()
+    opt = torch.optim.AdamW(params, lr=lr)
+    # a first step creates the optimizer states (the steady state of training); the second is measured
+    step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    # live before the measured step: this rank's parameters (local shards), buffers and optimizer states
+    base = {}
+    live = params + [b for m in modules for b in m.buffers()]
+    live += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in live:
+        t = _local(t)
+        base[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    mt = LiveBytes()
+    mt.live.update({k: None for k in base})
+    with mt:
+        with hp.CommDebugMode() as comm:
+            step()
+            opt.step()
+    peak = sum(base.values()) + mt.peak
+    state = 0
+    for p in params:
+        state += _local(p).numel() * _local(p).element_size()
+        if p.grad is not None:
+            state += _local(p.grad).numel() * _local(p.grad).element_size()
+        for v in opt.state[p].values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                state += _local(v).numel() * _local(v).element_size()
+    events = [(k, int(b), len(g) if g is not None else 0) for k, b, g in comm.events]
+    return RankReport(rank, role, int(peak), state, events, dict(comm.get_comm_counts()), comm.get_bytes())

@@ -1,0 +1,363 @@
+"""Trace one forward + backward of a model on the meta device: FLOPs, saved activations, call order.
+
+Nothing is computed: the model is deep-copied to ``meta`` and run on meta token ids under
+``torch.utils.flop_counter.FlopCounterMode``; ``saved_tensors_hooks`` record every tensor autograd
+keeps for backward (deduplicated by storage, parameters excluded), attributed to the module that was
+running. Data-dependent steps of mixture-of-experts layers cannot run on meta: a module with the
+GroupedExperts contract (3-D ``[E, ...]`` parameters, ``forward(rows, num_tokens_per_expert)``) is
+traced as a balanced SwiGLU over its rows, and host reads of meta scalars return 0 (and ``bincount``
+a meta tensor of ``minlength``), which is what a balanced router would need.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def is_grouped_experts(m: nn.Module) -> bool:
+    """The GroupedExperts contract: no child modules, >= 2 direct parameters, all 3-D with one leading E."""
+    ps = list(m.parameters(recurse=False))
+    return (len(ps) >= 2 and not list(m.children()) and all(p.dim() == 3 for p in ps)
+            and len({p.shape[0] for p in ps}) == 1)
+
+
+def _balanced_experts_forward(mod):
+    ps = dict(mod.named_parameters(recurse=False))
+    names = sorted(ps)
+
+    def forward(x, num_tokens_per_expert=None, *a, **k):
+        if {"w1", "w2", "w3"} <= set(ps):  # SwiGLU experts: w1/w3 [E, hidden, dim], w2 [E, dim, hidden]
+            h = F.silu(x @ ps["w1"][0].transpose(0, 1)) * (x @ ps["w3"][0].transpose(0, 1))
+            return h @ ps["w2"][0].transpose(0, 1)
+        h = x
+        for n in names:  # generic: chain the first expert's matrices in name order
+            w = ps[n][0]
+            h = h @ (w if w.shape[0] == h.shape[-1] else w.transpose(0, 1))
+        return h
+    return forward
+
+
+class _MetaDataDependent(TorchDispatchMode):
+    """Host reads of meta tensors return 0; ``bincount`` returns ``minlength`` meta entries."""
+
+    def __init__(self, on_op=None):
+        super().__init__()
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.on_op is not None:
+            self.on_op(func)
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            return 0 if not args[0].dtype.is_floating_point else 0.0
+        if "bincount" in name and args[0].device.type == "meta":
+            n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.empty(max(int(n), 1), dtype=torch.int64, device="meta")
+        return func(*args, **kwargs)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Stands in for fused attention in the trace: saves what flash attention saves (q, k, v, out, lse)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        res = out.clone()
+        ctx.save_for_backward(q, k, v, res, lse)
+        return res
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _, _ = ctx.saved_tensors
+        return None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@dataclasses.dataclass
+class ModuleTrace:
+    fqn: str
+    cls: str
+    calls: int = 0
+    n_args: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    saved_bytes: int = 0          # saved while this module was the innermost running one
+    linear_order: List[str] = dataclasses.field(default_factory=list)  # child Linear fqns in call order
+    sdpa_at: Optional[int] = None  # index into linear_order at which sdpa ran (attention modules)
+    sdpa_flops: int = 0
+    ops: int = 0                   # aten ops run while this module was the innermost one (forward)
+
+
+@dataclasses.dataclass
+class Trace:
+    batch: int
+    seq_len: int
+    modules: Dict[str, ModuleTrace]
+    fwd_flops: int
+    bwd_flops: int
+    saved_bytes: int
+    sdpa_shapes: List[tuple]           # (q shape, k shape) of every sdpa call
+    input_arg_counts: Dict[str, int]
+    linear_inputs: Dict[str, int]      # linear fqn -> id of the tensor it consumed (for same-input grouping)
+    module_input_id: Dict[str, int]
+    fwd_ops: int = 0
+    bwd_ops: int = 0
+
+    def subtree(self, prefix: str, attr: str) -> int:
+        pre = prefix + "."
+        return sum(getattr(t, attr) for f, t in self.modules.items() if f == prefix or f.startswith(pre))
+
+
+def trace_model(model: nn.Module, seq_len: int, batch: int = 1, example_input=None,
+                loss=None) -> Trace:
+    """Run one forward/backward of a meta copy of ``model`` on ``[batch, seq_len]`` int64 token ids (or
+    ``example_input(batch, seq_len)``) and return per-module FLOPs and saved-activation bytes."""
+    blocks = find_blocks(model)
+    if blocks is not None:
+        path, names_, reps, traced_name = blocks
+        if len(set(reps.values())) < len(reps):  # identical blocks: trace one of each kind, copy the numbers
+            try:
+                t = _trace(_reduced_meta_copy(model, path, set(reps.values())), seq_len, batch, example_input, loss)
+                return _expand(t, path, reps, traced_name)
+            except Exception:  # noqa: BLE001 - a forward that needs every block: trace the whole model
+                pass
+    return _trace(copy.deepcopy(model).to("meta"), seq_len, batch, example_input, loss)
+
+
+def find_blocks(model: nn.Module):
+    """(path of the largest ModuleList/ModuleDict, child names, {child: representative child with the same
+    class and parameter shapes}, {representative: its name in the reduced copy}) or None."""
+    best, best_n = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            n = sum(1 for c in m.children() if any(True for _ in c.parameters()))
+            if n > best_n:
+                best, best_n = name, n
+    if best is None:
+        return None
+    container = model.get_submodule(best)
+    reps, seen = {}, {}
+    for n, c in container.named_children():
+        sig = (type(c).__name__, tuple((k, tuple(p.shape), p.dtype) for k, p in c.named_parameters()),
+               tuple(type(x).__name__ for x in c.modules()))
+        reps[n] = seen.setdefault(sig, n)
+    keep = [n for n in reps if reps[n] == n]
+    traced = {n: (n if isinstance(container, nn.ModuleDict) else str(i)) for i, n in enumerate(keep)}
+    return best, list(reps), reps, traced
+
+
+def _reduced_meta_copy(model, path, keep):
+    container = model.get_submodule(path)
+    if isinstance(container, nn.ModuleDict):
+        reduced = nn.ModuleDict({n: c for n, c in container.named_children() if n in keep})
+    else:
+        reduced = nn.ModuleList([c for n, c in container.named_children() if n in keep])
+    reduced = copy.deepcopy(reduced).to("meta")
+    return copy.deepcopy(model, memo={id(container): reduced}).to("meta")
+
+
+def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, str]) -> "Trace":
+    """Copy each traced representative block's numbers to every block of its kind (fqns renamed)."""
+    pre = lambda n: f"{path}.{n}" if path else n
+    traced_prefix = {pre(traced_name[r]): r for r in traced_name}
+
+    def owner(f):
+        for tp_, r in traced_prefix.items():
+            if f == tp_ or f.startswith(tp_ + "."):
+                return tp_, r
+        return None, None
+
+    def rename(f, src, dst):
+        return dst + f[len(src):]
+
+    mods, lin_in, mod_in, nargs = {}, {}, {}, {}
+    extra_fwd = extra_ops = 0
+    for f, mt in t.modules.items():
+        src, r = owner(f)
+        targets = [f] if src is None else [rename(f, src, pre(b)) for b, rb in reps.items() if rb == r]
+        for g in targets:
+            c = dataclasses.replace(mt, fqn=g, linear_order=[
+                rename(x, src, g[: len(g) - (len(f) - len(src))]) if src and (x == src or x.startswith(src + "."))
+                else x for x in mt.linear_order])
+            mods[g] = c
+            if f in t.linear_inputs:
+                lin_in[g] = t.linear_inputs[f]
+            if f in t.module_input_id:
+                mod_in[g] = t.module_input_id[f]
+            nargs[g] = t.input_arg_counts.get(f, 0)
+        if src is not None and f == src:
+            extra_fwd += mt.fwd_flops * (len(targets) - 1)
+        if src is not None:
+            extra_ops += mt.ops * (len(targets) - 1)
+    ratio = t.bwd_flops / max(t.fwd_flops, 1)
+    fwd = t.fwd_flops + extra_fwd
+    saved = sum(m.saved_bytes for m in mods.values())
+    shapes = list(t.sdpa_shapes)
+    oratio = t.bwd_ops / max(t.fwd_ops, 1)
+    return Trace(t.batch, t.seq_len, mods, fwd, int(t.bwd_flops + extra_fwd * ratio), saved, shapes, nargs,
+                 lin_in, mod_in, t.fwd_ops + extra_ops, int(t.bwd_ops + extra_ops * oratio))
+
+
+def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
+    names = {m: n for n, m in meta.named_modules()}
+    for m in meta.modules():
+        if is_grouped_experts(m):
+            m.forward = _balanced_experts_forward(m)
+    mods = {n: ModuleTrace(n, type(m).__name__) for m, n in names.items()}
+    stack: List[str] = []
+    param_storages = {p.untyped_storage()._cdata for p in meta.parameters()}
+    seen_storages = set()
+    sdpa_shapes = []
+    extra_bwd = [0]
+    n_ops = {"fwd": 0, "bwd": 0}
+    _skip = {torch.ops.aten.detach.default, torch.ops.aten._local_scalar_dense.default}
+
+    def on_op(func):
+        if func in _skip:
+            return
+        if phase["bwd"]:
+            n_ops["bwd"] += 1
+            return
+        n_ops["fwd"] += 1
+        owner = stack[-1] if stack else ""
+        if owner in mods:
+            mods[owner].ops += 1
+    linear_inputs, module_input_id = {}, {}
+    phase = {"bwd": False}
+
+    def pre(mod, args):
+        n = names.get(mod)
+        if n is None or phase["bwd"]:
+            return
+        t = mods[n]
+        t.calls += 1
+        t.n_args = len(args)
+        if args and isinstance(args[0], torch.Tensor):
+            module_input_id[n] = id(args[0])
+            if isinstance(mod, nn.Linear):
+                linear_inputs[n] = id(args[0])
+        parent = n.rsplit(".", 1)[0] if "." in n else ""
+        if isinstance(mod, nn.Linear):
+            for anc in _ancestors(n):
+                if anc in mods:
+                    mods[anc].linear_order.append(n)
+        stack.append(n)
+
+    def post(mod, args, out):
+        n = names.get(mod)
+        if n is None or phase["bwd"]:
+            return
+        if stack and stack[-1] == n:
+            stack.pop()
+
+    def pack(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return t
+        try:
+            key = t.untyped_storage()._cdata
+            nbytes = t.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001 - tensor subclasses without storage
+            key, nbytes = id(t), t.numel() * t.element_size()
+        if key in param_storages or key in seen_storages:
+            return t
+        seen_storages.add(key)
+        owner = stack[-1] if stack else ""
+        if owner in mods:
+            mods[owner].saved_bytes += nbytes
+        else:
+            mods.setdefault("", ModuleTrace("", "root")).saved_bytes += nbytes
+        return t
+
+    class _SdpaSpy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and not phase["bwd"]:
+                q, k = args[0], args[1]
+                sdpa_shapes.append((tuple(q.shape), tuple(k.shape)))
+                for anc in reversed(stack):
+                    t = mods[anc]
+                    if t.linear_order:
+                        if t.sdpa_at is None:
+                            t.sdpa_at = len(t.linear_order)
+                        b, h, s, d = q.shape
+                        t.sdpa_flops += 4 * b * h * s * k.shape[-2] * d
+                        break
+                # fused (flash / memory-efficient) attention, as real CPU and GPU runs use: it keeps q, k, v,
+                # the output and a float32 log-sum-exp [B, H, S] for backward, never the [S, S] scores
+                b, h, s, d = q.shape
+                extra_bwd[0] += 2 * 4 * b * h * s * k.shape[-2] * d  # dq, dk, dv (+ recomputed scores)
+                with torch.no_grad():
+                    out = func(*args, **kwargs)
+                return _FusedAttention.apply(out, args[0], args[1], args[2])
+            return func(*args, **kwargs)
+
+    h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = nn.modules.module.register_module_forward_hook(post)
+    try:
+        if example_input is not None:
+            x = example_input(batch, seq_len)
+        else:
+            x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+        fwd_counter = FlopCounterMode(display=False)
+        with _MetaDataDependent(on_op), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _SdpaSpy():
+            out = meta(*x) if isinstance(x, tuple) else meta(x)
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            if loss is not None:
+                lval = loss(out)
+            elif out.dim() == 3 and out.is_floating_point():  # logits: next-token cross-entropy
+                tgt = torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long, device=out.device)
+                lval = F.cross_entropy(out.flatten(0, 1), tgt)
+            else:
+                lval = out.float().mean()
+        phase["bwd"] = True
+        bwd_counter = FlopCounterMode(display=False)
+        with _MetaDataDependent(on_op), bwd_counter:
+            lval.backward()
+    finally:
+        h1.remove()
+        h2.remove()
+    bwd_total = bwd_counter.get_total_flops() + extra_bwd[0]
+    _assign_flops(mods, fwd_counter, "fwd_flops", meta)
+    _assign_flops(mods, bwd_counter, "bwd_flops", meta)
+    saved = sum(t.saved_bytes for t in mods.values())
+    return Trace(batch, seq_len, mods, fwd_counter.get_total_flops(), bwd_total, saved,
+                 sdpa_shapes, {n: t.n_args for n, t in mods.items()}, linear_inputs, module_input_id,
+                 n_ops["fwd"], n_ops["bwd"])
+
+
+def _ancestors(fqn: str):
+    parts = fqn.split(".")
+    yield ""
+    for i in range(1, len(parts)):
+        yield ".".join(parts[:i])
+
+
+def _assign_flops(mods, counter, attr, root):
+    """FlopCounterMode counts per module path (root class name first); keep each module's inclusive total."""
+    counts = counter.get_flop_counts()
+    root_name = type(root).__name__
+    for key, ops in counts.items():
+        if key == "Global":
+            continue
+        fqn = key[len(root_name) + 1:] if key.startswith(root_name + ".") else ("" if key == root_name else None)
+        if fqn is None or fqn not in mods:
+            continue
+        setattr(mods[fqn], attr, getattr(mods[fqn], attr) + int(sum(ops.values())))
+
+
+def _all_meta(model):
+    return all(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _shallow_meta_copy(model):
+    return copy.deepcopy(model)

@@ -1,0 +1,252 @@
+"""``plan()``: enumerate layouts, reject the invalid ones with a reason, score the rest, best first."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from hyper_parallel.auto.cluster import Cluster
+from hyper_parallel.auto.cost import SCHEDULES, STAGES_PER_RANK, Candidate, evaluate, summarize
+from hyper_parallel.auto.model_stats import trace_model
+from hyper_parallel.auto.plan import GiB, Plan
+from hyper_parallel.auto.roles import infer_roles
+
+PARALLELISMS = ("dp", "fsdp", "tp", "sp", "pp", "cp", "ep")
+AC_CHOICES = ("none", "full", "selective")
+_LAST_REJECTIONS: List[Tuple[str, str]] = []
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def explain_rejections(limit: Optional[int] = None) -> str:
+    """Why each candidate of the last ``plan()`` call was excluded (one line per candidate)."""
+    rows = _LAST_REJECTIONS if limit is None else _LAST_REJECTIONS[:limit]
+    out = [f"{len(_LAST_REJECTIONS)} candidates rejected"] + [f"  {name}: {why}" for name, why in rows]
+    if limit is not None and len(_LAST_REJECTIONS) > limit:
+        out.append(f"  ... {len(_LAST_REJECTIONS) - limit} more")
+    return "\n".join(out)
+
+
+def _name(d, sp=False, ac="none", sched=None, m=None, cpm=None):
+    s = " x ".join(f"{k}{d[k]}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if d[k] > 1) or "single"
+    if sp:
+        s += " +sp"
+    if sched:
+        s += f" {sched}/m{m}"
+    if cpm:
+        s += f" cp:{cpm}"
+    if ac != "none":
+        s += f" ac:{ac}"
+    return s
+
+
+def _dtype_item(dt, default):
+    if dt is None:
+        return default
+    if isinstance(dt, str):
+        dt = getattr(torch, dt)
+    return torch.empty((), dtype=dt).element_size()
+
+
+def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer: str = "adamw",
+         param_dtype=None, reduce_dtype=None, parallelisms: Sequence[str] = PARALLELISMS,
+         activation_checkpointing: str = "auto", top_k: int = 5, roles: Optional[Dict[str, str]] = None,
+         example_input=None, loss=None) -> List[Plan]:
+    """The ``top_k`` best layouts of ``model`` (an ``nn.Module``, meta device allowed) on ``cluster``,
+    best (shortest predicted step time among those that fit the per-rank memory) first.
+
+    ``parallelisms``: which of dp (replicate), fsdp, tp, sp, pp, cp, ep may be used.
+    ``activation_checkpointing``: "auto" (search none / full), or one of "none", "full", "selective".
+    ``roles``: ``{module fqn: role}`` for modules the planner cannot tag (see ``hyper_parallel.auto.roles``).
+    Raises ``ValueError`` when nothing fits (naming the smallest per-rank memory needed, in GiB, and the
+    plan closest to fitting) or when the constraints leave no valid layout (saying why).
+    """
+    global _LAST_REJECTIONS
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"plan(): cluster must be a hyper_parallel.auto.Cluster, got {type(cluster).__name__}")
+    for name, v in (("global_batch", global_batch), ("seq_len", seq_len), ("top_k", top_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"plan(): {name} must be a positive int, got {v!r}")
+    bad = [p for p in parallelisms if p not in PARALLELISMS]
+    if bad:
+        raise ValueError(f"plan(): parallelisms={tuple(parallelisms)!r} has unknown {bad}; choose from {PARALLELISMS}")
+    if optimizer not in ("adamw", "adam", "sgd"):
+        raise ValueError(f"plan(): optimizer={optimizer!r}; supported: 'adamw', 'adam', 'sgd'")
+    acs = ("none", "full") if activation_checkpointing == "auto" else (activation_checkpointing,)
+    if acs[0] not in AC_CHOICES:
+        raise ValueError(f"plan(): activation_checkpointing={activation_checkpointing!r}; expected 'auto' or one "
+                         f"of {AC_CHOICES}")
+    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
+    info = infer_roles(model, trace, roles)
+    ms = summarize(info, trace, model)
+    item = ms.act_item
+    p_item = _dtype_item(param_dtype, item)
+    r_item = _dtype_item(reduce_dtype, p_item)
+    W = cluster.world_size
+    allowed = set(parallelisms)
+    rejections: List[Tuple[str, str]] = []
+    scored: List[Plan] = []
+    E = info.num_experts
+    L = ms.n_layers
+    divs = _divisors(W)
+    for tp, pp, cp in itertools.product(divs, divs, divs):
+        if W % (tp * pp * cp):
+            continue
+        rest = W // (tp * pp * cp)
+        for fsdp in _divisors(rest):
+            dp = rest // fsdp
+            for ep in (_divisors(fsdp) if (E and "ep" in allowed) else [1]):
+                d = {"dp": dp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+                why = _check(d, info, cluster, global_batch, seq_len, allowed, L, E)
+                if why:
+                    rejections.append((_name(d), why))
+                    continue
+                sps = (False, True) if tp > 1 and "sp" in allowed else (False,)
+                scheds = SCHEDULES if pp > 1 else (None,)
+                cpms = ("ring", "ulysses") if cp > 1 else (None,)
+                b_local = global_batch // (dp * fsdp)
+                for sched in scheds:
+                    if sched and L < pp * STAGES_PER_RANK[sched]:
+                        rejections.append((_name(d, sched=sched, m="*"),
+                                           f"{L} layers < {pp * STAGES_PER_RANK[sched]} stages of schedule {sched}"))
+                        continue
+                    mbs = sorted({k for k in (pp, 2 * pp, 4 * pp, 8 * pp, b_local)
+                                  if k <= b_local and b_local % k == 0 and k >= pp}) if sched else [1]
+                    if sched and not mbs:
+                        rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
+                                           f"into >= pp={pp} microbatches"))
+                        continue
+                    if sched == "interleaved1f1b":
+                        mbs = [k for k in mbs if k % pp == 0]
+                    for m, sp, ac, cpm in itertools.product(mbs, sps, acs, cpms):
+                        if cpm == "ulysses" and pp > 1:
+                            rejections.append((_name(d, sp, ac, sched, m, cpm), "cp with pp runs the ring method only"))
+                            continue
+                        if cpm == "ulysses" and info.n_heads % (tp * cp):
+                            rejections.append((_name(d, sp, ac, sched, m, cpm),
+                                               f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
+                            continue
+                        c = Candidate(d, sp, ac, sched, m, cpm)
+                        mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer,
+                                                param_item=p_item, reduce_item=r_item)
+                        scored.append(_make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype,
+                                                 reduce_dtype, info))
+    _LAST_REJECTIONS = rejections
+    if not scored:
+        relevant = [f"{name}: {why}" for name, why in rejections if "is not in parallelisms" not in why]
+        reasons = relevant or [f"no product of the allowed degrees equals world_size={W}"]
+        raise ValueError(f"plan(): no valid layout of the model for world_size={W} under parallelisms="
+                         f"{tuple(parallelisms)!r}: " + "; ".join(reasons[:6])
+                         + (f" (+{len(reasons) - 6} more: explain_rejections())" if len(reasons) > 6 else ""))
+    fits = [p for p in scored if p.fits]
+    if not fits:
+        closest = min(scored, key=lambda p: p.memory.total)
+        raise ValueError(
+            f"plan(): no layout fits {cluster.device_memory / GiB:.2f} GiB per rank: the smallest per-rank memory "
+            f"needed is {closest.memory.total / GiB:.2f} GiB, by the plan closest to fitting: {closest.summary()} "
+            f"(params {closest.memory.params / GiB:.2f} + grads {closest.memory.grads / GiB:.2f} + optimizer "
+            f"{closest.memory.optimizer / GiB:.2f} + activations {closest.memory.activations / GiB:.2f} + buffers "
+            f"{closest.memory.buffers / GiB:.2f} GiB). Use more devices, a smaller global_batch, or allow more "
+            f"parallelisms / activation_checkpointing")
+    for p in scored:
+        if not p.fits:
+            rejections.append((p.summary(), f"needs {p.memory.total / GiB:.2f} GiB per rank > "
+                               f"{cluster.device_memory / GiB:.2f} GiB"))
+    fits.sort(key=lambda p: (p.step_time.total, p.memory.total))
+    return fits[:top_k]
+
+
+def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_batch: int, seq_len: int,
+                  sequence_parallel: bool = False, activation_checkpointing: str = "none", pp_schedule: str = None,
+                  microbatches: int = None, cp_method: str = None, optimizer: str = "adamw", param_dtype=None,
+                  reduce_dtype=None, roles=None, example_input=None, loss=None) -> Plan:
+    """The :class:`Plan` of one given layout (``degrees``: any of dp, fsdp, tp, pp, cp, ep; missing ones are 1),
+    with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model."""
+    d = {k: 1 for k in ("dp", "fsdp", "tp", "pp", "cp", "ep")}
+    unknown = set(degrees) - set(d)
+    if unknown:
+        raise ValueError(f"evaluate_plan: unknown degrees {sorted(unknown)}; expected keys of {sorted(d)}")
+    d.update(degrees)
+    prod = d["dp"] * d["fsdp"] * d["tp"] * d["pp"] * d["cp"]
+    if prod != cluster.world_size:
+        raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
+    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
+    info = infer_roles(model, trace, roles)
+    ms = summarize(info, trace, model)
+    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
+    if why:
+        raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
+    if d["pp"] > 1:
+        pp_schedule = pp_schedule or "1f1b"
+        microbatches = microbatches or d["pp"]
+    if d["cp"] > 1:
+        cp_method = cp_method or "ring"
+    c = Candidate(d, bool(sequence_parallel and d["tp"] > 1), activation_checkpointing, pp_schedule if d["pp"] > 1
+                  else None, microbatches or 1, cp_method if d["cp"] > 1 else None)
+    p_item = _dtype_item(param_dtype, ms.act_item)
+    mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
+                            reduce_item=_dtype_item(reduce_dtype, p_item))
+    return _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+
+
+def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[str]:
+    for k, flag in (("dp", "dp"), ("fsdp", "fsdp"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
+        if d[k] > 1 and flag not in allowed:
+            return f"{k}={d[k]} but {flag!r} is not in parallelisms"
+    dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
+    if global_batch % (dp * fsdp):
+        return f"global_batch={global_batch} is not divisible by dp*fsdp={dp * fsdp}"
+    if tp > 1:
+        for what, n in (("n_heads", info.n_heads), ("n_kv_heads", info.n_kv_heads), ("the MLP hidden size", info.ffn_hidden),
+                        ("the vocabulary", info.vocab)):
+            if n % tp:
+                return f"tp={tp} does not divide {what} ({n})"
+        if tp > cluster.devices_per_node:
+            return f"tp={tp} > devices_per_node={cluster.devices_per_node} (tensor parallelism stays within a node)"
+    if pp > L:
+        return f"pp={pp} > {L} layers"
+    if cp > 1 and seq_len % cp:
+        return f"cp={cp} does not divide seq_len={seq_len}"
+    if ep > 1:
+        if E % ep:
+            return f"ep={ep} does not divide the {E} experts"
+        if dp > 1:
+            return "ep with dp (HSDP) replicas is not supported (ep borrows ranks from fsdp)"
+        if cp > 1:
+            return "ep with cp is not supported"
+        if pp > 1 and tp > 1:
+            return "ep with both pp and tp is not supported"
+    if pp > 1 and dp > 1:
+        return "pp with dp (replication) is not supported (pp composes with fsdp and tp)"
+    if pp > 1 and cp > 1 and tp > 1:
+        return "pp with both cp and tp is not supported"
+    if cp > 1 and dp > 1 and fsdp > 1:
+        return "cp with HSDP (dp > 1 and fsdp > 1) is not supported"
+    return None
+
+
+def _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info):
+    d = dict(c.degrees)
+    if d["pp"] > 1:
+        names, shape = ["pp"], [d["pp"]]
+    else:
+        names, shape = [], []
+    for k in ("dp", "fsdp", "cp", "tp"):
+        if d[k] > 1:
+            if k == "fsdp" and d["ep"] > 1:
+                names += ["efsdp", "ep"]
+                shape += [d["fsdp"] // d["ep"], d["ep"]]
+            else:
+                names.append(k)
+                shape.append(d[k])
+    if not names:
+        names, shape = ["dp"], [1]
+    return Plan(degrees=d, sequence_parallel=bool(c.sp), activation_checkpointing=c.ac, pp_schedule=c.schedule,
+                microbatches=c.microbatches, layers_per_stage=lps, cp_method=c.cp_method, memory=mem,
+                step_time=st, mesh_shape=tuple(shape), mesh_dim_names=tuple(names), world_size=cluster.world_size,
+                global_batch=global_batch, seq_len=seq_len, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                device_memory=cluster.device_memory, fits=mem.total <= cluster.device_memory, _model_info=info)

@@ -1,0 +1,67 @@
+"""dry_run on torch's fake process group (one process) against the same step on real gloo ranks, and
+Cluster.measure() on real gloo ranks."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from examples.llama.configs import get_config
+from examples.llama.model import Transformer, build_model
+from hyper_parallel.auto import Cluster, dry_run, evaluate_plan
+
+CASES = {"fsdp2-tp2-sp": ({"fsdp": 2, "tp": 2}, True), "dp2-fsdp2": ({"dp": 2, "fsdp": 2}, False),
+         "moe-fsdp4-ep2": ({"fsdp": 4, "ep": 2}, False)}
+
+
+def _plan(case, world=4):
+    deg, sp = CASES[case]
+    cfg = get_config("moe-tiny" if case.startswith("moe") else "tiny")
+    with torch.device("meta"):
+        m = Transformer(cfg.model, init_seed=None)
+    return cfg, evaluate_plan(m, Cluster(world, world, "1GiB"), degrees=deg, global_batch=cfg.global_batch,
+                              seq_len=cfg.seq_len, sequence_parallel=sp)
+
+
+def _real(case):
+    from hyper_parallel.auto.dry_run import measure_step
+    cfg, plan = _plan(case)
+    return measure_step(plan, lambda: build_model(cfg.model, cfg.seed))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dry_run_matches_real_ranks(dist_runner, case):
+    cfg, plan = _plan(case)
+    fake = dry_run(plan, lambda: build_model(cfg.model, cfg.seed), world_size=4)
+    assert set(fake.ranks) == {0, 3}
+    real = dist_runner.run(4, _real, case)
+    for r, rep in fake.ranks.items():
+        got = real[r]
+        if case.startswith("moe"):  # the expert dispatch sizes depend on the other ranks' routing, which the fake
+            # group cannot know (its all_to_all moves no data): same collectives, EP all_to_all bytes aside
+            strip = lambda ev: [(k, None if k == "all_to_all" else b, n) for k, b, n in ev]
+            assert strip(rep.collectives) == strip(got.collectives)
+        else:
+            assert rep.collectives == got.collectives  # same kinds, bytes and group sizes, in issue order
+        assert rep.state_bytes == got.state_bytes
+        assert abs(rep.peak_memory - got.peak_memory) <= 0.05 * got.peak_memory, (rep.peak_memory, got.peak_memory)
+    assert fake.ranks[0].state_bytes == plan.memory.state
+
+
+def test_dry_run_bad_arguments():
+    cfg, plan = _plan("fsdp2-tp2-sp")
+    with pytest.raises(ValueError, match="world_size=8 differs from the plan's world size 4"):
+        dry_run(plan, lambda: build_model(cfg.model, cfg.seed), world_size=8)
+    with pytest.raises(ValueError, match=r"rank=9 is not in \[0, 4\)"):
+        dry_run(plan, lambda: build_model(cfg.model, cfg.seed), world_size=4, rank=9)
+
+
+def _measure():
+    c = Cluster(dist.get_world_size(), dist.get_world_size(), "1GiB").measure(sizes=(2**12, 2**18), repeats=2)
+    return c.flops, c.intra_node_bw, c.latency, sorted(c.comm)
+
+
+def test_cluster_measure_on_gloo(dist_runner):
+    out = dist_runner.run(2, _measure)
+    assert all(o == out[0] for o in out)  # every rank agrees (the slowest rank's times)
+    flops, bw, lat, kinds = out[0]
+    assert flops > 1e6 and bw > 1e3 and lat >= 0
+    assert kinds == ["all_gather", "all_reduce", "all_to_all", "p2p", "reduce_scatter"]

@@ -235,6 +235,10 @@ class FSDPState:
         if g is None:
             return
         g.expected = None
+        # reshard first, as FSDP2 does: the unsharded parameters are freed before the gradients are
+        # packed (their .grad stays on the unsharded tensors), so they never coexist with the packed copy
+        if self.reshard_after_backward:
+            g.reshard()
         if self.requires_gradient_sync:
             ctx = self.ctx
             prev = ctx.inflight_rs if ctx is not None else None
@@ -244,8 +248,6 @@ class FSDPState:
             g.reduce_grads()
             if ctx is not None:
                 ctx.inflight_rs = g
-        if self.reshard_after_backward:
-            g.reshard()
 
     def _final_callback(self):
         ctx = self.ctx

@@ -30,6 +30,21 @@ _RAR = "HSDP replicate all_reduce (gradients)"
 SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
 
 
+def _free_now(*tensors):
+    """Free the storage of finished collectives' CPU buffers here and now.
+
+    Once ``wait()`` returned, gloo no longer reads or writes them, but its work object (and so the
+    last reference) may be dropped later by one of gloo's threads; the memory then stays in use
+    until that thread gets to it (and the CPU allocator's profiler, which records this thread, never
+    sees the free). Resizing the storage to 0 frees it at a fixed point of the step instead.
+    Only for buffers this group allocated and no longer needs; CUDA buffers are left to the caching
+    allocator's stream-ordered frees.
+    """
+    for t in tensors:
+        if t is not None and t.device.type == "cpu":
+            t.untyped_storage().resize_(0)
+
+
 def gloo_reduce_scatter_in_place(group, inp) -> bool:
     """Whether the reduce_scatter of ``inp`` (a packed CPU buffer the caller owns) may run as an in-place all_reduce.
 
@@ -70,6 +85,7 @@ class FSDPParamGroup:
         self._ag = None
         self._rs = None
         self._rs_full = False  # the reduction in flight is an in-place all_reduce of the packed input (gloo)
+        self._rs_input = None
         self._gloo_in_place = None
         self.divide_factor = None
         self.requires_all_reduce = True
@@ -137,14 +153,14 @@ class FSDPParamGroup:
                 work = _all_gather_single(out, send, group=self.shard_group.handle, async_op=True)
             except RuntimeError as exc:
                 _fault.fail(_AG, self.shard_group, exc)
-            self._ag = (work, out)
+            self._ag = (work, out, send)
         self.state = UNSHARDING
 
     def wait_for_unshard(self):
         """Finish the all_gather (issuing it first if needed) and expose the unsharded parameters."""
         self.unshard()
         if self.state == UNSHARDING:
-            work, out = self._ag
+            work, out, *send = self._ag
             self._ag = None
             with torch.no_grad():
                 if work is not None:
@@ -153,6 +169,8 @@ class FSDPParamGroup:
             for p, off in zip(self.params, self.offsets):
                 p.alloc_unsharded(self.device)
                 p.copy_out(gathered[:, off: off + p.padded], self.k)
+            del gathered
+            _free_now(out, *send)
             self._install_grad_hooks()
             self.state = UNSHARDED
             self._gathered_versions = self._versions()
@@ -163,6 +181,7 @@ class FSDPParamGroup:
         if self.state == UNSHARDING:  # an all_gather cannot be cancelled: finish it, then free
             with torch.no_grad():
                 self._ag[0] is not None and _fault.wait(self._ag[0], _AG, self.shard_group)
+            _free_now(*self._ag[1:])
             self._ag = None
             if self.persistent:
                 self.state = UNSHARDED
@@ -256,6 +275,7 @@ class FSDPParamGroup:
             _fault.fail(_RS, self.shard_group, exc)
         self._rs = (work, out, have)
         self._rs_full = in_place
+        self._rs_input = inp  # freed by this group once the reduction is done (see _free_now)
 
     def _land_reduce_scatter(self):
         """Wait for the group's reduce_scatter; ``self._rs`` becomes ``(None, out, have)``, ``out`` this rank's
@@ -266,6 +286,9 @@ class FSDPParamGroup:
         if self._rs_full:
             out = out.view(self.k, self.S)[self.shard_group.rank].clone()
             self._rs_full = False
+        inp, self._rs_input = self._rs_input, None
+        if inp is not None and inp.data_ptr() != out.data_ptr():
+            _free_now(inp)
         self._rs = (None, out, have)
 
     def release_send_buffer(self):
@@ -343,6 +366,8 @@ class FSDPParamGroup:
         for p, off, h in zip(self.params, self.offsets, have):
             if h:
                 p.accumulate_sharded_grad(out[off: off + p.padded])
+        if self.k > 1:  # (with k == 1 it is the packed input, which may be a view of a gradient)
+            _free_now(out)
 
     def _finish_all_reduce(self):
         work, flat, have, _ = self._rs

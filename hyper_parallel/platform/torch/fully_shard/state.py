@@ -190,7 +190,14 @@ class FSDPState:
         if self.group is not None:
             self.group.wait_for_unshard()
             self.group.expect_grads()
-        for st in self._backward_targets():
+        targets = self._backward_targets()
+        prev = ctx.inflight_rs
+        if targets and prev is not None and prev is not self.group:
+            # land the last reduce_scatter (drop its packed input) before the prefetch's buffers exist:
+            # the two never coexist with this module's backward
+            with torch.no_grad():
+                prev.release_send_buffer()
+        for st in targets:
             st.group.unshard(async_op=True)
 
     def _backward_targets(self):

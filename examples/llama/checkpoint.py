@@ -15,7 +15,9 @@ is never picked): the one ``latest`` names if that is complete, else the newest 
 a checkpoint holds what makes a resumed run bit-exact in the same layout: the data position
 (``data.seed``, ``data.next_step``: batches are a pure function of seed and step) and every
 rank's RNG state (``rng/<rank>/cpu``, ``rng/<rank>/cuda``, restored when the world size is the
-saved one; under another layout the generators are left alone).
+saved one; under another layout the generators are left alone) and the DTensor random stream's
+position (``dtensor_rng.seed``, ``dtensor_rng.offset``: the same on every rank and for every layout,
+so always restored).
 
 State dicts come from :mod:`hyper_parallel.checkpoint` (keys are parameter FQNs),
 so a checkpoint saved under one ``--dp/--tp`` layout resumes under any other, or
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hyper_parallel.checkpoint import get_state_dict, load as checked_load, set_state_dict
+from hyper_parallel.core.dtensor import random as hp_random
 
 LATEST = "latest"
 
@@ -90,6 +93,21 @@ def _rng_state() -> dict:
     return out
 
 
+# The DTensor random stream (hyper_parallel.manual_seed; random ops on sharded DTensors, attention dropout
+# on DTensors): one (seed, offset) for all ranks. The seed is stored as text: it may not fit an int64.
+DTENSOR_RNG = "dtensor_rng"
+
+
+def _dtensor_rng_state() -> dict:
+    st = hp_random.get_rng_state()
+    return {"seed": "" if st["seed"] is None else str(st["seed"]), "offset": int(st["offset"])}
+
+
+def _set_dtensor_rng_state(saved: dict) -> None:
+    seed = saved["seed"]
+    hp_random.set_rng_state({"seed": int(seed) if seed != "" else None, "offset": int(saved["offset"])})
+
+
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -103,6 +121,7 @@ def save(root: str, step: int, model, optimizer, data_seed: Optional[int] = None
     path = step_dir(root, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": step, GROUPS: _groups_by_fqn(optim_sd), "rng_world": _world(), **_rng_state()}
+    state[DTENSOR_RNG] = _dtensor_rng_state()
     if data_seed is not None:
         state["data"] = {"seed": int(data_seed), "next_step": step}
     dcp.save(state, checkpoint_id=path)
@@ -135,6 +154,8 @@ def load(path: str, model, optimizer, data_seed: Optional[int] = None, *, stage:
         state[GROUPS] = _groups_by_fqn(optim_sd)
     # the extras, all of them (the strict check wants every key; every rank's RNG state is a few KB)
     state.update({k: torch.empty(tuple(md.size), dtype=torch.uint8) for k, md in saved.items() if k.startswith("rng/")})
+    if any(k.startswith(DTENSOR_RNG + ".") for k in saved):  # older checkpoints do not have it
+        state[DTENSOR_RNG] = {"seed": "", "offset": -1}
     for k in ("rng_world", "data.seed", "data.next_step"):
         if k in saved:
             state.setdefault(k.split(".")[0], {} if "." in k else -1)
@@ -154,6 +175,8 @@ def load(path: str, model, optimizer, data_seed: Optional[int] = None, *, stage:
         for k in _rng_state():
             if k in state:
                 (torch.set_rng_state if k.endswith("/cpu") else torch.cuda.set_rng_state)(state[k])
+    if DTENSOR_RNG in state:
+        _set_dtensor_rng_state(state[DTENSOR_RNG])
     return int(state["step"])
 
 

@@ -47,6 +47,9 @@ class ModelArgs:
     # n_dense_layers.. have an MoE feed-forward (``layers.<i>.moe``) instead of ``feed_forward``.
     moe: Optional[MoEArgs] = None
     n_dense_layers: int = 1
+    # Dropout (GPT-2 style) on the embeddings, on each residual branch and on the attention weights;
+    # 0 (default) adds no op. Draws come from torch's generator (train.py seeds it and checkpoints it).
+    dropout: float = 0.0
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -57,6 +60,8 @@ class ModelArgs:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
             raise ValueError("head_dim must be even for rotary embeddings")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def head_dim(self) -> int:
@@ -123,6 +128,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        self.dropout = args.dropout
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -142,7 +148,10 @@ class Attention(nn.Module):
             xv = xv.repeat_interleave(n_rep, dim=2)
 
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)  # [bs, heads, seqlen, hd]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.dropout and self.training:  # attention dropout (torch's kernel draws the mask)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -166,6 +175,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
+        self.dropout = args.dropout
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -175,8 +185,11 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        if self.dropout:  # residual dropout on each branch
+            h = x + F.dropout(self.attention(self.attention_norm(x), cos, sin), self.dropout, self.training)
+            return h + F.dropout(ffn(self.ffn_norm(h)), self.dropout, self.training)
+        h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + ffn(self.ffn_norm(h))
 
 
@@ -253,6 +266,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seqlen} > max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.args.dropout and self.tok_embeddings is not None:  # embedding dropout
+            h = F.dropout(h, self.args.dropout, self.training)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

@@ -100,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="save every K steps (and after the last) when "
                    "--checkpoint-dir is set; 0: only after the last step")
     p.add_argument("--resume", action="store_true", help="resume from DIR/latest (any --dp/--tp layout)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability on the embeddings, each residual "
+                   "branch and the attention weights (default 0: none; >0 skips the single-process comparison)")
     # --- pipeline parallelism: --pp, --pp-schedule, --pp-microbatches, --pp-layers-per-stage (pipeline.py)
     from examples.llama.pipeline import add_pp_args
     add_pp_args(p)
@@ -178,8 +180,14 @@ def state_bytes(model, opt):
 def train(args, steps, cfg, mesh, log=print, report=None):
     """Distributed training loop; returns the global mean loss of every step.
 
+    torch's generator and the DTensor random stream are seeded from ``cfg.seed`` first, alike on
+    every rank (torch 2.13 seeds a new process's generator at random), so dropout draws are a
+    function of the seed; ``--resume`` then restores both from the checkpoint.
+
     ``report``, if given, is a dict that receives this rank's state bytes after the last step.
     """
+    torch.manual_seed(cfg.seed)  # before building: model construction draws too (nn.Linear's default init)
+    hp.manual_seed(cfg.seed)
     if getattr(args, "pp", 1) > 1:  # --- pipeline parallelism: the loop in examples/llama/pipeline.py
         from examples.llama.pipeline import train_pipeline
         losses, stages, opt = train_pipeline(args, steps, cfg, mesh, log=log)
@@ -309,6 +317,11 @@ def main(argv=None):
         raise SystemExit("--resume and --save-every need --checkpoint-dir DIR")
     if args.save_every < 0:
         raise SystemExit(f"--save-every must be >= 0, got {args.save_every}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise SystemExit(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.dropout and args.cp > 1:  # --- CP: the context-parallel attention has no dropout
+        raise SystemExit(f"--dropout {args.dropout} with --cp {args.cp} is not supported (context-parallel "
+                         "attention has no dropout)")
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":  # --- auto-parallel: the plan sets --dp/--dp-shard/--tp/--sp/--pp*/--cp*/--ep
@@ -349,12 +362,16 @@ def main(argv=None):
     mesh = make_mesh(args)
     node_msg = node_placement(mesh)  # multi-node launches: which node holds each rank (collective)
     cfg = get_config(args.config)
+    if args.dropout:
+        from dataclasses import replace
+        cfg.model = replace(cfg.model, dropout=args.dropout)
     steps = args.steps or cfg.steps
     rank = dist.get_rank()
     if rank == 0:
         n = sum(p.numel() for p in build_model(cfg.model, cfg.seed).parameters())
         lp = ", loss_parallel" if args.loss_parallel else ""
         lp += f", compiled blocks ({args.compile})" if args.compile else ""
+        lp += f", dropout {args.dropout}" if args.dropout else ""
         ds = f" dp_shard={args.dp_shard}" if args.dp_shard > 1 else ""
         ds += pipeline.describe(args, cfg) if args.pp > 1 else ""
         ds += f" ep={args.ep}" if args.ep > 1 else ""
@@ -385,7 +402,9 @@ def main(argv=None):
         series = {f"dp{args.dp}{ds}_tp{args.tp}{'_sp' if args.sp else ''}": losses}
         done = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "nothing left to train"
         print(f"trained {len(losses)} steps in {elapsed:.1f}s; {done}")
-        if not args.no_compare and losses:
+        if args.dropout and not args.no_compare:
+            print("single-process comparison skipped: with --dropout the masks depend on the layout")
+        elif not args.no_compare and losses:
             print("running the same training in one process for comparison ...", flush=True)
             ref, _ = train_reference(cfg.model, steps, seed=cfg.seed, global_batch=cfg.global_batch,
                                      seq_len=cfg.seq_len, optim=cfg.optim)

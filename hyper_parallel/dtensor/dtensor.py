@@ -297,6 +297,7 @@ class DTensor(torch.Tensor):
     @grad.setter
     def grad(self, value):
         _DG.forget(self._local_tensor)
+        self.__dict__.pop("_grad_wrapper", None)  # the cached .grad view would keep the old gradient alive
         if value is None:
             self._local_tensor.grad = None
             self.__dict__.pop("_hp_partial_grad", None)

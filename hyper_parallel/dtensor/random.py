@@ -30,6 +30,29 @@ def manual_seed(seed: int) -> None:
     _state["counter"] = 0
 
 
+def get_rng_state() -> dict:
+    """The DTensor random stream's position: ``{"seed": seed or None (not drawn from yet), "offset": calls so far}``.
+
+    Checkpoint it with the framework generators' states; :func:`set_rng_state` continues the
+    stream from there (the same on every rank, and for every layout, like the stream itself).
+    """
+    return {"seed": _state["seed"], "offset": _state["counter"]}
+
+
+def set_rng_state(state: dict) -> None:
+    """Continue the DTensor random stream from ``get_rng_state()``'s ``{"seed", "offset"}`` (every rank alike)."""
+    if not isinstance(state, dict) or set(state) != {"seed", "offset"}:
+        raise ValueError(f"set_rng_state: state must be a dict with keys 'seed' and 'offset' (from get_rng_state()), "
+                         f"got {state!r}")
+    seed, offset = state["seed"], state["offset"]
+    if (seed is not None and not isinstance(seed, int)) or isinstance(seed, bool):
+        raise TypeError(f"set_rng_state: seed must be an int or None, got {seed!r}")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"set_rng_state: offset must be an int >= 0, got {offset!r}")
+    _state["seed"] = seed
+    _state["counter"] = offset
+
+
 def _next_key():
     if _state["seed"] is None:
         _state["seed"] = torch.initial_seed()
@@ -119,4 +142,4 @@ def is_rng_supported_mesh(device_mesh=None) -> bool:
     return True
 
 
-__all__ = ["manual_seed", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]
+__all__ = ["manual_seed", "get_rng_state", "set_rng_state", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]

@@ -173,6 +173,20 @@ class FSDPParam:
     def copy_out(self, gathered: torch.Tensor, k: int):
         """Fill the unsharded tensor from the (k, S) gathered view's columns of this parameter."""
         u = self.unsharded
+        if self.dim == 0 and u.is_contiguous():
+            # rank r's rows are row r of the (k, padded) view: copy them straight in (a reshape of the
+            # strided column block would first copy the whole parameter into a temporary)
+            full, per = u.numel(), self.padded
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u):
+                if full == k * per:
+                    u.view(k, per).copy_(gathered)
+                else:
+                    flat = u.view(-1)
+                    for r in range(k):
+                        a, b = r * per, min(full, (r + 1) * per)
+                        if b > a:
+                            flat[a:b].copy_(gathered[r, : b - a])
+            return
         moved = list(self.full_shape)
         moved.pop(self.dim)
         rows = gathered.reshape((k * self.rows, *moved))[: self.full_shape[self.dim]]

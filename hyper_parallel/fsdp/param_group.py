@@ -30,6 +30,38 @@ _RAR = "HSDP replicate all_reduce (gradients)"
 SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
 
 
+def _free_now(*tensors):
+    """Free the storage of finished collectives' CPU buffers here and now.
+
+    Once ``wait()`` returned, gloo no longer reads or writes them, but its work object (and so the
+    last reference) may be dropped later by one of gloo's threads; the memory then stays in use
+    until that thread gets to it (and the CPU allocator's profiler, which records this thread, never
+    sees the free). Resizing the storage to 0 frees it at a fixed point of the step instead.
+    Only for buffers this group allocated and no longer needs; CUDA buffers are left to the caching
+    allocator's stream-ordered frees.
+    """
+    for t in tensors:
+        if t is not None and t.device.type == "cpu":
+            t.untyped_storage().resize_(0)
+
+
+def gloo_reduce_scatter_in_place(group, inp) -> bool:
+    """Whether the reduce_scatter of ``inp`` (a packed CPU buffer the caller owns) may run as an in-place all_reduce.
+
+    On gloo, torch's ``reduce_scatter_tensor`` *is* an all_reduce: ProcessGroupGloo clones the input,
+    all-reduces the clone and copies this rank's chunk out at ``wait()``. The group's packed gradient
+    buffer is its own, so all-reducing it in place is the same collective and the same sums, without
+    the clone (one unsharded gradient of the group) and the separate output alive while it is in flight.
+    """
+    if inp.device.type != "cpu":
+        return False
+    try:
+        be = str(dist.get_backend(group.handle))
+    except (RuntimeError, ValueError):
+        return False
+    return be == "gloo" or "cpu:gloo" in be
+
+
 class FSDPParamGroup:
     def __init__(self, fsdp_params):
         self.params = fsdp_params
@@ -52,6 +84,9 @@ class FSDPParamGroup:
         self.state = SHARDED
         self._ag = None
         self._rs = None
+        self._rs_full = False  # the reduction in flight is an in-place all_reduce of the packed input (gloo)
+        self._rs_input = None
+        self._gloo_in_place = None
         self.divide_factor = None
         self.requires_all_reduce = True
         self._hooks_installed = False
@@ -118,14 +153,14 @@ class FSDPParamGroup:
                 work = _all_gather_single(out, send, group=self.shard_group.handle, async_op=True)
             except RuntimeError as exc:
                 _fault.fail(_AG, self.shard_group, exc)
-            self._ag = (work, out)
+            self._ag = (work, out, send)
         self.state = UNSHARDING
 
     def wait_for_unshard(self):
         """Finish the all_gather (issuing it first if needed) and expose the unsharded parameters."""
         self.unshard()
         if self.state == UNSHARDING:
-            work, out = self._ag
+            work, out, *send = self._ag
             self._ag = None
             with torch.no_grad():
                 if work is not None:
@@ -134,6 +169,8 @@ class FSDPParamGroup:
             for p, off in zip(self.params, self.offsets):
                 p.alloc_unsharded(self.device)
                 p.copy_out(gathered[:, off: off + p.padded], self.k)
+            del gathered
+            _free_now(out, *send)
             self._install_grad_hooks()
             self.state = UNSHARDED
             self._gathered_versions = self._versions()
@@ -144,6 +181,7 @@ class FSDPParamGroup:
         if self.state == UNSHARDING:  # an all_gather cannot be cancelled: finish it, then free
             with torch.no_grad():
                 self._ag[0] is not None and _fault.wait(self._ag[0], _AG, self.shard_group)
+            _free_now(*self._ag[1:])
             self._ag = None
             if self.persistent:
                 self.state = UNSHARDED
@@ -215,19 +253,43 @@ class FSDPParamGroup:
             else:
                 blocks.append(torch.zeros(k, p.padded, dtype=self.rs_dtype, device=self.device))
         inp = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0].contiguous()
+        del blocks  # views of the unsharded gradients: free those before the collective (gloo copies its input)
         if k == 1:
             self._rs = (None, inp.view(-1), have)
             return
-        out = torch.empty(self.S, dtype=self.rs_dtype, device=self.device)
         rec.record(rec.REDUCE_SCATTER, inp.numel() * inp.element_size(), self.shard_group.ranks)
         if _CHECK[0]:
             _fault.check(_RS, self.shard_group, inp)
+        if self._gloo_in_place is None:  # asked once per group (the backend does not change)
+            self._gloo_in_place = gloo_reduce_scatter_in_place(self.shard_group, inp)
+        in_place = self._gloo_in_place
+        out = inp if in_place else torch.empty(self.S, dtype=self.rs_dtype, device=self.device)
         try:
-            work = _reduce_scatter_single(out, inp.view(-1), op=dist.ReduceOp.SUM, group=self.shard_group.handle,
-                                          async_op=True)
+            if in_place:
+                work = dist.all_reduce(inp.view(-1), op=dist.ReduceOp.SUM, group=self.shard_group.handle,
+                                       async_op=True)
+            else:
+                work = _reduce_scatter_single(out, inp.view(-1), op=dist.ReduceOp.SUM,
+                                              group=self.shard_group.handle, async_op=True)
         except RuntimeError as exc:
             _fault.fail(_RS, self.shard_group, exc)
         self._rs = (work, out, have)
+        self._rs_full = in_place
+        self._rs_input = inp  # freed by this group once the reduction is done (see _free_now)
+
+    def _land_reduce_scatter(self):
+        """Wait for the group's reduce_scatter; ``self._rs`` becomes ``(None, out, have)``, ``out`` this rank's
+        ``S`` reduced elements (after an in-place all_reduce: a copy of its rows, the packed input dropped)."""
+        work, out, have = self._rs
+        if work is not None:
+            _fault.wait(work, _RS, self.shard_group)
+        if self._rs_full:
+            out = out.view(self.k, self.S)[self.shard_group.rank].clone()
+            self._rs_full = False
+        inp, self._rs_input = self._rs_input, None
+        if inp is not None and inp.data_ptr() != out.data_ptr():
+            _free_now(inp)
+        self._rs = (None, out, have)
 
     def release_send_buffer(self):
         """Wait for the in-flight reduce_scatter and drop its flat input (the full-size packed gradients).
@@ -237,11 +299,9 @@ class FSDPParamGroup:
         gradient per group at the peak). The next group's post-backward calls it before packing its
         own input, so at most one group's packed input is alive at a time, as in FSDP2.
         """
-        if self._rs is None or len(self._rs) != 3 or self._rs[0] is None:
+        if self._rs is None or len(self._rs) != 3 or (self._rs[0] is None and not self._rs_full):
             return
-        work, out, have = self._rs
-        _fault.wait(work, _RS, self.shard_group)
-        self._rs = (None, out, have)
+        self._land_reduce_scatter()
 
     def _all_reduce_grads(self, have):
         """One all_reduce of the flat full gradients (the shard group's; HSDP adds the replicate group's)."""
@@ -272,9 +332,8 @@ class FSDPParamGroup:
         """
         if self._rs is None or len(self._rs) == 4:
             return
-        work, out, have = self._rs
-        if work is not None:
-            _fault.wait(work, _RS, self.shard_group)
+        self._land_reduce_scatter()
+        _, out, have = self._rs
         ar = None
         n = self.k
         if self.rep_group is not None and self.rep_group.size > 1 and self.requires_all_reduce:
@@ -307,6 +366,8 @@ class FSDPParamGroup:
         for p, off, h in zip(self.params, self.offsets, have):
             if h:
                 p.accumulate_sharded_grad(out[off: off + p.padded])
+        if self.k > 1:  # (with k == 1 it is the packed input, which may be a view of a gradient)
+            _free_now(out)
 
     def _finish_all_reduce(self):
         work, flat, have, _ = self._rs

@@ -190,7 +190,14 @@ class FSDPState:
         if self.group is not None:
             self.group.wait_for_unshard()
             self.group.expect_grads()
-        for st in self._backward_targets():
+        targets = self._backward_targets()
+        prev = ctx.inflight_rs
+        if targets and prev is not None and prev is not self.group:
+            # land the last reduce_scatter (drop its packed input) before the prefetch's buffers exist:
+            # the two never coexist with this module's backward
+            with torch.no_grad():
+                prev.release_send_buffer()
+        for st in targets:
             st.group.unshard(async_op=True)
 
     def _backward_targets(self):
@@ -235,6 +242,10 @@ class FSDPState:
         if g is None:
             return
         g.expected = None
+        # reshard first, as FSDP2 does: the unsharded parameters are freed before the gradients are
+        # packed (their .grad stays on the unsharded tensors), so they never coexist with the packed copy
+        if self.reshard_after_backward:
+            g.reshard()
         if self.requires_gradient_sync:
             ctx = self.ctx
             prev = ctx.inflight_rs if ctx is not None else None
@@ -244,8 +255,6 @@ class FSDPState:
             g.reduce_grads()
             if ctx is not None:
                 ctx.inflight_rs = g
-        if self.reshard_after_backward:
-            g.reshard()
 
     def _final_callback(self):
         ctx = self.ctx

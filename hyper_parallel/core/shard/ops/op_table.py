@@ -27,6 +27,7 @@ FAMILIES = (
     "random_ops",
     "device_ops",
     "grouped_mm",
+    "complex_views",
 )
 
 _LOADED = False

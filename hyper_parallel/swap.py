@@ -332,7 +332,8 @@ def install(packages: Iterable[str], *, swap_mesh: bool = False, strict: bool = 
     for p in packages:
         if p.split(".")[0] in ("torch", "hyper_parallel"):
             raise ValueError(f"hyper_parallel.swap.install: cannot swap the imports of {p!r} itself")
-        already = [m for m in sys.modules if m == p or m.startswith(p + ".")]
+        already = [m for m, mod in list(sys.modules.items())   # (stand-in modules without a spec are not loaded code)
+                   if (m == p or m.startswith(p + ".")) and getattr(mod, "__spec__", None) is not None]
         if already:
             raise RuntimeError(f"hyper_parallel.swap.install: {already[0]!r} is already imported; install the swap "
                                "before the program's first import")

@@ -82,7 +82,8 @@ def _full(p):
 
 def _named_params(trainer):
     for i, m in enumerate(trainer.model_parts):
-        for n, p in m.named_parameters():
+        for n, p in m.named_parameters():  # names without the AC / compile wrappers' prefixes
+            n = n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
             yield f"{i}.{n}", p
 
 
@@ -133,7 +134,7 @@ def main():
     cpu_patches()
     if args.stack == "hp":
         from hyper_parallel import swap
-        swap.install(["torchtitan"])
+        swap.install(["torchtitan", "spmd_types"])
     titan_cpu_patches()
     from torchtitan import trainer as titan_trainer
     from torchtitan.components import metrics as titan_metrics

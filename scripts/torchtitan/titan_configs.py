@@ -42,3 +42,16 @@ def qwen3_moe_debug_sdpa():
     config = _qwen3.qwen3_moe_debug()
     _sdpa(config.model_spec.model)
     return config
+
+
+def llama3_debugmodel_sdpa_noac():
+    """The same without activation checkpointing (recomputation is exact: the losses are the same)."""
+    config = llama3_debugmodel_sdpa()
+    config.activation_checkpoint = None
+    return config
+
+
+def qwen3_moe_debug_sdpa_noac():
+    config = qwen3_moe_debug_sdpa()
+    config.activation_checkpoint = None
+    return config

@@ -343,6 +343,8 @@ def adopt_foreign_mesh(obj) -> Optional[DeviceMesh]:
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_groups=False)
     for d, grp in groups.items():
         mesh._groups[d] = grp
+    from hyper_parallel.core.dtensor.mesh_siblings import describe_torch_slice
+    mesh._foreign = describe_torch_slice(obj)  # its place in its torch root mesh (sibling slices: fully_shard)
     _ADOPTED[obj] = mesh
     return mesh
 

@@ -60,6 +60,9 @@ def _collect(module, ignored):
 def _check_param(where, fqn, p, mesh, d):
     """A parameter the group will manage: its shard dim and (for a DTensor) its mesh must fit ``mesh``."""
     from hyper_parallel.core.dtensor.dtensor import DTensor
+    from hyper_parallel.core.dtensor.mesh_siblings import unify_roots
+    if isinstance(p, DTensor):
+        unify_roots(mesh, p.device_mesh)  # torch slices of one root mesh (torchtitan's meshes)
     root = mesh._root
     if isinstance(p, DTensor):
         tp_mesh = p.device_mesh

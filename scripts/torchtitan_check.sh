@@ -52,7 +52,7 @@ fsdp2_compile|2|$LLAMA|--compile.enable
 tp2_compile|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable
 moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2
 "
-ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ')}"
+ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
 
 run_one() {  # stack row nproc config weightflag args...
     local stack=$1 row=$2 n=$3 cfg=$4 wflag=$5; shift 5
@@ -84,13 +84,12 @@ done
 
 # DCP across the stacks: torch trains STEPS steps saving a checkpoint at step 3; hyper_parallel resumes
 # from torch's checkpoint at step 3 and runs to STEPS; its steps 4.. are compared with torch's.
-if [[ " $ROWS " == *" dcp "* ]] || [ -z "${ROWS_GIVEN:-}" ] && [[ " $ROWS " == *" dcp "* ]]; then :; fi
 if [[ " $ROWS " == *" dcp "* ]]; then
     echo "row dcp (2 ranks): torch saves at step 3, hyper_parallel resumes"
     rm -rf "$OUT/ckpt-dcp"
     run_one torch dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
         --checkpoint.interval 3 --checkpoint.no-last-save-model-only
-    run_one hp dcp 2 "$LLAMA" --load-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
+    run_one hp dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
         --checkpoint.interval 1000 --checkpoint.load_step 3
 fi
 "$PY" scripts/torchtitan/compare.py "$OUT" $ROWS

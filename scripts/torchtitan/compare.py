@@ -23,13 +23,16 @@ def main():
             continue
         a, b = (json.load(open(p)) for p in paths)
         worst = 0.0
+        hp_steps = {s["step"]: s for s in b["steps"]}
+        a["steps"] = [s for s in a["steps"] if s["step"] in hp_steps]  # (a resumed run starts later)
+        b["steps"] = [hp_steps[s["step"]] for s in a["steps"]]
         for x, y in zip(a["steps"], b["steps"]):
             r = abs(x["loss"] - y["loss"]) / abs(x["loss"])
             worst = max(worst, r)
             print(f"{row:<16} {x['step']:>4} {x['loss']:>12.7f} {y['loss']:>12.7f} {r:>9.1e}   "
                   f"{x['grad_norm']:>11.6f} {y['grad_norm']:>11.6f}")
-        if len(a["steps"]) != len(b["steps"]) or not a["steps"]:
-            summary.append((row, worst, None, f"FAILED (steps: torch {len(a['steps'])}, hp {len(b['steps'])})"))
+        if len(a["steps"]) != len(hp_steps) or not a["steps"]:
+            summary.append((row, worst, None, f"FAILED (steps: torch {len(a['steps'])}, hp {len(hp_steps)})"))
             continue
         ta = sum(s["time_s"] for s in a["steps"][1:]) or float("nan")
         tb = sum(s["time_s"] for s in b["steps"][1:])

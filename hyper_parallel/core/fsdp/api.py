@@ -271,7 +271,7 @@ def _state_of(module, what):
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params=None):
+                ignored_params=None, dp_mesh_dims=None):
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch 2.13 FSDP2 semantics).
 
     Args:
@@ -289,6 +289,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         mp_policy: :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
         ignored_params: parameters left alone (not sharded, not reduced).
+        dp_mesh_dims: a :class:`DataParallelMeshDims`: ``mesh`` is then the full SPMD mesh, the
+            parameters are DTensors on it with ``Replicate()`` on the named dp dims (torch 2.13;
+            ``hyper_parallel/core/fsdp/spmd_mesh.py``).
     Returns:
         ``module``, whose class is now a subclass of :class:`FSDPModule`.
     """
@@ -303,6 +306,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         dt = getattr(mp_policy, field)
         if dt is not None and not getattr(dt, "is_floating_point", False):
             raise ValueError(f"fully_shard: MixedPrecisionPolicy.{field}={dt!r} is not a floating dtype")
+    if dp_mesh_dims is not None:
+        from hyper_parallel.core.fsdp.spmd_mesh import split_spmd_mesh
+        mesh = split_spmd_mesh(module, mesh, dp_mesh_dims)
     mesh, params = plan_params(module, mesh, ignored_params, shard_placement_fn)
     return _impl().fully_shard(module, mesh=mesh, params=params, reshard_after_forward=reshard_after_forward,
                                mp_policy=mp_policy, offload_policy=offload_policy, module_cls=FSDPModule)

@@ -50,7 +50,8 @@ cp2|2|$LLAMA|--parallelism.context_parallel_degree 2
 cp2_nolb|2|$LLAMA|--parallelism.context_parallel_degree 2 --parallelism.context_parallel_load_balancer None
 fsdp2_compile|2|$LLAMA|--compile.enable
 tp2_compile|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable
-moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2
+moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
+moe_ep1|2|qwen3_moe_debug_sdpa_noac|
 "
 ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
 

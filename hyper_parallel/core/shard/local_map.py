@@ -51,6 +51,11 @@ def _is_spec(x) -> bool:
         bool(items) and all(isinstance(p, tuple) and all(isinstance(q, str) for q in p) for p in items))
 
 
+def _same_placements(a, want) -> bool:
+    want = tuple(want)
+    return all(isinstance(p, Placement) for p in want) and tuple(a.placements) == want
+
+
 def _per_output(out_placements) -> bool:
     """torch reads a tuple ``out_placements`` as one spec per output (``((Partial(),),)``: one output);
     a tuple of placements / alias names (HyperParallel's spelling) and a list are one output's spec."""
@@ -103,7 +108,9 @@ def _local_map_wrapped(func, out_placements, in_placements, in_grad_placements, 
             if in_placements is not None and want is None:
                 raise ValueError(f"local_map({fname}): argument {i} is a DTensor but in_placements[{i}] is None; "
                                  "expected its placements")
-            if want is not None:
+            # placement objects equal to the input's need no layout (and keep torch.compile out of the
+            # layout cache: dynamo traces this wrapper inside compiled blocks)
+            if want is not None and not _same_placements(a, want):
                 lay = build_layout(a.device_mesh, want, a.ndim, f"local_map in_placements[{i}]")
                 if lay != a.layout:
                     if not redistribute_inputs:

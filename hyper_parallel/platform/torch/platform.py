@@ -361,6 +361,16 @@ class TorchPlatform(Platform):
 
     # ------------------------------------------------------------ dispatch support
     @staticmethod
+    def outside_dispatch_modes():
+        """Shape inference on meta tensors hidden from user TorchDispatchModes (SAC's op log), in eager mode;
+        while compiling the modes stay (the fake-tensor mode is one of them)."""
+        import contextlib
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        from torch.utils._python_dispatch import _disable_current_modes
+        return _disable_current_modes()
+
+    @staticmethod
     def meta_empty(shape, dtype):
         return torch.empty(tuple(shape), dtype=dtype, device="meta")
 

@@ -42,6 +42,7 @@ LLAMA=llama3_debugmodel_sdpa_noac
 MATRIX="
 fsdp2|2|$LLAMA|
 fsdp2_ac|2|llama3_debugmodel_sdpa|
+tp2_ac|2|llama3_debugmodel_sdpa|--parallelism.tensor_parallel_degree 2
 fsdp4|4|$LLAMA|
 tp2|2|$LLAMA|--parallelism.tensor_parallel_degree 2
 tp2_nosp|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel

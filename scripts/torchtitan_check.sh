@@ -51,6 +51,7 @@ cp2|2|$LLAMA|--parallelism.context_parallel_degree 2
 cp2_nolb|2|$LLAMA|--parallelism.context_parallel_degree 2 --parallelism.context_parallel_load_balancer None
 fsdp2_compile|2|$LLAMA|--compile.enable
 tp2_compile|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable
+tp2_compile_model|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable --compile.components model
 moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 moe_ep1|2|qwen3_moe_debug_sdpa_noac|
 "

@@ -47,6 +47,7 @@ fsdp4|4|$LLAMA|
 tp2|2|$LLAMA|--parallelism.tensor_parallel_degree 2
 tp2_nosp|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel
 fsdp2tp2|4|$LLAMA|--parallelism.tensor_parallel_degree 2
+fsdp2tp2_nosp|4|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel
 cp2|2|$LLAMA|--parallelism.context_parallel_degree 2
 cp2_nolb|2|$LLAMA|--parallelism.context_parallel_degree 2 --parallelism.context_parallel_load_balancer None
 fsdp2_compile|2|$LLAMA|--compile.enable

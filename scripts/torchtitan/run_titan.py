@@ -6,7 +6,7 @@
 * The CPU patches (the only changes to torchtitan's behaviour, applied to both stacks alike) are in
   :func:`cpu_patches`: device "cpu", ``torch.distributed.set_timeout`` as a no-op where torch lacks
   it, a stub for triton-only kernel modules, and SUM instead of PREMUL_SUM on gloo.
-* ``--stack hp`` runs ``hyper_parallel.swap.install(["torchtitan"])`` first: torchtitan's own code,
+* ``--stack hp`` runs ``hyper_parallel.swap.install(["torchtitan", "spmd_types"])`` first: torchtitan's own code,
   with its ``torch.distributed.tensor*`` / ``fsdp`` / ``pipelining`` imports bound to hyper_parallel.
 * Same initial weights: at the start of ``Trainer.train`` the torch run writes every parameter's full
   value (``--save-weights``) and the hp run loads them into its own layout (``--load-weights``),

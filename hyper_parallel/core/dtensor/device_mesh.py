@@ -335,6 +335,12 @@ def adopt_foreign_mesh(obj) -> Optional[DeviceMesh]:
     except TypeError:  # not weak-referenceable / not hashable: not a mesh either
         return None
     if cached is not None:
+        # an equal torch mesh (same ranks, layout, names) may sit in another root mesh than the one
+        # first adopted: describe it as this one (sibling slices, mesh_siblings.py)
+        f = getattr(cached, "_foreign", None)
+        if f is not None and getattr(obj, "_get_root_mesh", None) is not None and f[0] is not obj._get_root_mesh():
+            from hyper_parallel.core.dtensor.mesh_siblings import describe_torch_slice
+            cached._foreign = describe_torch_slice(obj)
         return cached
     desc = get_platform().describe_foreign_mesh(obj)
     if desc is None:

@@ -15,7 +15,7 @@ runs (the groups exist already).
 """
 from __future__ import annotations
 
-_COMBINED = {}  # (id(torch root), dims key) -> combined hyper_parallel mesh
+_COMBINED = {}  # (torch root's rank map, ranks, dim names) -> combined hyper_parallel mesh
 
 
 def describe_torch_slice(tmesh):
@@ -61,7 +61,9 @@ def unify_roots(a, b) -> bool:
     if fa is None or fb is None:
         return False
     (root, da, ca), (root_b, db, cb) = fa, fb
-    if root_b is not root or ca is None or cb is None:
+    # torch meshes compare by layout, rank map and names; an adopted mesh may come from an equal
+    # torch mesh built earlier (the adoption cache), whose root is an equal but other object
+    if ca is None or cb is None or not (root_b is root or root_b == root):
         return False
     all_dims = [("a", i, offs, st) for i, (offs, st) in enumerate(da)] + \
                [("b", i, offs, st) for i, (offs, st) in enumerate(db)]
@@ -98,7 +100,7 @@ def unify_roots(a, b) -> bool:
         names.append(m.mesh_dim_names[i] if m.mesh_dim_names else f"{which}{i}")
     if len(set(names)) != len(names):
         raise ValueError(f"meshes {a} and {b} share a dim name ({names}); they cannot be combined")
-    key = (id(root), tuple(ranks), tuple(names))
+    key = (tuple(rank_map), tuple(ranks), tuple(names))
     combined = _COMBINED.get(key)
     if combined is None:
         from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, _reshape

@@ -51,6 +51,8 @@ class Platform:
     Tensor = None
     Module = None
     Parameter = None
+    tree_flatten = None    # pytree (torch.utils._pytree): local_map flattens inputs and outputs
+    tree_unflatten = None
     Function = None
     DTensorBase = None
     autograd_grad = None      # torch.autograd.grad's contract

@@ -32,6 +32,14 @@ def describe_torch_slice(tmesh):
         return None
 
 
+def _nest(flat, shape):
+    """``flat`` as nested lists of ``shape`` (row-major)."""
+    if len(shape) == 1:
+        return list(flat)
+    step = len(flat) // shape[0]
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
 def _ints(x):
     if isinstance(x, (tuple, list)):
         return [v for item in x for v in _ints(item)]
@@ -103,8 +111,7 @@ def unify_roots(a, b) -> bool:
     key = (tuple(rank_map), tuple(ranks), tuple(names))
     combined = _COMBINED.get(key)
     if combined is None:
-        from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, _reshape
-        combined = DeviceMesh(a.device_type, _reshape(ranks, sizes), mesh_dim_names=tuple(names), _init_groups=False)
+        combined = type(a)(a.device_type, _nest(ranks, sizes), mesh_dim_names=tuple(names), _init_groups=False)
         for pos, k in enumerate(order):
             which, i = all_dims[k][0], all_dims[k][1]
             combined._groups[pos] = (a if which == "a" else b)._groups[i]

@@ -50,10 +50,10 @@ def _one_dim(mesh, names, what):
 
 def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard"):
     """Re-express ``module``'s DTensor parameters on the non-dp dims of ``mesh``; return the dp mesh."""
-    from torch import nn
-
     from hyper_parallel.core.dtensor.device_mesh import resolve_mesh
     from hyper_parallel.core.dtensor.dtensor import DTensor
+    from hyper_parallel.platform import get_platform
+    plat = get_platform()
     if not isinstance(dp_mesh_dims, DataParallelMeshDims) and not (
             hasattr(dp_mesh_dims, "shard_names") and hasattr(dp_mesh_dims, "replicate_names")):
         raise TypeError(f"{where}: dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}")
@@ -83,7 +83,7 @@ def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard"):
         dp_mesh = parts[0]
     tp_mesh = mesh[other] if other else None
     seen = set()
-    for mod in module.modules() if isinstance(module, nn.Module) else [x for m in module for x in m.modules()]:
+    for mod in module.modules() if isinstance(module, plat.Module) else [x for m in module for x in m.modules()]:
         for pname, p in list(mod._parameters.items()):
             if p is None or not isinstance(p, DTensor):
                 continue
@@ -104,9 +104,9 @@ def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard"):
             else:
                 keep = [pls[names.index(n)] for n in other]
                 new = DTensor.from_local(local, tp_mesh, keep, shape=tuple(p.shape), stride=tuple(p.stride()))
-            newp = nn.Parameter(new, requires_grad=p.requires_grad)
+            newp = plat.Parameter(new, requires_grad=p.requires_grad)
             newp._hp_spmd_view = (mesh, p._layout)  # the unsharded parameter is seen on the full mesh, as torch
-            for m2 in (module.modules() if isinstance(module, nn.Module) else [x for m in module for x in m.modules()]):
+            for m2 in (module.modules() if isinstance(module, plat.Module) else [x for m in module for x in m.modules()]):
                 for k, v in list(m2._parameters.items()):
                     if v is p:
                         m2._parameters[k] = newp

@@ -92,7 +92,8 @@ def local_map(func: Optional[Callable] = None, out_placements=None, in_placement
 
 def _local_map_wrapped(func, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs,
                        *args, **kwargs):
-    from torch.utils import _pytree as pytree
+    from hyper_parallel.platform import get_platform
+    pytree = get_platform()
     fname = getattr(func, "__name__", func)
     mesh = adopt_foreign_mesh(device_mesh)
     flat_args, args_spec = pytree.tree_flatten(args)

@@ -29,6 +29,8 @@ class TorchPlatform(Platform):
     Tensor = torch.Tensor
     Module = nn.Module
     Parameter = nn.Parameter
+    tree_flatten = staticmethod(torch.utils._pytree.tree_flatten)
+    tree_unflatten = staticmethod(torch.utils._pytree.tree_unflatten)
     Function = torch.autograd.Function
     autograd_grad = staticmethod(torch.autograd.grad)
     autograd_backward = staticmethod(torch.autograd.backward)

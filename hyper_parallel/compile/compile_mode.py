@@ -68,11 +68,18 @@ def _fx_repr(self):
     return f"_hp_compile_const({i})", {"_hp_compile_const": _const}
 
 
+# members dynamo must inline (they return a ProcessGroup, a reference-type opaque object that needs a
+# source: torch's DeviceMesh.get_group is registered the same way); e.g. torchtitan's compiled loss
+# calls ``pred.device_mesh.get_group("tp")``
+_INLINED = {"DeviceMesh": ("get_group", "get_comm_group", "_dim_index")}
+
+
 def _members(cls):
     names = {k for k in dir(cls) if not k.startswith("__")}
     for c in cls.__mro__:
         names.update(getattr(c, "__slots__", ()))
-    return {n: MemberType.USE_REAL for n in names}
+    inlined = _INLINED.get(cls.__name__, ())
+    return {n: (MemberType.INLINED if n in inlined else MemberType.USE_REAL) for n in names}
 
 
 class _NoneArg:

@@ -333,6 +333,12 @@ def adopt_foreign_mesh(obj) -> Optional[DeviceMesh]:
     except TypeError:  # not weak-referenceable / not hashable: not a mesh either
         return None
     if cached is not None:
+        # an equal torch mesh (same ranks, layout, names) may sit in another root mesh than the one
+        # first adopted: describe it as this one (sibling slices, mesh_siblings.py)
+        f = getattr(cached, "_foreign", None)
+        if f is not None and getattr(obj, "_get_root_mesh", None) is not None and f[0] is not obj._get_root_mesh():
+            from hyper_parallel.dtensor.mesh_siblings import describe_torch_slice
+            cached._foreign = describe_torch_slice(obj)
         return cached
     desc = groups.describe_foreign_mesh(obj)
     if desc is None:
@@ -341,6 +347,8 @@ def adopt_foreign_mesh(obj) -> Optional[DeviceMesh]:
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_groups=False)
     for d, grp in dim_groups.items():
         mesh._groups[d] = grp
+    from hyper_parallel.dtensor.mesh_siblings import describe_torch_slice
+    mesh._foreign = describe_torch_slice(obj)  # its place in its torch root mesh (sibling slices: fully_shard)
     _ADOPTED[obj] = mesh
     return mesh
 

@@ -21,6 +21,7 @@ from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy, CP
 from hyper_parallel.fsdp.api import fully_shard, FSDPModule, UnshardHandle
 from hyper_parallel.fsdp.ddp import data_parallel, replicate
 from hyper_parallel.fsdp.hsdp import hsdp
+from hyper_parallel.fsdp.spmd_mesh import DataParallelMeshDims
 
 __all__ = ["replicate", "data_parallel", "hsdp", "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy"]
+           "CPUOffloadPolicy", "DataParallelMeshDims"]

@@ -55,6 +55,9 @@ def _collect(module, ignored):
 def _check_param(where, fqn, p, mesh, d):
     """A parameter the group will manage: its shard dim and (for a DTensor) its mesh must fit ``mesh``."""
     from hyper_parallel.dtensor.dtensor import DTensor
+    from hyper_parallel.dtensor.mesh_siblings import unify_roots
+    if isinstance(p, DTensor):
+        unify_roots(mesh, p.device_mesh)  # torch slices of one root mesh (torchtitan's meshes)
     root = mesh._root
     if isinstance(p, DTensor):
         tp_mesh = p.device_mesh
@@ -262,7 +265,7 @@ def _state_of(module, what):
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params=None):
+                ignored_params=None, dp_mesh_dims=None):
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch 2.13 FSDP2 semantics).
 
     Args:
@@ -280,6 +283,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         mp_policy: :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
         ignored_params: parameters left alone (not sharded, not reduced).
+        dp_mesh_dims: a :class:`DataParallelMeshDims`: ``mesh`` is then the full SPMD mesh, the
+            parameters are DTensors on it with ``Replicate()`` on the named dp dims (torch 2.13;
+            ``hyper_parallel/fsdp/spmd_mesh.py``).
     Returns:
         ``module``, whose class is now a subclass of :class:`FSDPModule`.
     """
@@ -294,6 +300,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         dt = getattr(mp_policy, field)
         if dt is not None and not getattr(dt, "is_floating_point", False):
             raise ValueError(f"fully_shard: MixedPrecisionPolicy.{field}={dt!r} is not a floating dtype")
+    if dp_mesh_dims is not None:
+        from hyper_parallel.fsdp.spmd_mesh import split_spmd_mesh
+        mesh = split_spmd_mesh(module, mesh, dp_mesh_dims)
     mesh, params = plan_params(module, mesh, ignored_params, shard_placement_fn)
     return state.fully_shard(module, mesh=mesh, params=params, reshard_after_forward=reshard_after_forward,
                                mp_policy=mp_policy, offload_policy=offload_policy, module_cls=FSDPModule)

@@ -47,6 +47,7 @@ class FSDPParam:
         self.orig_dtype = param.dtype
         self.param_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else param.dtype
         self.reduce_dtype = mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else self.param_dtype
+        self.spmd_view = getattr(param, "_hp_spmd_view", None)  # (full mesh, layout): see fsdp/spmd_mesh.py
         root = dp_mesh._root
         # (fqn, mesh and shard dim were checked by hyper_parallel.fsdp.api before any parameter changed)
         if isinstance(param, DTensor):
@@ -135,7 +136,11 @@ class FSDPParam:
             u = torch.empty(self.full_shape, dtype=self.param_dtype, device=device)
             u = nn.Parameter(u, requires_grad=self.requires_grad)
             self.unsharded = u
-            if self.tp_mesh is not None:
+            if self.spmd_view is not None:  # fully_shard(dp_mesh_dims=): a DTensor on the full mesh
+                w = DTensor._wrap(u, self.spmd_view[0], self.spmd_view[1], self.gshape)
+                w._is_param = True
+                self.unsharded_view = w
+            elif self.tp_mesh is not None:
                 w = DTensor._wrap(u, self.tp_mesh, self.tp_layout, self.gshape)
                 w._is_param = True
                 self.unsharded_view = w

@@ -276,8 +276,13 @@ def _local_map_multi():
     torch.testing.assert_close(out.full_tensor(), x @ w)
     out.full_tensor().sum().backward()
     torch.testing.assert_close(dw.grad.full_tensor(), x.sum(0)[:, None].expand(2, 2))
+    # torch 2.13: a plain tensor where placements are declared is passed as it is (no check); a
+    # non-tensor there is an error
+    torch.testing.assert_close(hp.local_map(lambda t, u: t * u, out_placements=[Shard(0)],
+                                            in_placements=([Shard(0)], [Replicate()]))(dx, torch.tensor(2.0))
+                               .full_tensor(), x * 2)
     with pytest.raises(TypeError, match="argument 1 should be a DTensor"):
-        g(dx, w)
+        g(dx, 2.0)
 
 
 def test_local_map_multi_output_and_custom_shard(dist_runner):

@@ -434,7 +434,8 @@ def meta_run(func, args, kwargs):
         if isinstance(a, (list, tuple)) and type(a) in (list, tuple):
             return type(a)(conv(x) for x in a)
         return a
-    return func(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    with torch_internals.outside_dispatch_modes():  # not seen by e.g. selective activation checkpointing's op log
+        return func(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
 
 
 def replicate_fallback_strategy(call: OpCall) -> Strategy:

@@ -29,6 +29,7 @@ FAMILIES = (
     "random_ops",
     "device_ops",
     "grouped_mm",
+    "complex_views",
 )
 
 _LOADED = False

@@ -1,0 +1,57 @@
+"""torchtitan configs for the CPU check (``--module titan_configs --config NAME``): torchtitan's own
+debug configs with the maskless SDPA inner attention (torchtitan's ``ScaledDotProductAttention``,
+causal; FlexAttention has no CPU backward); nothing else changed."""
+import dataclasses
+
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.llama3 import config_registry as _llama3
+from torchtitan.models.qwen3 import config_registry as _qwen3
+
+
+def _sdpa(cfg, seen=None):
+    """Replace every FlexAttention config inside ``cfg`` by SDPA's (in place)."""
+    seen = {} if seen is None else seen   # id -> what it became (configs are shared between layers)
+    if id(cfg) in seen:
+        return seen[id(cfg)]
+    seen[id(cfg)] = cfg
+    if isinstance(cfg, FlexAttention.Config):
+        seen[id(cfg)] = ScaledDotProductAttention.Config()
+        return seen[id(cfg)]
+    if isinstance(cfg, list):
+        for i, v in enumerate(cfg):
+            cfg[i] = _sdpa(v, seen)
+    elif isinstance(cfg, dict):
+        for k, v in cfg.items():
+            cfg[k] = _sdpa(v, seen)
+    elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        for f in dataclasses.fields(cfg):
+            v = getattr(cfg, f.name)
+            nv = _sdpa(v, seen)
+            if nv is not v:
+                setattr(cfg, f.name, nv)
+    return cfg
+
+
+def llama3_debugmodel_sdpa():
+    config = _llama3.llama3_debugmodel()
+    _sdpa(config.model_spec.model)
+    return config
+
+
+def qwen3_moe_debug_sdpa():
+    config = _qwen3.qwen3_moe_debug()
+    _sdpa(config.model_spec.model)
+    return config
+
+
+def llama3_debugmodel_sdpa_noac():
+    """The same without activation checkpointing (recomputation is exact: the losses are the same)."""
+    config = llama3_debugmodel_sdpa()
+    config.activation_checkpoint = None
+    return config
+
+
+def qwen3_moe_debug_sdpa_noac():
+    config = qwen3_moe_debug_sdpa()
+    config.activation_checkpoint = None
+    return config

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# torchtitan 0.3.0 on torch and on hyper_parallel, side by side (issue 31).
+#
+#   bash scripts/torchtitan_check.sh                 # the whole matrix
+#   ROWS="fsdp2 tp2" bash scripts/torchtitan_check.sh  # some rows
+#   STEPS=5 OUT=runs/torchtitan bash scripts/torchtitan_check.sh
+#
+# * .venv-torchtitan (git-ignored, not the test suite's .venv): torch==2.13.0 (CPU), torchtitan==0.3.0,
+#   this package (editable, no dependencies).
+# * Each row runs torchtitan's own train loop twice on gloo ranks (torchrun, a free port each): on torch
+#   (which writes its initial weights) and under hyper_parallel.swap (which loads them), then prints
+#   the losses side by side, the largest relative difference and the step-time ratio.
+# * The only changes to torchtitan are the CPU patches in scripts/torchtitan/run_titan.py (device "cpu",
+#   a stub for the triton-only kernel module, SUM instead of PREMUL_SUM on gloo, no
+#   torch.distributed.set_timeout), applied to both stacks; the model is torchtitan's llama3
+#   debugmodel / qwen3 MoE debug config with its SDPA inner attention, float32 parameters
+#   (scripts/torchtitan/titan_configs.py). Results: docs/torchtitan.md.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv-torchtitan"
+PY="$VENV/bin/python"
+OUT="${OUT:-$ROOT/runs/torchtitan}"
+STEPS="${STEPS:-5}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+mkdir -p "$OUT"
+
+if ! "$PY" -c "import torchtitan, hyper_parallel, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+    echo "torchtitan_check: creating $VENV (torch 2.13.0 CPU, torchtitan 0.3.0)" >&2
+    [ -x "$PY" ] || python3.11 -m venv "$VENV" || python3 -m venv "$VENV"
+    "$PY" -m pip install -q "torch==2.13.0" >"$OUT/pip.log" 2>&1 &&
+    "$PY" -m pip install -q "torchtitan==0.3.0" >>"$OUT/pip.log" 2>&1 &&
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/pip.log" 2>&1 ||
+        { echo "torchtitan_check: pip failed, see $OUT/pip.log" >&2; tail -20 "$OUT/pip.log" >&2; exit 1; }
+fi
+[ -f "$OUT/assets/tokenizer/tokenizer.json" ] || "$PY" scripts/torchtitan/make_assets.py "$OUT/assets" >/dev/null
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+LLAMA=llama3_debugmodel_sdpa_noac
+# name | ranks | config | torchtitan arguments
+MATRIX="
+fsdp2|2|$LLAMA|
+fsdp2_ac|2|llama3_debugmodel_sdpa|
+tp2_ac|2|llama3_debugmodel_sdpa|--parallelism.tensor_parallel_degree 2
+fsdp4|4|$LLAMA|
+tp2|2|$LLAMA|--parallelism.tensor_parallel_degree 2
+tp2_nosp|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel
+fsdp2tp2|4|$LLAMA|--parallelism.tensor_parallel_degree 2
+fsdp2tp2_nosp|4|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel
+cp2|2|$LLAMA|--parallelism.context_parallel_degree 2
+cp2_nolb|2|$LLAMA|--parallelism.context_parallel_degree 2 --parallelism.context_parallel_load_balancer None
+fsdp2_compile|2|$LLAMA|--compile.enable
+tp2_compile|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable
+tp2_compile_model|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable --compile.components model
+moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
+moe_ep1|2|qwen3_moe_debug_sdpa_noac|
+"
+ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
+
+run_one() {  # stack row nproc config weightflag args...
+    local stack=$1 row=$2 n=$3 cfg=$4 wflag=$5; shift 5
+    rm -f "$OUT/$stack-$row.json"
+    ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
+        "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
+        "$wflag" "$OUT/weights-$row.pt" -- \
+        --module titan_configs --config "$cfg" --hf_assets_path "$OUT/assets/tokenizer" \
+        --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$STEPS" --training.seq_len 128 \
+        --training.local_batch_size 2 --training.mixed_precision_param float32 --validator.no-enable \
+        --parallelism.spmd-backend partial_dtensor --metrics.log_freq 1 --dump_folder "$OUT/dump-$stack-$row" \
+        "$@" ) >"$OUT/$stack-$row.log" 2>&1
+    echo "  $stack: rc $? ($OUT/$stack-$row.log)"
+}
+
+for row in $ROWS; do
+    line=$(echo "$MATRIX" | awk -F'|' -v r="$row" '$1==r')
+    if [ -z "$line" ]; then
+        [ "$row" = dcp ] && continue
+        echo "unknown row $row" >&2; continue
+    fi
+    IFS='|' read -r name n cfg args <<<"$line"
+    echo "row $name ($n ranks): $args"
+    # shellcheck disable=SC2086
+    run_one torch "$name" "$n" "$cfg" --save-weights --checkpoint.no-enable $args
+    # shellcheck disable=SC2086
+    run_one hp "$name" "$n" "$cfg" --load-weights --checkpoint.no-enable $args
+done
+
+# DCP across the stacks: torch trains STEPS steps saving a checkpoint at step 3; hyper_parallel resumes
+# from torch's checkpoint at step 3 and runs to STEPS; its steps 4.. are compared with torch's.
+if [[ " $ROWS " == *" dcp "* ]]; then
+    echo "row dcp (2 ranks): torch saves at step 3, hyper_parallel resumes"
+    rm -rf "$OUT/ckpt-dcp"
+    run_one torch dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
+        --checkpoint.interval 3 --checkpoint.no-last-save-model-only
+    run_one hp dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
+        --checkpoint.interval 1000 --checkpoint.load_step 3
+fi
+"$PY" scripts/torchtitan/compare.py "$OUT" $ROWS

@@ -1,0 +1,85 @@
+"""``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...))`` (torch 2.13):
+parameters are DTensors on the full SPMD mesh, ``Replicate()`` on the dp dim; training equals one
+process (float64, losses and weights), on a torch mesh built as torchtitan builds it."""
+from __future__ import annotations
+
+import pytest
+
+
+def _mlp_module(w1, w2, mesh):
+    import torch
+    import torch.nn.functional as F
+
+    import hyper_parallel as hp
+    from hyper_parallel import Replicate, Shard
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(hp.distribute_tensor(w1, mesh, [Replicate(), Shard(0)]))  # colwise on tp
+            self.b = torch.nn.Parameter(hp.distribute_tensor(w2, mesh, [Replicate(), Shard(1)]))  # rowwise on tp
+
+        def forward(self, x):
+            return F.linear(torch.tanh(F.linear(x, self.a)), self.b)
+    return MLP()
+
+
+def _body():
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hyper_parallel as hp
+    from hyper_parallel import Partial, Replicate, Shard
+    from hyper_parallel.fsdp import DataParallelMeshDims, fully_shard
+    ws = dist.get_world_size()
+    world = init_device_mesh("cpu", (ws,), mesh_dim_names=("world",))
+    full = world._unflatten(0, (2, ws // 2), ("fsdp", "tp"))
+    torch.manual_seed(0)
+    w1 = torch.randn(16, 8, dtype=torch.float64)
+    w2 = torch.randn(8, 16, dtype=torch.float64)
+    batches = [torch.randn(4, 8, dtype=torch.float64) for _ in range(3)]
+
+    def fwd(a, b, x):
+        return F.linear(torch.tanh(F.linear(x, a)), b)
+
+    # one process
+    ra, rb = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    ref_losses = []
+    for xb in batches:
+        loss = (fwd(ra, rb, xb) ** 2).mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in (ra, rb):
+                p -= 0.1 * p.grad
+                p.grad = None
+        ref_losses.append(loss.item())
+
+    model = _mlp_module(w1, w2, full)
+    with pytest.raises(ValueError, match="names mesh dim 'dp'"):
+        fully_shard(model, mesh=full, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    fully_shard(model, mesh=full, dp_mesh_dims=DataParallelMeshDims(shard="fsdp"))
+    assert tuple(model.a.device_mesh.mesh_dim_names) == ("fsdp", "tp")
+    fs = full["fsdp"]
+    k, f = fs.size(), fs.get_local_rank()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, xb in enumerate(batches):
+        # the batch sharded over fsdp on the full mesh (torch's full_dtensor style)
+        x = hp.DTensor.from_local(xb.chunk(k)[f], full, [Shard(0), Replicate()])
+        y = model(x)
+        assert tuple(y.placements) == (Shard(0), Partial())
+        loss = (y ** 2).mean()          # the global mean over the whole batch
+        loss.full_tensor().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor().item(), ref_losses[i], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.a.full_tensor(), ra.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.b.full_tensor(), rb.detach(), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="At least one of shard or replicate"):
+        DataParallelMeshDims()
+    return True
+
+
+def test_fully_shard_dp_mesh_dims(dist_runner):
+    assert dist_runner.run(4, _body, timeout=240) == [True] * 4

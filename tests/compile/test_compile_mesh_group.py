@@ -20,7 +20,11 @@ def _body():
         return funcol.all_reduce(t.to_local() * 2, "sum", g)
     eager = f(x)
     eager = eager.wait() if hasattr(eager, "wait") else eager
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    from hyper_parallel.compile import compile_mode
+    try:
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    finally:
+        compile_mode.restore_eager_fast_paths()  # leave the pool's worker as found (eager mode)
     want = torch.arange(4.0 * ws, dtype=torch.float64).view(ws, 4).sum(0) * 2
     torch.testing.assert_close(compiled, want)
     torch.testing.assert_close(eager, want)

@@ -1,16 +1,6 @@
 """HyperParallel's package path ``hyper_parallel.core.dtensor``: re-exports :mod:`hyper_parallel.dtensor` (see ``hyper_parallel/compat/``)."""
 from hyper_parallel.dtensor import *  # noqa: F401,F403
+from hyper_parallel.compat.module_paths import package_getattr
 import hyper_parallel.dtensor as _home
 __all__ = getattr(_home, "__all__", [n for n in dir(_home) if not n.startswith("_")])
-
-
-def __getattr__(name):
-    """A name of the home package, or one of this path's own submodules (HyperParallel's module names)."""
-    try:
-        return getattr(_home, name)
-    except AttributeError:
-        import importlib
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = package_getattr(__name__, _home)

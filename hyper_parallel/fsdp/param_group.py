@@ -45,13 +45,21 @@ def _free_now(*tensors):
             t.untyped_storage().resize_(0)
 
 
-def gloo_reduce_scatter_in_place(group, inp) -> bool:
-    """Whether the reduce_scatter of ``inp`` (a packed CPU buffer the caller owns) may run as an in-place all_reduce.
+def gloo_cpu(group, inp) -> bool:
+    """Whether the group's collectives on ``inp`` (a CPU buffer the caller owns) run on gloo.
 
-    On gloo, torch's ``reduce_scatter_tensor`` *is* an all_reduce: ProcessGroupGloo clones the input,
-    all-reduces the clone and copies this rank's chunk out at ``wait()``. The group's packed gradient
-    buffer is its own, so all-reducing it in place is the same collective and the same sums, without
-    the clone (one unsharded gradient of the group) and the separate output alive while it is in flight.
+    gloo implements two of FSDP's collectives with a hidden copy of the whole unsharded buffer, which
+    counts against the peak while the collective is in flight:
+
+    * ``reduce_scatter_tensor`` *is* an all_reduce: ProcessGroupGloo clones the input, all-reduces the
+      clone and copies this rank's chunk out at ``wait()``. The group's packed gradient buffer is its
+      own, so it is all-reduced in place instead: the same sums, without the clone and the separate
+      output.
+    * ``all_gather_into_tensor`` gathers into a new flat tensor of the output's size in gloo's worker
+      thread, then copies it into the output. With prefetch that copy is alive while the current
+      group computes (FSDP2 on CPU gathers synchronously, so its copy lives only during the call). The
+      gather runs as one in-place broadcast per rank into its own chunk of the output instead: each
+      rank sends the same bytes ((k - 1) x its shard) and nothing but the output is allocated.
     """
     if inp.device.type != "cpu":
         return False
@@ -60,6 +68,20 @@ def gloo_reduce_scatter_in_place(group, inp) -> bool:
     except (RuntimeError, ValueError):
         return False
     return be == "gloo" or "cpu:gloo" in be
+
+
+class _BroadcastGather:
+    """The all_gather of ``k`` chunks of ``S`` elements into ``out`` as ``k`` in-place asynchronous broadcasts
+    (gloo, see :func:`gloo_cpu`); ``wait()`` waits for all of them, like one collective's work handle."""
+
+    def __init__(self, out, S, k, handle):
+        self._works = [dist.broadcast(out[r * S: (r + 1) * S], group_src=r, group=handle, async_op=True)
+                       for r in range(k)]
+
+    def wait(self):
+        for w in self._works:
+            w.wait()
+        return True
 
 
 class FSDPParamGroup:
@@ -83,6 +105,7 @@ class FSDPParamGroup:
         self.rs_dtype = rdt.pop() if len(rdt) == 1 else torch.float32
         self.state = SHARDED
         self._ag = None
+        self._ag_rank = None
         self._rs = None
         self._rs_full = False  # the reduction in flight is an in-place all_reduce of the packed input (gloo)
         self._rs_input = None
@@ -139,22 +162,41 @@ class FSDPParamGroup:
     def _issue_all_gather(self):
         for p in self.params:
             p.refresh_sharded()
-        send = torch.empty(self.S, dtype=self.ag_dtype, device=self.device)
-        for p, off in zip(self.params, self.offsets):
-            p.copy_in(send[off: off + p.padded])
         if self.k == 1:
+            send = torch.empty(self.S, dtype=self.ag_dtype, device=self.device)
+            self._copy_in(send)
             self._ag = (None, send)
         else:
+            # in place, as FSDP2 does: this rank's input is its own chunk of the output, so no separate
+            # send buffer (one shard of the group) is alive while the gather is in flight (prefetch)
             out = torch.empty(self.k * self.S, dtype=self.ag_dtype, device=self.device)
+            me = self._group_rank()
+            send = out[me * self.S: (me + 1) * self.S]
+            self._copy_in(send)
             rec.record(rec.ALL_GATHER, self.S * send.element_size(), self.shard_group.ranks)
             if _CHECK[0]:
                 _fault.check(_AG, self.shard_group, send)
+            if self._gloo_in_place is None:  # asked once per group (the backend does not change)
+                self._gloo_in_place = gloo_cpu(self.shard_group, out)
             try:
-                work = _all_gather_single(out, send, group=self.shard_group.handle, async_op=True)
+                if self._gloo_in_place:
+                    work = _BroadcastGather(out, self.S, self.k, self.shard_group.handle)
+                else:
+                    work = _all_gather_single(out, send, group=self.shard_group.handle, async_op=True)
             except RuntimeError as exc:
                 _fault.fail(_AG, self.shard_group, exc)
-            self._ag = (work, out, send)
+            self._ag = (work, out)
         self.state = UNSHARDING
+
+    def _copy_in(self, send):
+        for p, off in zip(self.params, self.offsets):
+            p.copy_in(send[off: off + p.padded])
+
+    def _group_rank(self) -> int:
+        """This process's index in the all_gather output (the process group's rank order)."""
+        if self._ag_rank is None:
+            self._ag_rank = dist.get_rank(group=self.shard_group.handle)
+        return self._ag_rank
 
     def wait_for_unshard(self):
         """Finish the all_gather (issuing it first if needed) and expose the unsharded parameters."""
@@ -261,7 +303,7 @@ class FSDPParamGroup:
         if _CHECK[0]:
             _fault.check(_RS, self.shard_group, inp)
         if self._gloo_in_place is None:  # asked once per group (the backend does not change)
-            self._gloo_in_place = gloo_reduce_scatter_in_place(self.shard_group, inp)
+            self._gloo_in_place = gloo_cpu(self.shard_group, inp)
         in_place = self._gloo_in_place
         out = inp if in_place else torch.empty(self.S, dtype=self.rs_dtype, device=self.device)
         try:

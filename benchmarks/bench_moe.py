@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import bench_interleaved, launch, table
+from common import bench_interleaved, free_port, launch, table
 
 
 def _layer_cls():
@@ -184,7 +184,7 @@ def gpu_check(iters=20):
     from hyper_parallel import moe, parallelize_module
     from hyper_parallel.moe.grouped_mm import native_supported
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)

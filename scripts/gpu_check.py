@@ -33,6 +33,7 @@ CHECKS = [
     ("sdpa-flash", "sequence-sharded SDPA on the flash backend (bf16), no forward collective, vs one process"),
     ("example-train", "example Llama (tiny), TP over all GPUs, 5 AdamW steps vs one process on CUDA"),
     ("overhead", "per-op cost on CUDA (64x64 add, 2000 calls): ours vs plain"),
+    ("auto-measure", "hyper_parallel.auto: Cluster.measure() on the NCCL world (bf16 matmul, collectives), then plan() for the example Llama"),
 ]
 RESULTS = {}
 
@@ -75,7 +76,12 @@ def main():
               "every check skipped")
         table({k: ("SKIP", 0.0, "no CUDA device") for k, _ in CHECKS}, time.perf_counter() - t_start)
         return 0
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    if "MASTER_PORT" not in os.environ:  # one process, no torchrun: a free port, never a fixed one
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = want == "cuda"
@@ -333,9 +339,26 @@ def main():
             times[name] = (time.perf_counter() - t0) / 2000 * 1e6
         return f"plain {times['plain']:.1f} us, ours {times['ours']:.1f} us per add"
 
+    def _auto():
+        from hyper_parallel.auto import Cluster, plan
+        from examples.llama.model import ModelArgs, Transformer
+        name = torch.cuda.get_device_name().lower() if cuda else ""
+        preset = "h200" if "h200" in name else ("h100" if "h100" in name else None)
+        base = Cluster.preset(preset, world_size=ws) if preset else Cluster(ws, ws, "16GiB")
+        measured = base.measure()
+        assert measured.flops > 0 and measured.flops < float("inf"), measured.flops
+        with torch.device("meta"):
+            model = Transformer(ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=32000,
+                                          multiple_of=256, max_seq_len=2048))
+        plans = plan(model, measured, global_batch=8 * ws, seq_len=2048, param_dtype=torch.bfloat16,
+                     reduce_dtype=torch.float32, top_k=1)
+        ratio = f", {measured.flops / base.flops:.2f}x the {preset} preset" if preset else ""
+        return (f"matmul {measured.flops / 1e12:.0f} TFLOP/s{ratio}; top plan {plans[0].mesh_shape} "
+                f"{plans[0].step_time.total * 1e3:.1f} ms predicted")
+
     fns = {"dtensor-nccl": _dtensor_nccl, "moves": _moves, "tp-mlp": _tp, "fsdp-offload": _offload,
            "fsdp-bf16": _bf16, "compile-tp": _compile, "sdpa-flash": _sdpa, "example-train": _train,
-           "overhead": _overhead}
+           "overhead": _overhead, "auto-measure": _auto}
     only = os.environ.get("GPU_CHECK_ONLY")
     for key, _ in CHECKS:
         if only and key not in only.split(","):

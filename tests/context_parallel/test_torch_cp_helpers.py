@@ -7,7 +7,8 @@
   torchtitan 0.3.0 builds them (``DTensor.from_local(x, cp_mesh, [Shard(1)])`` then ``transpose``):
   float64 values and q/k/v gradients of causal and non-causal attention, under each balancer
   (PTRR with an order varying along the batch too), equal one process's SDPA, laid out by torch's
-  helper (1e-10); and the same through ``context_parallel_attention(order=recorded_order(mesh))``;
+  helper (1e-10), on a 1-D cp mesh and on the cp slices of a 2-D (dp, cp) mesh (two cp groups);
+  and the same through ``context_parallel_attention(order=recorded_order(mesh))``;
 * an unknown order (dispatcher on, nothing recorded), an order that does not fit the inputs, a
   non-permutation balancer and a ``BlockMask`` buffer raise, naming what was expected.
 """
@@ -99,7 +100,7 @@ def test_shards_and_indices_equal_torch(dist_runner, ws):
     dist_runner.run(ws, _shards_equal_torch, KINDS)
 
 
-def _attention_any_order(kinds):
+def _attention_any_order(kinds, sliced=False):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -112,6 +113,9 @@ def _attention_any_order(kinds):
                                                                _enable_context_parallel_dispatcher)
     cp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    if sliced:   # the cp dim of a 2-D (dp, cp) torch mesh, as torchtitan slices it: two cp groups
+        cp //= 2
+        mesh = init_device_mesh("cpu", (2, cp), mesh_dim_names=("dp", "cp"))["cp"]
     g = torch.Generator().manual_seed(2)
     q, k, v, dout = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(4))  # (B, L, N, H)
     checked = 0
@@ -153,6 +157,11 @@ def _attention_any_order(kinds):
 @pytest.mark.parametrize("ws", [2, 4])
 def test_sdpa_exact_under_every_order(dist_runner, ws):
     assert dist_runner.run(ws, _attention_any_order, KINDS, timeout=300) == [2 * len(KINDS)] * ws
+
+
+def test_sdpa_exact_on_cp_slices_of_a_2d_mesh(dist_runner):
+    kinds = [None, "headtail", "ptrr"]
+    assert dist_runner.run(4, _attention_any_order, kinds, True, timeout=300) == [2 * len(kinds)] * 4
 
 
 def _errors():

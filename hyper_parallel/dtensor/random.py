@@ -222,5 +222,5 @@ def is_rng_supported_mesh(device_mesh=None) -> bool:
     return True
 
 
-__all__ = ["manual_seed", "set_scheme", "on_scheme_change", "get_scheme", "device_has_rng", "torch_manual_seed", "draws_locally",
-           "get_rng_state", "set_rng_state", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]
+__all__ = ["manual_seed", "set_scheme", "on_scheme_change", "get_scheme", "device_has_rng", "torch_manual_seed",
+           "draws_locally", "get_rng_state", "set_rng_state", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]

@@ -69,6 +69,9 @@ MODULES: Dict[str, str] = {
     "torch.distributed.tensor.experimental._func_map": "hyper_parallel.experimental",
     "torch.distributed.tensor.experimental._attention": "hyper_parallel.experimental._attention",
     "torch.distributed.tensor.experimental._context_parallel._attention": "hyper_parallel.experimental._attention",
+    "torch.distributed.tensor.experimental._context_parallel": "hyper_parallel.experimental._attention",
+    "torch.distributed.tensor.experimental._context_parallel._load_balancer":
+        "hyper_parallel.context_parallel.load_balancer",
     "torch.distributed.tensor.debug": "hyper_parallel.debug",
     "torch.distributed.tensor.device_mesh": "hyper_parallel.device_mesh",
     "torch.distributed.tensor._random": "hyper_parallel.swap_shims",

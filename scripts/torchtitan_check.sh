@@ -4,6 +4,8 @@
 #   bash scripts/torchtitan_check.sh                 # the whole matrix
 #   ROWS="fsdp2 tp2" bash scripts/torchtitan_check.sh  # some rows
 #   STEPS=5 OUT=runs/torchtitan bash scripts/torchtitan_check.sh
+#   INIT=seed SEED=42 ROWS="fsdp2 tp2" bash scripts/torchtitan_check.sh   # no loaded weights: both stacks
+#       initialise from the same seed (--debug.seed); their initial weights and step-1 losses are compared
 #
 # * .venv-torchtitan (git-ignored, not the test suite's .venv): torch==2.13.0 (CPU), torchtitan==0.3.0,
 #   this package (editable, no dependencies).
@@ -22,6 +24,8 @@ VENV="$ROOT/.venv-torchtitan"
 PY="$VENV/bin/python"
 OUT="${OUT:-$ROOT/runs/torchtitan}"
 STEPS="${STEPS:-5}"
+INIT="${INIT:-load}"      # load: hyper_parallel loads torch's initial weights; seed: both initialise from SEED
+SEED="${SEED:-42}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 mkdir -p "$OUT"
 
@@ -38,7 +42,10 @@ fi
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 LLAMA=llama3_debugmodel_sdpa_noac
-# name | ranks | config | torchtitan arguments
+# name | ranks | config | torchtitan arguments [| torch's arguments, where torch cannot run the row itself]
+# cp rows: torch 2.13 has no CPU sharding strategy for its flash SDPA op, so torch's own CP fails on CPU;
+# hyper_parallel's CP2 is compared with torch on the same 2 ranks WITHOUT CP and the same global batch
+# and data (TP2: data-parallel degree 1, so both stacks train on the same 2 sequences a step).
 MATRIX="
 fsdp2|2|$LLAMA|
 fsdp2_ac|2|llama3_debugmodel_sdpa|
@@ -48,8 +55,8 @@ tp2|2|$LLAMA|--parallelism.tensor_parallel_degree 2
 tp2_nosp|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel
 fsdp2tp2|4|$LLAMA|--parallelism.tensor_parallel_degree 2
 fsdp2tp2_nosp|4|$LLAMA|--parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel
-cp2|2|$LLAMA|--parallelism.context_parallel_degree 2
-cp2_nolb|2|$LLAMA|--parallelism.context_parallel_degree 2 --parallelism.context_parallel_load_balancer None
+cp2|2|$LLAMA|--parallelism.context_parallel_degree 2|--parallelism.tensor_parallel_degree 2
+cp2_nolb|2|$LLAMA|--parallelism.context_parallel_degree 2 --parallelism.context_parallel_load_balancer None|--parallelism.tensor_parallel_degree 2
 fsdp2_compile|2|$LLAMA|--compile.enable
 tp2_compile|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable
 tp2_compile_model|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable --compile.components model
@@ -63,7 +70,7 @@ run_one() {  # stack row nproc config weightflag args...
     rm -f "$OUT/$stack-$row.json"
     ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
         "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
-        "$wflag" "$OUT/weights-$row.pt" -- \
+        "$wflag" "${WEIGHTS:-$OUT/weights-$row.pt}" -- \
         --module titan_configs --config "$cfg" --hf_assets_path "$OUT/assets/tokenizer" \
         --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$STEPS" --training.seq_len 128 \
         --training.local_batch_size 2 --training.mixed_precision_param float32 --validator.no-enable \
@@ -78,10 +85,18 @@ for row in $ROWS; do
         [ "$row" = dcp ] && continue
         echo "unknown row $row" >&2; continue
     fi
-    IFS='|' read -r name n cfg args <<<"$line"
-    echo "row $name ($n ranks): $args"
+    IFS='|' read -r name n cfg args ref <<<"$line"
+    echo "row $name ($n ranks): $args${ref:+ (torch: $ref)}"
+    if [ "$INIT" = seed ]; then   # each stack initialises itself from SEED and writes its initial weights
+        # shellcheck disable=SC2086
+        run_one torch "$name" "$n" "$cfg" --save-weights --checkpoint.no-enable --debug.seed "$SEED" ${ref:-$args}
+        # shellcheck disable=SC2086
+        WEIGHTS="$OUT/weights-hp-$name.pt" run_one hp "$name" "$n" "$cfg" --save-weights --checkpoint.no-enable \
+            --debug.seed "$SEED" $args
+        continue
+    fi
     # shellcheck disable=SC2086
-    run_one torch "$name" "$n" "$cfg" --save-weights --checkpoint.no-enable $args
+    run_one torch "$name" "$n" "$cfg" --save-weights --checkpoint.no-enable ${ref:-$args}
     # shellcheck disable=SC2086
     run_one hp "$name" "$n" "$cfg" --load-weights --checkpoint.no-enable $args
 done
@@ -96,4 +111,4 @@ if [[ " $ROWS " == *" dcp "* ]]; then
     run_one hp dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
         --checkpoint.interval 1000 --checkpoint.load_step 3
 fi
-"$PY" scripts/torchtitan/compare.py "$OUT" $ROWS
+"$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $ROWS

@@ -7,6 +7,11 @@ Design (one screen)
   Lengths not divisible by ``2 * cp`` give shards differing by one position; there is no padding,
   so nothing leaks into the user's tensors or loss. ``cp_shard`` / ``cp_unshard`` apply a layout to
   inputs, labels, position ids and rotary tables, and undo it.
+* **The order is explicit.** Every shard helper records the order of the shards it made for its cp
+  group (``order.py``: a ``SequenceOrder``, the reorder indices): ``cp_shard``'s layouts, and torch's
+  ``_context_parallel_shard`` with any load balancer (head-tail, per-document, PTRR, none; mirrored
+  in ``torch_private.py`` / ``load_balancer.py``). The attention plans on the recorded order and checks
+  it against its inputs; an unknown or unfitting order raises.
 * **One kernel, three methods.** Attention is a ring over K/V blocks with online-softmax (log-sum-
   exp) merging of per-block ``(out, lse)``; the per-block kernel is explicit math on local tensors,
   so any device and dtype (CPU, float64) works. ``"ring"``: the ring is the cp mesh. ``"ulysses"``:
@@ -44,9 +49,11 @@ from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
 from hyper_parallel.context_parallel.masks import CausalMask, DocumentMask, Mask, NoMask, SlidingWindowMask
 from hyper_parallel.context_parallel.plan import shard_layout
 from hyper_parallel.context_parallel.style import ContextParallel
+from hyper_parallel.context_parallel.order import SequenceOrder
+from hyper_parallel.context_parallel.torch_private import recorded_order
 
 __all__ = [
     "ContextParallel", "cp_shard", "cp_unshard", "context_parallel_attention", "ring_attention",
     "ulysses_attention", "hybrid_attention", "attention_mask", "Mask", "NoMask", "CausalMask",
-    "SlidingWindowMask", "DocumentMask", "shard_layout", "options",
+    "SlidingWindowMask", "DocumentMask", "shard_layout", "options", "SequenceOrder", "recorded_order",
 ]

@@ -11,6 +11,7 @@ from typing import Optional
 
 from hyper_parallel.context_parallel.masks import (CausalMask, NoMask, as_mask,
                                                    check_mask_len, ring_schedule)
+from hyper_parallel.context_parallel.order import SequenceOrder, group_key, recorded
 from hyper_parallel.context_parallel.plan import (concat_layout, nested_chunk_layout, head_split, kv_head_plan,
                                                   seg_len, shard_layout)
 from hyper_parallel.dtensor.device_mesh import resolve_mesh
@@ -32,9 +33,6 @@ class _Options:
 
 
 options = _Options()
-
-# (mesh) -> (global seq len, load_balance) of the last cp_shard / context_parallel sharding on it
-_LAYOUTS: dict = {}
 
 
 class RingPlan:
@@ -95,20 +93,33 @@ def _flat_index(mesh):
     return f
 
 
-def _mesh_key(mesh):
-    return (tuple(mesh.shape), tuple(mesh.rank_list))
+def _seq_layout(mesh, L, seq_len, load_balance, what, order=None):
+    """(global length, per batch row of the order, per rank, the segments it holds) of plain-tensor inputs.
 
-
-def _seq_layout(mesh, L, seq_len, load_balance, what):
+    The order is explicit: ``order=`` (a :class:`~.order.SequenceOrder`), else the one the last shard
+    helper recorded for this cp group (checked against ``load_balance``), else ``seq_len`` /
+    ``load_balance`` say it (hyper_parallel's layouts). Inputs that fit none raise.
+    """
     cp = mesh.size()
     f = _flat_index(mesh)
+    if order is not None:
+        if not isinstance(order, SequenceOrder):
+            raise TypeError(f"{what}: order must be a hyper_parallel.context_parallel.SequenceOrder, got "
+                            f"{type(order).__name__}")
+        if order.cp != cp or order.local_len(f) != L or (seq_len is not None and seq_len != order.seq_len):
+            raise ValueError(f"{what}: this rank (cp index {f} of {cp}) holds {L} sequence rows, which does not fit "
+                             f"the given order {order!r} (it gives this rank {order.local_len(f)} rows of "
+                             f"{order.seq_len} over cp {order.cp})")
+        return order.seq_len, order.layouts()
     if seq_len is None:
-        rec = _LAYOUTS.get(_mesh_key(mesh))
-        if rec is not None and seg_len(shard_layout(rec[0], cp, rec[1])[f]) == L:
-            if bool(rec[1]) != bool(load_balance):
-                raise ValueError(f"{what}: the inputs were sharded with load_balance={rec[1]} (cp_shard) but the "
-                                 f"attention expects load_balance={load_balance}; use the same value for both")
-            seq_len = rec[0]
+        rec = recorded(group_key(mesh))
+        if rec is not None and rec.cp == cp and rec.local_len(f) == L:
+            ours = SequenceOrder.from_layout(shard_layout(rec.seq_len, cp, bool(load_balance)))
+            if rec != ours:
+                raise ValueError(f"{what}: the inputs were sharded in the order {rec!r}, not in hyper_parallel's "
+                                 f"layout with load_balance={load_balance}; use the same load_balance for cp_shard "
+                                 "and the attention, or pass order=recorded_order(mesh)")
+            seq_len = rec.seq_len
         else:
             seq_len = L * cp
     layout = shard_layout(seq_len, cp, bool(load_balance))
@@ -116,7 +127,7 @@ def _seq_layout(mesh, L, seq_len, load_balance, what):
         raise ValueError(f"{what}: this rank (cp index {f} of {cp}) holds {L} sequence rows, but a sequence of "
                          f"{seq_len} positions gives it {seg_len(layout[f])} (load_balance={load_balance}); "
                          "shard the inputs with cp_shard or pass seq_len=")
-    return seq_len, layout
+    return seq_len, [layout]
 
 
 def _mask_for(mask, is_causal, what):
@@ -131,7 +142,7 @@ def _mask_for(mask, is_causal, what):
 def context_parallel_attention(query, key, value, mesh=None, *, method: str = "ring", mask=None,
                                is_causal: bool = False, scale: Optional[float] = None, load_balance: bool = True,
                                seq_len: Optional[int] = None, rotate: Optional[str] = None,
-                               dropout_p: float = 0.0, cp_mesh_dim=None):
+                               dropout_p: float = 0.0, cp_mesh_dim=None, order: Optional[SequenceOrder] = None):
     """Exact attention over a sequence sharded on the cp mesh: ring, Ulysses or hybrid (Ulysses x ring).
 
     Args:
@@ -154,6 +165,10 @@ def context_parallel_attention(query, key, value, mesh=None, *, method: str = "r
         cp_mesh_dim: the cp mesh dim(s) of ``mesh`` (names or indices; two for ``"hybrid"``): plain
             tensors run on that slice of ``mesh``; DTensors must have their sequence sharded on exactly
             these dims. Default: the whole ``mesh`` / the dims sharding the DTensors' sequence.
+        order: the sequence order of plain-tensor shards (:class:`~.order.SequenceOrder`; e.g.
+            ``recorded_order(mesh)`` after torch's ``_context_parallel_shard`` with any load balancer);
+            default: the order the last shard helper recorded for ``mesh``, checked against
+            ``load_balance``. Orders that vary along the batch run per batch row.
     """
     what = f"context_parallel_attention(method={method!r})"
     _check_method(method, what)
@@ -176,10 +191,22 @@ def context_parallel_attention(query, key, value, mesh=None, *, method: str = "r
             mesh = mesh[sel if len(sel) > 1 else sel[0]]
     _check_qkv(query, key, value, what)
     L = query.shape[-2]
-    S, layout = _seq_layout(mesh, L, seq_len, load_balance, what)
+    S, layouts = _seq_layout(mesh, L, seq_len, load_balance, what, order)
     check_mask_len(mask, S, what)
     U, R, ug, rg, f = _mesh_dims(mesh, method, what)
-    return _run(query, key, value, layout, U, R, ug, rg, f, mask, scale, rotate, what)
+    return run_ordered(query, key, value, layouts, U, R, ug, rg, f, mask, scale, rotate, what)
+
+
+def run_ordered(q, k, v, layouts, U, R, ug, rg, f, mask, scale, rotate, what):
+    """:func:`_run` with one layout for the batch, or one per batch row (dim 0) of q/k/v."""
+    if len(layouts) == 1:
+        return _run(q, k, v, layouts[0], U, R, ug, rg, f, mask, scale, rotate, what)
+    if q.dim() < 4 or q.shape[0] != len(layouts):
+        raise ValueError(f"{what}: the sequence order has {len(layouts)} batch rows but query has shape "
+                         f"{tuple(q.shape)} (expected batch dim 0 of size {len(layouts)})")
+    outs = [_run(q[b], k[b], v[b], layouts[b], U, R, ug, rg, f, mask, scale, rotate, what)
+            for b in range(len(layouts))]
+    return _tm.stack(outs, 0)
 
 
 def ring_attention(query, key, value, mesh=None, **kwargs):

@@ -1,7 +1,8 @@
 """``cp_shard`` / ``cp_unshard``: lay inputs, labels, position ids and rotary tables out for context parallelism."""
 from __future__ import annotations
 
-from hyper_parallel.context_parallel.api import _LAYOUTS, _flat_index, _mesh_key
+from hyper_parallel.context_parallel.api import _flat_index
+from hyper_parallel.context_parallel.order import SequenceOrder, group_key, record
 from hyper_parallel.context_parallel.plan import restore_index, seg_len, shard_index, shard_layout
 from hyper_parallel.dtensor.device_mesh import resolve_mesh
 from hyper_parallel.dtensor.dtensor import DTensor
@@ -39,7 +40,7 @@ def cp_shard(mesh, buffers, seq_dims, *, load_balance: bool = True):
     ``load_balance`` rank ``r`` of the (flattened, row-major) cp mesh gets head-tail chunks ``r`` and
     ``2cp-1-r``; lengths not divisible by ``2cp`` give shards differing by at most one position, no
     padding. Returns a list (or a dict, for a dict of buffers) in the order given. The layout is
-    remembered for ``mesh`` so attention and :func:`cp_unshard` find the global length.
+    recorded for ``mesh`` (:mod:`.order`), so the attention knows it and checks it.
     """
     what = "cp_shard"
     mesh = resolve_mesh(mesh, what)
@@ -53,8 +54,9 @@ def cp_shard(mesh, buffers, seq_dims, *, load_balance: bool = True):
         outs.append(_tm.take(x, d, shard_index(layout, f)))
         if first is None:
             first = S
-    if first is not None:
-        _LAYOUTS[_mesh_key(mesh)] = (first, bool(load_balance))
+    if first is not None:   # the order, for the attention (checked there)
+        record(group_key(mesh), SequenceOrder.from_layout(shard_layout(first, cp, bool(load_balance)),
+                                                          f"cp_shard(load_balance={bool(load_balance)})"))
     return rebuild(outs)
 
 

@@ -5,6 +5,10 @@
 the attention is exact on CPU and for every dtype (float64 included); load balancing never gives
 up silently (uneven head-tail shards when the length is not divisible by ``2 * cp``) and also
 works without ``is_causal``; a 2-D mesh runs the hybrid (Ulysses x ring) method.
+
+It is also the mirror of torch's private ``experimental._attention`` module (``hyper_parallel.swap``):
+``_context_parallel_shard``, ``_enable_context_parallel_dispatcher`` / ``_disable_...`` (:mod:`.torch_private`)
+and the load balancers (:mod:`.load_balancer`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,11 @@ from hyper_parallel.context_parallel.intercept import sdpa_handler
 from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
 from hyper_parallel.dtensor.device_mesh import resolve_mesh
 from hyper_parallel.context_parallel import torch_mechanics as _tm
+from hyper_parallel.context_parallel.load_balancer import (_HeadTailLoadBalancer, _LoadBalancer,  # noqa: F401
+                                                           _PerDocumentHeadTailLoadBalancer, _PTRRLoadBalancer)
+from hyper_parallel.context_parallel.torch_private import (_context_parallel_shard,  # noqa: F401
+                                                           _disable_context_parallel_dispatcher,
+                                                           _enable_context_parallel_dispatcher)
 
 
 @contextlib.contextmanager

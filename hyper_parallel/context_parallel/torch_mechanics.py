@@ -84,6 +84,33 @@ def clone(x):
         return x.clone()
 
 
+
+def stack(xs, dim: int = 0):
+    return torch.stack(list(xs), dim)
+
+
+def gather_seq(x, dim: int, index_rows):
+    """``x`` reordered along ``dim`` by ``index_rows`` (shape ``(1, S)`` or ``(B, S)``; batch dim 0), as torch's
+    ``_context_parallel_shard`` does before sharding."""
+    idx = torch.as_tensor(index_rows, dtype=torch.long, device=x.device)
+    if dim == 0:
+        return torch.index_select(x, 0, idx[0])
+    if idx.shape[0] == 1:
+        idx = idx.expand(x.shape[0], idx.shape[1])
+    shape = [idx.shape[0]] + [1] * (dim - 1) + [idx.shape[1]] + [1] * (x.dim() - dim - 1)
+    return torch.gather(x, dim, idx.reshape(shape).expand(x.shape))
+
+
+def chunk_of(x, dim: int, n: int, i: int):
+    """``torch.chunk(x, n, dim)[i]`` (empty past the last chunk), contiguous - DTensor's ``Shard`` local piece."""
+    pieces = torch.chunk(x, n, dim)
+    if i < len(pieces):
+        return pieces[i].contiguous()
+    shape = list(x.shape)
+    shape[dim] = 0
+    return x.new_empty(shape)
+
+
 __all__ = ["ring_attention", "all_to_all", "repeat_heads", "take", "all_gather", "gather_ints", "is_tensor",
            "set_stats", "sdpa_mode", "register_sdpa_handler", "is_compiling", "opaque_sdpa", "hook_module",
-           "resize_copy_", "clone"]
+           "resize_copy_", "clone", "stack", "gather_seq", "chunk_of"]

@@ -10,24 +10,104 @@ tensor is the same for every mesh shape and placement.
 Every rank must make the same sequence of random calls (SPMD), exactly as for
 collectives. ``manual_seed`` resets the stream; otherwise the seed defaults to
 ``torch.initial_seed()`` read on first use.
+
+**torch's scheme, for torch programs** (:func:`torch_manual_seed`, what a program run under
+``hyper_parallel.swap`` gets for ``torch.distributed.tensor._random.manual_seed(seed, mesh)``):
+torch 2.13 keeps no DTensor RNG tracker on a device without a settable generator (CPU:
+``is_rng_supported_mesh`` is False, ``manual_seed`` warns and returns), so its random ops on
+DTensors run the op on each rank's local shard with that rank's default generator. Once a torch
+program has called it, random ops on non-Partial DTensors of such meshes do the same here
+(:func:`draws_locally`), so ``nn.init`` on sharded parameters gives torch's values bit for bit.
+On devices with a generator torch uses Philox offsets per shard (``OffsetBasedRNGTracker``),
+which this module does not reproduce: the layout-independent stream is kept there.
+``hyper_parallel.manual_seed`` (HyperParallel's entry point) returns to the stream.
 """
 from __future__ import annotations
 
 import hashlib
+import warnings
+
 from hyper_parallel.distributed import rng
 import torch
 
 
 _BLOCK_ELEMS = 1 << 16
-_state = {"seed": None, "counter": 0}
+_state = {"seed": None, "counter": 0, "scheme": "hyper_parallel"}
+SCHEMES = ("hyper_parallel", "torch")
+_SCHEME_HOOKS = []   # called when the scheme changes (the dispatcher's cached random-op strategies depend on it)
+
+
+def on_scheme_change(fn) -> None:
+    if not callable(fn):
+        raise TypeError(f"on_scheme_change: fn must be callable, got {fn!r}")
+    _SCHEME_HOOKS.append(fn)
+
+
+def _set(scheme):
+    if _state["scheme"] != scheme:
+        _state["scheme"] = scheme
+        for h in _SCHEME_HOOKS:
+            h()
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the DTensor random stream (call with the same seed on every rank)."""
+    """Seed the DTensor random stream (call with the same seed on every rank); HyperParallel's scheme."""
     if not isinstance(seed, int):
         raise TypeError(f"manual_seed: seed must be an int, got {seed!r}")
     _state["seed"] = seed
     _state["counter"] = 0
+    _set("hyper_parallel")
+
+
+def set_scheme(scheme: str) -> None:
+    """``"hyper_parallel"`` (the layout-independent stream) or ``"torch"`` (torch 2.13's DTensor RNG where it
+    is reproducible, see the module docstring)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"set_scheme: scheme must be one of {SCHEMES}, got {scheme!r}")
+    _set(scheme)
+
+
+def get_scheme() -> str:
+    return _state["scheme"]
+
+
+def device_has_rng(device_type: str) -> bool:
+    """torch's ``is_rng_supported_mesh`` test: the device module can set its generator state (not CPU)."""
+    handle = getattr(torch, str(device_type), None)
+    return bool(handle is not None and hasattr(handle, "set_rng_state"))
+
+
+def torch_manual_seed(seed: int, device_mesh) -> None:
+    """``torch.distributed.tensor._random.manual_seed(seed, device_mesh)`` with torch 2.13's behaviour.
+
+    On a mesh whose device has no settable generator (CPU) torch only warns: it seeds nothing and
+    its DTensor random ops draw each local shard from the rank's default generator. Here the same
+    (torch's scheme from now on). Elsewhere torch seeds its default generator (``torch.manual_seed``);
+    done too, and the shards keep the layout-independent stream, seeded with ``seed``
+    (torch's per-shard Philox offsets are not reproduced).
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"manual_seed: seed must be an int, got {seed!r}")
+    device_type = getattr(device_mesh, "device_type", "cpu")
+    if not device_has_rng(device_type):
+        warnings.warn(f"DTensor manual_seed() may not have complete support on {device_type} device mesh",
+                      stacklevel=2)
+        _set("torch")
+        return
+    if device_mesh.get_coordinate() is None:
+        raise RuntimeError("manual_seed requires the current rank to be a part of the device mesh otherwise DTensor "
+                           "RNG state on the rank will not be initialized and the behavior of DTensor random ops is "
+                           "undefined.")
+    torch.manual_seed(seed)
+    manual_seed(seed)
+    _set("torch")
+
+
+def draws_locally(device_type: str, layouts) -> bool:
+    """Whether a random op on DTensors of ``layouts`` runs on each local shard with the rank's own generator:
+    torch's scheme on a device without a DTensor RNG tracker, and no Partial input."""
+    return (_state["scheme"] == "torch" and not device_has_rng(device_type)
+            and not any(l.has_partial() for l in layouts))
 
 
 def get_rng_state() -> dict:
@@ -142,4 +222,5 @@ def is_rng_supported_mesh(device_mesh=None) -> bool:
     return True
 
 
-__all__ = ["manual_seed", "get_rng_state", "set_rng_state", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]
+__all__ = ["manual_seed", "set_scheme", "on_scheme_change", "get_scheme", "device_has_rng", "torch_manual_seed",
+           "draws_locally", "get_rng_state", "set_rng_state", "random_local", "random_rows", "consume_key", "is_rng_supported_mesh"]

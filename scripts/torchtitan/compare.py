@@ -1,7 +1,11 @@
 """Table of a torchtitan check run: per row, torch's and hyper_parallel's losses side by side, the
 largest relative difference and the step-time ratio (hp / torch, steps 2..N: step 1 holds warm-up).
 
-    python scripts/torchtitan/compare.py OUTDIR ROW [ROW ...]
+    python scripts/torchtitan/compare.py [--init load|seed] OUTDIR ROW [ROW ...]
+
+``--init seed`` (no loaded weights; each stack initialised itself from the same ``--debug.seed``):
+also compares the two stacks' initial weights (``weights-ROW.pt`` from torch, ``weights-hp-ROW.pt``
+from hyper_parallel), and the verdict is on the initial weights and the step-1 loss.
 """
 import json
 import os
@@ -10,8 +14,25 @@ import sys
 TOL = 1e-5
 
 
+def weights_diff(out, row):
+    """(parameters compared, how many differ, largest absolute difference) of the two initial weight files."""
+    import torch
+    a, b = (os.path.join(out, f) for f in (f"weights-{row}.pt", f"weights-hp-{row}.pt"))
+    if not (os.path.exists(a) and os.path.exists(b)):
+        return None
+    wa, wb = torch.load(a), torch.load(b)
+    if set(wa) != set(wb):
+        return len(wa), -1, float("inf")
+    diffs = [float((wa[k].double() - wb[k].double()).abs().max()) if wa[k].numel() else 0.0 for k in wa]
+    return len(wa), sum(d > 0 for d in diffs), max(diffs, default=0.0)
+
+
 def main():
-    out, rows = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    init = "load"
+    if argv[:1] == ["--init"]:
+        init, argv = argv[1], argv[2:]
+    out, rows = argv[0], argv[1:]
     print(f"{'row':<16} {'step':>4} {'torch loss':>12} {'hp loss':>12} {'rel diff':>9}   "
           f"{'torch gnorm':>11} {'hp gnorm':>11}")
     summary = []
@@ -36,6 +57,17 @@ def main():
             continue
         ta = sum(s["time_s"] for s in a["steps"][1:]) or float("nan")
         tb = sum(s["time_s"] for s in b["steps"][1:])
+        if init == "seed":
+            wd = weights_diff(out, row)
+            first = abs(a["steps"][0]["loss"] - b["steps"][0]["loss"]) / abs(a["steps"][0]["loss"])
+            if wd is None:
+                verdict = "FAILED (initial weight files missing)"
+            else:
+                n, ndiff, mx = wd
+                verdict = (f"{'match' if ndiff == 0 and first <= TOL else 'DIFFERS'} (initial weights: {n - ndiff}"
+                           f"/{n} equal, max abs diff {mx:.1e}; step-1 loss rel diff {first:.1e})")
+            summary.append((row, worst, tb / ta, verdict))
+            continue
         summary.append((row, worst, tb / ta, "match" if worst <= TOL else "DIFFERS"))
     print()
     print(f"{'row':<16} {'max rel diff':>12} {'time hp/torch':>13}  result (tolerance {TOL:g})")

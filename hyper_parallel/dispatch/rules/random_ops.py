@@ -32,8 +32,12 @@ import math
 
 from hyper_parallel.dtensor import random as dt_random
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy, reduce_all_partial
+from hyper_parallel.dispatch.rules.base import _invalidate as _clear_dispatch_caches
 from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt, bind_args as _bind
 import torch
+
+
+dt_random.on_scheme_change(_clear_dispatch_caches)   # cached strategies below depend on the RNG scheme
 
 
 def is_whole(layout) -> bool:
@@ -45,8 +49,12 @@ def is_whole(layout) -> bool:
 
 
 def torch_draws(call, out_layout=None, out_shapes=None):
-    """The op itself on the local tensors (the framework's generator) when all DTensor inputs are whole, else None."""
-    if not call.layouts or not all(is_whole(l) for l in call.layouts):
+    """The op itself on the local tensors (the framework's generator) when all DTensor inputs are whole, or
+    on every local shard where torch's DTensor RNG scheme does so (``dt_random.draws_locally``), else None."""
+    if not call.layouts:
+        return None
+    if not all(is_whole(l) for l in call.layouts) and \
+            not dt_random.draws_locally(getattr(call.mesh, "device_type", "cpu"), call.layouts):
         return None
     func = call.func
 

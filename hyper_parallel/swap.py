@@ -95,6 +95,15 @@ NAMES: Dict[tuple, str] = {
     ("torch.distributed.tensor", "init_device_mesh"): "hyper_parallel.device_mesh:init_device_mesh",
     ("torch.distributed._tensor", "init_device_mesh"): "hyper_parallel.device_mesh:init_device_mesh",
     ("torch.distributed.tensor.experimental._func_map", "local_map"): "hyper_parallel.experimental:local_map",
+    # per-parameter dp meshes of fully_shard(shard_placement_fn=...) (torchtitan's experts at EP > 1)
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"):
+        "hyper_parallel.fsdp:ShardPlacementResult",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "DataParallelMeshInfo"):
+        "hyper_parallel.fsdp:DataParallelMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "FSDPMeshInfo"): "hyper_parallel.fsdp:FSDPMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "HSDPMeshInfo"): "hyper_parallel.fsdp:HSDPMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "DDPMeshInfo"): "hyper_parallel.fsdp:DDPMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_init", "_get_mesh_info"): "hyper_parallel.fsdp:get_mesh_info",
 }
 
 _STATE = {"scope": (), "swap_mesh": False, "strict": False, "unsupported": {}, "finder": None}

@@ -141,21 +141,28 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _distributed(stack, ep, divide, expert_dim, torch_objects=False, scale=1.0):
-    """Train under ``stack`` ("hp" or "torch") fully_shard; return (mean losses, full weights)."""
+def _distributed(stack, ep, divide, expert_dim, torch_objects=False, scale=1.0, hsdp=False):
+    """Train under ``stack`` ("hp" or "torch") fully_shard; return (mean losses, full weights, expert mesh names).
+
+    ``hsdp``: the experts' mesh_info is HSDP (``HSDPMeshInfo`` on ``(erep, efsdp)``: replicated over
+    ``erep``, sharded over ``efsdp``), as torchtitan's with a ``dp_replicate`` dim."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     ws, rank = dist.get_world_size(), dist.get_rank()
     world = init_device_mesh("cpu", (ws,), mesh_dim_names=("world",))
     dense = world._unflatten(0, (ws,), ("fsdp",))
-    sparse = world._unflatten(0, (ws // ep, ep), ("efsdp", "ep"))
+    if hsdp:
+        sparse = world._unflatten(0, (2, ws // ep // 2, ep), ("erep", "efsdp", "ep"))
+    else:
+        sparse = world._unflatten(0, (ws // ep, ep), ("efsdp", "ep"))
     if stack == "hp" and not torch_objects:
         import hyper_parallel as hp
-        from hyper_parallel.fsdp import FSDPMeshInfo, FSDPModule, ShardPlacementResult, fully_shard, get_mesh_info
+        from hyper_parallel.fsdp import (FSDPMeshInfo, FSDPModule, HSDPMeshInfo, ShardPlacementResult, fully_shard,
+                                         get_mesh_info)
         Shard, distribute = hp.Shard, hp.distribute_tensor
     else:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info as get_mesh_info
         from torch.distributed.tensor import Shard, distribute_tensor as distribute
         if stack == "hp":  # hyper_parallel's fully_shard given torch's objects (no swap)
@@ -169,7 +176,10 @@ def _distributed(stack, ep, divide, expert_dim, torch_objects=False, scale=1.0):
     for i in (2, 5):
         w[i] = distribute(w[i], ep_mesh, [Shard(0)])
     model = _model(w, ep_group=ep_mesh.get_group())
-    edp_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
+    if hsdp:
+        edp_info = HSDPMeshInfo(sparse["erep", "efsdp"], shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        edp_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
     dp_info = get_mesh_info(dense["fsdp"])
     for b in model.blocks:
         experts = set(b.experts.parameters())
@@ -194,7 +204,7 @@ def _distributed(stack, ep, divide, expert_dim, torch_objects=False, scale=1.0):
         tuple(model.blocks[0].experts.w.device_mesh.mesh_dim_names))
 
 
-def _body(ep, expert_dim):
+def _body(ep, expert_dim, hsdp=False):
     import torch
     import torch.distributed as dist
     ws = dist.get_world_size()
@@ -209,16 +219,17 @@ def _body(ep, expert_dim):
             # group's float64 gradients twice by a custom factor, pre-divide and copy, so not run there)
             ("hp", False, float(ws), 1.0)]
     for stack, objs, divide, scale in runs:
-        losses, weights, names = _distributed(stack, ep, divide, expert_dim, torch_objects=objs, scale=scale)
+        losses, weights, names = _distributed(stack, ep, divide, expert_dim, torch_objects=objs, scale=scale,
+                                              hsdp=hsdp)
         what = f"{stack} (torch objects {objs}, divide {divide})"
-        assert names == ("efsdp", "ep"), names
+        assert names == (("erep", "efsdp", "ep") if hsdp else ("efsdp", "ep")), names
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12,
                                    msg=f"{what} losses")
         for i, (a, b) in enumerate(zip(weights, ref_w)):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"{what} parameter {i}")
     # torch's default: each group divides by its own mesh's size; hyper_parallel equals torch's FSDP2
-    hp_losses, hp_w, _ = _distributed("hp", ep, None, expert_dim)
-    th_losses, th_w, _ = _distributed("torch", ep, None, expert_dim)
+    hp_losses, hp_w, _ = _distributed("hp", ep, None, expert_dim, hsdp=hsdp)
+    th_losses, th_w, _ = _distributed("torch", ep, None, expert_dim, hsdp=hsdp)
     torch.testing.assert_close(torch.tensor(hp_losses), torch.tensor(th_losses), rtol=1e-12, atol=1e-12)
     for i, (a, b) in enumerate(zip(hp_w, th_w)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"default divide, parameter {i}")
@@ -227,9 +238,10 @@ def _body(ep, expert_dim):
     return True
 
 
-@pytest.mark.parametrize("ws,ep,expert_dim", [(2, 2, 0), (4, 2, 0), (4, 2, 1)])
-def test_experts_on_another_dp_mesh(dist_runner, ws, ep, expert_dim):
-    assert dist_runner.run(ws, _body, ep, expert_dim, timeout=300) == [True] * ws
+@pytest.mark.parametrize("ws,ep,expert_dim,hsdp", [(2, 2, 0, False), (4, 2, 0, False), (4, 2, 1, False),
+                                                    (4, 2, 0, True)])
+def test_experts_on_another_dp_mesh(dist_runner, ws, ep, expert_dim, hsdp):
+    assert dist_runner.run(ws, _body, ep, expert_dim, hsdp, timeout=300) == [True] * ws
 
 
 def _bad_input_body():

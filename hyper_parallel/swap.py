@@ -98,6 +98,15 @@ NAMES: Dict[tuple, str] = {
     ("torch.distributed.tensor", "init_device_mesh"): "hyper_parallel.device_mesh:init_device_mesh",
     ("torch.distributed._tensor", "init_device_mesh"): "hyper_parallel.device_mesh:init_device_mesh",
     ("torch.distributed.tensor.experimental._func_map", "local_map"): "hyper_parallel.experimental:local_map",
+    # per-parameter dp meshes of fully_shard(shard_placement_fn=...) (torchtitan's experts at EP > 1)
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"):
+        "hyper_parallel.fsdp:ShardPlacementResult",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "DataParallelMeshInfo"):
+        "hyper_parallel.fsdp:DataParallelMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "FSDPMeshInfo"): "hyper_parallel.fsdp:FSDPMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "HSDPMeshInfo"): "hyper_parallel.fsdp:HSDPMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_common", "DDPMeshInfo"): "hyper_parallel.fsdp:DDPMeshInfo",
+    ("torch.distributed.fsdp._fully_shard._fsdp_init", "_get_mesh_info"): "hyper_parallel.fsdp:get_mesh_info",
 }
 
 _STATE = {"scope": (), "swap_mesh": False, "strict": False, "unsupported": {}, "finder": None}
@@ -130,10 +139,24 @@ def _keep_torch_mesh(modname: str, name: str) -> bool:
     return not _STATE["swap_mesh"] and name in ("DeviceMesh", "init_device_mesh")
 
 
+# Why a torch name has no counterpart, added to its placeholder's error.
+HINTS: Dict[str, str] = {
+    "torch.distributed.tensor.placement_types._StridedShard": (
+        "hyper_parallel has no _StridedShard placement: a tensor dim sharded over several mesh dims out of "
+        "mesh order (FSDP's dp shard inside a TP or EP shard) is a Layout whose dim_map lists the mesh dims "
+        "outer first, and its .placements report Shard(d) on each of them (torch reports "
+        "(_StridedShard(d, split_factor), Shard(d))); torchtitan 0.3.0 reads it in the MoE HuggingFace "
+        "state-dict adapter (torchtitan/models/utils.py), experiments/graph_trainer/simple_fsdp.py and "
+        "distributed/flex_shard/dist_muon.py"),
+}
+
+
 def _placeholder(torch_path: str):
     """A class standing for a torch name hyper_parallel does not provide (raises on use)."""
     msg = (f"{torch_path} is not supported by hyper_parallel (the program runs under hyper_parallel.swap); "
            "see docs/torchtitan.md for what is supported, or leave this package out of --only")
+    if torch_path in HINTS:
+        msg += f". {HINTS[torch_path]}"
 
     class _Meta(type):
         def __call__(cls, *a, **k):

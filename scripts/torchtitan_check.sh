@@ -61,6 +61,7 @@ fsdp2_compile|2|$LLAMA|--compile.enable
 tp2_compile|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable
 tp2_compile_model|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enable --compile.components model
 moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
+moe_ep2_4|4|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 moe_ep1|2|qwen3_moe_debug_sdpa_noac|
 "
 ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"

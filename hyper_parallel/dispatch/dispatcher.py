@@ -32,6 +32,7 @@ from hyper_parallel.dtensor.redistribute import partial_grad_view
 from hyper_parallel.dispatch import fast_methods as _fast_methods
 from hyper_parallel.dispatch import strict_layouts as _strict
 from hyper_parallel.dispatch import modes as _modes
+from hyper_parallel.dispatch.mesh_split import split_by_mesh as _split_by_mesh
 from hyper_parallel.dispatch.call_args import (_check_plain_tensors, _collect, _inplace_target, _op_name, _replace,
                                              _sig, _sig_nf)
 from hyper_parallel.dispatch.rules import base as _base
@@ -310,6 +311,10 @@ class OpDispatcher:
         if decomp is not None:
             return decomp(*args, **kwargs)
         name = _op_name(func)
+        if name[0] == "_" and (name.startswith("_foreach_") or name.startswith("_fused_")):
+            res = _split_by_mesh(func, name, args, kwargs, dts)  # list entries on several meshes
+            if res is not NotImplemented:
+                return res
         meta_ops = _base.METADATA_OPS.get(name)
         if meta_ops is not None:
             return meta_ops(*args, **kwargs)

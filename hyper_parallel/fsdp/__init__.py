@@ -7,10 +7,13 @@ Design (one screen)
   ``api.py``: ``fully_shard`` / ``FSDPModule`` / ``UnshardHandle``, every argument checked and the plan of
   which parameter is sharded on which dim made before anything changes. ``hsdp.py``: HyperParallel's
   ``hsdp`` (levels 1/2/3 = ZeRO-1/2/3, ``threshold``, ``shard_size``) on the same mechanics.
-  ``policies.py``: ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``.
+  ``policies.py``: ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``. ``mesh_info.py``:
+  torch 2.13's ``ShardPlacementResult`` / ``FSDPMeshInfo`` (a parameter sharded on another dp mesh,
+  e.g. MoE experts on the expert-data-parallel mesh) and ``_get_mesh_info`` (``get_mesh_info``).
 * **Mechanics.** ``param.py``: one managed parameter (its sharded DTensor, its unsharded leaf, its place in
   the flat buffer); ``param_group.py``: one flat all_gather and one flat reduce_scatter (or all_reduce)
-  per module group, asynchronous; ``state.py``: the forward/backward hooks with prefetching and the
+  per module group, asynchronous; ``mesh_groups.py``: a module's groups when its parameters sit on
+  several dp meshes (one per mesh, as torch); ``state.py``: the forward/backward hooks with prefetching and the
   root's end-of-backward callback.
 * **Imports.** The ground floor, ``dtensor``, ``dispatch``, and ``compile.compile_mode.eager_hook`` (FSDP's
   hooks stay eager under ``torch.compile``). No other parallelism package.
@@ -22,6 +25,9 @@ from hyper_parallel.fsdp.api import fully_shard, FSDPModule, UnshardHandle
 from hyper_parallel.fsdp.ddp import data_parallel, replicate
 from hyper_parallel.fsdp.hsdp import hsdp
 from hyper_parallel.fsdp.spmd_mesh import DataParallelMeshDims
+from hyper_parallel.fsdp.mesh_info import (ShardPlacementResult, DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo,
+                                           DDPMeshInfo, get_mesh_info)
 
 __all__ = ["replicate", "data_parallel", "hsdp", "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy", "DataParallelMeshDims"]
+           "CPUOffloadPolicy", "DataParallelMeshDims", "ShardPlacementResult", "DataParallelMeshInfo", "FSDPMeshInfo",
+           "HSDPMeshInfo", "DDPMeshInfo", "get_mesh_info"]

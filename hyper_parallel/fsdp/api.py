@@ -108,8 +108,10 @@ def plan_params(module, mesh, ignored_params, shard_placement_fn):
     """Validate ``fully_shard``'s module, mesh, ignored_params and shard_placement_fn; plan the group.
 
     Returns ``(mesh, params)``: the resolved mesh and ``[(fqn, [(owner, attribute name), ...],
-    param, shard dim)]`` of the parameters the module's group will manage (tied parameters
-    once, with every owner). Nothing is changed, so an error leaves the module untouched.
+    param, shard dim, dp mesh)]`` of the parameters the module's group will manage (tied parameters
+    once, with every owner); the dp mesh is ``mesh`` unless ``shard_placement_fn`` returned a
+    ``ShardPlacementResult`` with another (``fsdp/mesh_info.py``). Nothing is changed, so an error
+    leaves the module untouched.
     """
     mods = _module_list(module)
     where = type(module).__name__ if len(mods) == 1 and not isinstance(module, (list, tuple)) else \
@@ -145,19 +147,15 @@ def plan_params(module, mesh, ignored_params, shard_placement_fn):
                              f"fully_shard on {other}; apply fully_shard to a module that holds every use of it "
                              "(or pass it in ignored_params)")
         by_id.setdefault(id(p), [fqn, [], p])[1].append((owner, name))
-    from hyper_parallel.dtensor.placement_types import Shard
+    from hyper_parallel.fsdp.mesh_info import resolve_placement
     params = []
     for fqn, owners, p in by_id.values():
-        d = 0
+        d, p_mesh = 0, mesh
         if shard_placement_fn is not None:
-            pl = shard_placement_fn(p)
-            if pl is not None:
-                if not isinstance(pl, Shard):
-                    raise ValueError(f"fully_shard({where}): shard_placement_fn returned {pl!r} for parameter "
-                                     f"{fqn!r}; expected Shard(dim) or None")
-                d = pl.dim
-        _check_param(where, fqn, p, mesh, d)
-        params.append((fqn, owners, p, d))
+            # Shard(d), None or torch 2.13's ShardPlacementResult(placement, mesh_info): another dp mesh
+            d, p_mesh = resolve_placement(shard_placement_fn(p), where, fqn, mesh)
+        _check_param(where, fqn, p, p_mesh, d)
+        params.append((fqn, owners, p, d, p_mesh))
     return mesh, params
 
 
@@ -247,11 +245,19 @@ class FSDPModule:
         self._hp_fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size."""
+        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size.
+
+        As in torch 2.13, only this module's own parameter groups (every dp mesh of it) take the
+        factor, not ``fully_shard`` submodules: torchtitan sets it on every ``FSDPModule``."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
-        for s in self._hp_states(True):
-            s.gradient_divide_factor = float(factor)
+        self._hp_fsdp_state.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """torch 2.13: reduce with SUM and divide afterwards. hyper_parallel always does (the divide is a
+        separate ``div_`` after the SUM collective), so the flag changes nothing but is checked."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}")
 
     def set_post_optim_event(self, event) -> None:  # CUDA streams only; nothing to order on CPU
         return None
@@ -279,7 +285,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         reshard_after_forward: ``True`` frees the unsharded parameters after forward (all_gather again
             in backward), ``False`` keeps them until after backward, an ``int`` is treated as ``True``
             (no smaller process group on CPU), ``None`` means ``True`` except for the root module.
-        shard_placement_fn: ``param -> Shard(d)`` or ``None`` (``Shard(0)``) per parameter.
+        shard_placement_fn: ``param -> Shard(d)`` or ``None`` (``Shard(0)``) per parameter, or
+            torch 2.13's ``ShardPlacementResult(placement, mesh_info)`` to shard that parameter on
+            ``mesh_info.mesh`` instead (MoE experts on the expert-data-parallel mesh): the module then
+            has one parameter group per dp mesh, each gathered and reduced on its own mesh
+            (``fsdp/mesh_info.py``, ``fsdp/mesh_groups.py``).
         mp_policy: :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`OffloadPolicy` / :class:`CPUOffloadPolicy`.
         ignored_params: parameters left alone (not sharded, not reduced).

@@ -30,6 +30,7 @@ from hyper_parallel.distributed import deferred_grads
 from hyper_parallel.compile.compile_mode import eager_hook
 from hyper_parallel.fsdp.param import FSDPParam
 from hyper_parallel.fsdp.param_group import SHARDED, UNSHARDING, FSDPParamGroup
+from hyper_parallel.fsdp.mesh_groups import MeshGroups, group_by_mesh
 
 
 def _in_backward() -> bool:
@@ -302,24 +303,30 @@ def fully_shard(module, *, mesh, params, reshard_after_forward, mp_policy, offlo
                 _grad_reduce="reduce_scatter", _persistent=False):
     """Carry out the plan of ``hyper_parallel.fsdp.api`` (which validated every argument).
 
-    ``params``: ``[(fqn, [(owner module, attribute name), ...], param, shard dim)]``, the
-    parameters this module's group manages, in order; ``mesh``: the resolved 1-D or 2-D
+    ``params``: ``[(fqn, [(owner module, attribute name), ...], param, shard dim[, dp mesh])]``, the
+    parameters this module's group manages, in order (a parameter's own dp mesh, when given,
+    replaces ``mesh``: one group per mesh); ``mesh``: the resolved 1-D or 2-D
     mesh; ``module_cls``: the mixin the module's class gets (``FSDPModule`` / ``HSDPModule``).
     """
     mods = list(module) if isinstance(module, (list, tuple)) else [module]
     where = type(module).__name__ if len(mods) == 1 and not isinstance(module, (list, tuple)) else \
         "[" + ", ".join(type(m).__name__ for m in mods) + "]"
     fsdp_params = []
-    for fqn, owners, p, d in params:
+    for fqn, owners, p, d, *p_mesh in params:
         pin = getattr(offload_policy, "pin_memory", None)  # set only by CPUOffloadPolicy
-        fp = FSDPParam(p, fqn, owners, mesh, d, mp_policy, offload_pin_memory=pin)
+        fp = FSDPParam(p, fqn, owners, p_mesh[0] if p_mesh else mesh, d, mp_policy, offload_pin_memory=pin)
         try:
             p._hp_fsdp_owner = f"{where} (parameter {fqn!r})"
         except (AttributeError, RuntimeError):
             pass
         fsdp_params.append(fp)
         fp.to_sharded()
-    group = FSDPParamGroup(fsdp_params) if fsdp_params else None
+    # one group per dp mesh (shard_placement_fn's ShardPlacementResult): see fsdp/mesh_groups.py
+    by_mesh = group_by_mesh(fsdp_params)
+    if len(by_mesh) > 1:
+        group = MeshGroups([FSDPParamGroup(ps) for ps in by_mesh])
+    else:
+        group = FSDPParamGroup(fsdp_params) if fsdp_params else None
     if group is not None:
         group.grad_reduce = _grad_reduce
         if _persistent:

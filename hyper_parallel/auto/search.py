@@ -209,8 +209,8 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
             return f"tp={tp} > devices_per_node={cluster.devices_per_node} (tensor parallelism stays within a node)"
     if pp > L:
         return f"pp={pp} > {L} layers"
-    if cp > 1 and seq_len % cp:
-        return f"cp={cp} does not divide seq_len={seq_len}"
+    if cp > 1 and seq_len % (2 * cp):
+        return f"2*cp={2 * cp} does not divide seq_len={seq_len} (load-balanced head-tail shards of equal length)"
     if ep > 1:
         if E % ep:
             return f"ep={ep} does not divide the {E} experts"

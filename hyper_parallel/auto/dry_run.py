@@ -31,7 +31,6 @@ from torch.utils._pytree import tree_flatten
 import hyper_parallel as hp
 
 
-_WORLDS = set()  # world sizes dry-run in this process
 
 
 @dataclasses.dataclass
@@ -140,11 +139,6 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
                            "own fake one per rank (run it in a fresh process)")
     if rank is not None and not 0 <= rank < W:
         raise ValueError(f"dry_run: rank={rank} is not in [0, {W})")
-    if _WORLDS and W not in _WORLDS:
-        raise RuntimeError(f"dry_run: this process already dry-ran world_size={sorted(_WORLDS)[0]}; the library caches "
-                           f"layouts per mesh, so dry-run world_size={W} in a fresh process (one world size per "
-                           "process; any number of plans and ranks)")
-    _WORLDS.add(W)
     roles = {rank: f"rank {rank}"} if rank is not None else _roles(plan, W)
     reports = {}
     for r, role in roles.items():
@@ -162,9 +156,15 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
 
 
 def _release_groups():
-    """Forget the library's cached process groups of the previous fake world (the next rank builds its own)."""
+    """Forget the library's cached process groups of the previous fake world (the next rank builds its own),
+    and the layouts and dispatch entries built on its meshes: a mesh of the next world with the same ranks
+    and names compares equal to the old one, and a cached layout would hand it the old world's groups."""
+    from hyper_parallel.dispatch import dispatcher
     from hyper_parallel.distributed import groups
+    from hyper_parallel.dtensor import layout_builder
     groups.release_groups()
+    layout_builder._LAYOUT_CACHE.clear()
+    dispatcher._clear_caches()
 
 
 def _local(t):

@@ -33,6 +33,11 @@ LAYOUTS = [  # (config, degrees, sp, ac)
     ("tiny", {"dp": 2, "cp": 2}, False, "full"),
     ("tiny", {"cp": 4, "cp_method": "ulysses"}, False, "none"),
     ("renamed", {"fsdp": 2, "cp": 2}, False, "none"),
+    # selective activation checkpointing (matmul and attention outputs saved, the rest recomputed)
+    ("tiny", {"fsdp": 4}, False, "selective"),
+    ("tiny", {"fsdp": 2, "tp": 2}, True, "selective"),
+    ("moe-tiny", {"fsdp": 4, "ep": 2}, False, "selective"),
+    ("renamed", {"dp": 2, "tp": 2}, False, "selective"),
 ]
 
 
@@ -130,6 +135,7 @@ PP_LAYOUTS = [  # (config, degrees, schedule, microbatches, sp, ac)
     ("tiny", {"pp": 2, "cp": 2}, "1f1b", 2, False, "none"), ("tiny", {"pp": 2, "fsdp": 2}, "1f1b", 2, False, "full"),
     ("moe-tiny", {"pp": 2, "fsdp": 2, "ep": 2}, "gpipe", 2, False, "none"),
     ("demo", {"pp": 4}, "gpipe", 4, False, "none"),
+    ("tiny", {"pp": 2, "tp": 2}, "1f1b", 2, True, "selective"),
 ]
 
 

@@ -12,6 +12,7 @@ CASES = {  # name: (config, degrees, sequence parallel, other choices)
     "fsdp2-tp2-sp": ("tiny", {"fsdp": 2, "tp": 2}, True, {}),
     "dp2-fsdp2": ("tiny", {"dp": 2, "fsdp": 2}, False, {}),
     "moe-fsdp4-ep2": ("moe-tiny", {"fsdp": 4, "ep": 2}, False, {}),
+    "fsdp2-tp2-sp-selective-ac": ("tiny", {"fsdp": 2, "tp": 2}, True, {"activation_checkpointing": "selective"}),
     # context parallelism: the ring's receives leave zeros under the fake group, sizes are the same
     "cp2-fsdp2-ring": ("tiny", {"fsdp": 2, "cp": 2}, False, {"cp_method": "ring"}),
     "cp2-tp2-sp-ulysses": ("tiny", {"cp": 2, "tp": 2}, True, {"cp_method": "ulysses"}),
@@ -84,3 +85,22 @@ def test_cluster_measure_on_gloo(dist_runner):
     flops, bw, lat, kinds = out[0]
     assert flops > 1e6 and bw > 1e3 and lat >= 0
     assert kinds == ["all_gather", "all_reduce", "all_to_all", "p2p", "reduce_scatter"]
+
+
+def test_dry_run_several_plans_and_worlds_in_one_process():
+    """The fake worlds do not leak into each other (cached layouts of equal meshes are dropped between them):
+    the same plan dry-run again, after another plan and another world size, reports the same numbers."""
+    cfg, plan = _plan("fsdp2-tp2-sp")
+    build = lambda: build_model(cfg.model, cfg.seed)
+    first = dry_run(plan, build, world_size=4, rank=0).ranks[0]
+    _, full = _plan("pp2-fsdp2-1f1b")
+    dry_run(full, build, world_size=4, rank=0)
+    with torch.device("meta"):
+        m = Transformer(cfg.model, init_seed=None)
+    p8 = evaluate_plan(m, Cluster(8, 8, "1GiB"), degrees={"fsdp": 4, "tp": 2}, global_batch=cfg.global_batch,
+                       seq_len=cfg.seq_len, sequence_parallel=True)
+    eight = dry_run(p8, build, world_size=8, rank=0).ranks[0]
+    again = dry_run(plan, build, world_size=4, rank=0).ranks[0]
+    assert again.collectives == first.collectives and again.state_bytes == first.state_bytes
+    assert abs(again.peak_memory - first.peak_memory) <= 64, (again.peak_memory, first.peak_memory)
+    assert eight.state_bytes < first.state_bytes  # fsdp 4: smaller shards than at world 4

@@ -58,6 +58,8 @@ def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=No
         raise ValueError(f"Plan.apply: activation_checkpointing={plan.activation_checkpointing!r}; expected 'none', "
                          "'full' or 'selective'")
     info = model_info(plan, model, roles)
+    for k in ("_flat_meshes", "_dense_mesh", "_cp_mesh"):  # meshes of an earlier apply (another world)
+        plan.__dict__.pop(k, None)
     mesh = mesh if mesh is not None else build_mesh(plan, device_type)
     plan.__dict__["_mesh"] = mesh
     if plan.degrees["pp"] > 1:
@@ -68,7 +70,7 @@ def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=No
 
 
 def _flat(plan, mesh, dims):
-    """``mesh[dims]`` flattened into one dim (collective; built once per plan and process)."""
+    """``mesh[dims]`` flattened into one dim (collective; built once per ``apply``)."""
     if len(dims) == 1:
         return mesh[dims[0]]
     cache = plan.__dict__.setdefault("_flat_meshes", {})
@@ -80,7 +82,7 @@ def _flat(plan, mesh, dims):
 
 def _dense_mesh(plan, mesh):
     """With ep: a root mesh over the same ranks whose "fsdp" dim spans efsdp x ep (the dense parts are fully
-    sharded over all of them; fully_shard needs TP's root mesh), built once per plan and process."""
+    sharded over all of them; fully_shard needs TP's root mesh), built once per ``apply``."""
     d = plan.degrees
     if "_dense_mesh" not in plan.__dict__:
         shape, names = (d["fsdp"], d["tp"]), ("fsdp", "tp")

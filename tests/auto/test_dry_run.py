@@ -104,3 +104,29 @@ def test_dry_run_several_plans_and_worlds_in_one_process():
     assert again.collectives == first.collectives and again.state_bytes == first.state_bytes
     assert abs(again.peak_memory - first.peak_memory) <= 64, (again.peak_memory, first.peak_memory)
     assert eight.state_bytes < first.state_bytes  # fsdp 4: smaller shards than at world 4
+
+
+def _real8():
+    from hyper_parallel.auto.dry_run import measure_step
+    cfg, plan = _plan8()
+    return measure_step(plan, lambda: build_model(cfg.model, cfg.seed))
+
+
+def _plan8():
+    cfg = get_config("demo")
+    with torch.device("meta"):
+        m = Transformer(cfg.model, init_seed=None)
+    return cfg, evaluate_plan(m, Cluster(8, 8, "1GiB"), degrees={"pp": 2, "fsdp": 2, "tp": 2}, global_batch=cfg.global_batch,
+                              seq_len=cfg.seq_len, sequence_parallel=True, pp_schedule="1f1b", microbatches=4)
+
+
+def test_dry_run_pipeline_world8_matches_real_ranks(dist_runner):
+    """pp2 x fsdp2 x tp2+sp at world 8: both stage roles against the real 8-process step."""
+    cfg, plan = _plan8()
+    fake = dry_run(plan, lambda: build_model(cfg.model, cfg.seed), world_size=8)
+    assert set(fake.ranks) == {0, 4}
+    real = dist_runner.run(8, _real8, timeout=600)
+    for r, rep in fake.ranks.items():
+        assert rep.collectives == real[r].collectives and rep.state_bytes == real[r].state_bytes
+        assert abs(rep.peak_memory - real[r].peak_memory) <= 0.05 * real[r].peak_memory, \
+            (r, rep.peak_memory, real[r].peak_memory)

@@ -19,12 +19,14 @@ Design (one screen)
   overlapped with attention or Ulysses all_to_all, EP dispatch/combine, PP p2p) in alpha-beta time;
   the pipeline bubble from the schedule's formula. Equations: ``docs/auto_parallel.md``.
 * **Search** (``search.plan``): every (dp, fsdp, tp, pp, cp, ep) factorisation x SP x AC x schedule x
-  microbatches x CP method; invalid ones recorded with a reason (``explain_rejections()``); the rest
+  microbatches x CP method (AC: none, per block, selective); invalid ones recorded with a reason (``explain_rejections()``); the rest
   scored, best first among those that fit.
 * **Check and apply.** ``dry_run`` runs one real step of one rank under torch's fake process group
-  (peak memory, collectives with bytes); ``Plan.apply(model)`` builds the mesh and applies the
-  library's ``parallelize_module`` / ``fully_shard`` (pipelining / CP / EP: see docs/auto_parallel.md
-  "Limits"). ``python -m hyper_parallel.auto --config demo --world 64`` prints the top plans.
+  (peak memory, collectives and pipeline messages with bytes; every pipeline stage role);
+  ``Plan.apply(model)`` builds the mesh and applies the library's ``parallelize_module`` / CP /
+  selective or full AC / EP / ``fully_shard``, and for pipelines the stages and torch's schedule
+  (``apply.py``, ``pipeline.py``, ``selective_ac.py``; docs/auto_parallel.md "Apply").
+  ``python -m hyper_parallel.auto --config demo --world 64`` prints the top plans.
 
 This package uses only the library's public modules.
 """

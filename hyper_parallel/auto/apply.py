@@ -1,17 +1,27 @@
 """``Plan.apply(model)``: build the plan's mesh and parallelize a model with the library's own styles.
 
-Per block (the children of the model's largest ModuleList/ModuleDict), from the roles:
-attention q/k/v and MLP gate/up ``ColwiseParallel``, attention o and MLP down ``RowwiseParallel``
-(output ``Shard(1)`` with sequence parallelism, else ``Replicate()``), the attention / MLP modules get
-a ``PrepareModuleInput`` that gathers the sequence, norms ``SequenceParallel`` (with SP); the
-embedding ``RowwiseParallel``, the head ``ColwiseParallel`` (replicated logits). Activation
-checkpointing "full" wraps each block's forward in ``torch.utils.checkpoint`` (non-reentrant).
-Then ``fully_shard`` per block and on the root over ``fsdp`` (HSDP over ``("dp", "fsdp")``), or
-``replicate`` over ``dp``. Grouped experts: ``ExpertParallel`` over ``ep`` and ``fully_shard`` over
-the remaining ``efsdp`` ranks (their gradients averaged over every data-parallel rank).
-Pipelines (with fsdp): ``hyper_parallel.pipelining.split_into_stages`` (names kept), FSDP per stage,
-torch's schedule returned. Context parallelism needs the training loop to shard the sequence: ``apply``
-raises for it and names what to use instead (docs/auto_parallel.md "Limits").
+:func:`parallelize_part` lays out one module (the whole model, or one pipeline stage: a copy of the
+model with the parts other stages own deleted, names kept), in torchtitan's order:
+
+1. **TP (+SP)**, per block, from the roles: attention q/k/v and MLP gate/up ``ColwiseParallel``,
+   attention o and MLP down ``RowwiseParallel`` (output ``Shard(1)`` with sequence parallelism, else
+   ``Replicate()``), the attention / MLP modules get a ``PrepareModuleInput`` that gathers the sequence,
+   norms ``SequenceParallel`` (with SP); the embedding ``RowwiseParallel``, the head ``ColwiseParallel``
+   (replicated logits). The hidden state between modules stays a plain local tensor (``[B, S/tp, D]``
+   with SP); at a pipeline stage boundary with SP it is a ``Shard(1)`` DTensor (the stage's forward
+   reads the global sequence length from it).
+2. **CP**: ``ContextParallel(cp_method)`` on every attention module over ``mesh["cp"]``, and the
+   model's positional tables (root buffers with ``>= seq_len`` rows, e.g. rotary cos/sin) cut to this
+   rank's load-balanced positions; :meth:`Plan.shard_batch` cuts each batch the same way.
+3. **Activation checkpointing**: "full" wraps each block's forward in ``torch.utils.checkpoint``;
+   "selective" does so with an op-level policy (``hyper_parallel.auto.selective_ac``).
+4. **EP**: grouped experts ``ExpertParallel`` over ``ep`` and ``fully_shard`` over ``efsdp``.
+5. **Data parallelism**: ``fully_shard`` per block and on the root over ``fsdp`` (HSDP over
+   ``("dp", "fsdp")``; over the flattened ``(fsdp, cp)`` dims with cp, and over ``cp`` alone in a
+   pipeline without fsdp), or ``replicate`` over ``dp`` (flattened ``(dp, cp)``).
+
+Pipelines: ``hyper_parallel.auto.pipeline`` splits the model, applies :func:`parallelize_part` to every
+stage of this rank and returns torch's schedule.
 """
 from __future__ import annotations
 
@@ -36,31 +46,67 @@ def _rel(prefix, fqn):
     return fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else fqn
 
 
-def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=None, loss_fn=None):
-    d = plan.degrees
-    if d["pp"] > 1:
-        return _apply_pipeline(plan, model, roles=roles, device_type=device_type, mesh=mesh, loss_fn=loss_fn)
-    if d["cp"] > 1:
-        raise NotImplementedError(
-            f"Plan.apply: context-parallel plans (cp={d['cp']}) need the training loop to shard the sequence; run "
-            f"them with examples/llama/train.py {' '.join(plan.to_args())} or hyper_parallel.context_parallel")
+def model_info(plan, model, roles=None):
     info = plan._model_info
     if info is None or roles is not None:
         info = infer_roles(model, trace_model(model, plan.seq_len), roles)
+    return info
+
+
+def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=None, loss_fn=None, stage_cls=None):
+    if plan.activation_checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"Plan.apply: activation_checkpointing={plan.activation_checkpointing!r}; expected 'none', "
+                         "'full' or 'selective'")
+    info = model_info(plan, model, roles)
+    for k in ("_flat_meshes", "_dense_mesh", "_cp_mesh"):  # meshes of an earlier apply (another world)
+        plan.__dict__.pop(k, None)
     mesh = mesh if mesh is not None else build_mesh(plan, device_type)
-    names = mesh.mesh_dim_names
-    tp, sp = d["tp"], plan.sequence_parallel
+    plan.__dict__["_mesh"] = mesh
+    if plan.degrees["pp"] > 1:
+        from hyper_parallel.auto.pipeline import apply_pipeline
+        return apply_pipeline(plan, model, info, mesh, loss_fn=loss_fn, stage_cls=stage_cls)
+    parallelize_part(plan, model, info, mesh)
+    return model
+
+
+def _flat(plan, mesh, dims):
+    """``mesh[dims]`` flattened into one dim (collective; built once per ``apply``)."""
+    if len(dims) == 1:
+        return mesh[dims[0]]
+    cache = plan.__dict__.setdefault("_flat_meshes", {})
+    name = "_".join(dims)
+    if name not in cache:
+        cache[name] = mesh[dims]._flatten(name)
+    return cache[name]
+
+
+def _dense_mesh(plan, mesh):
+    """With ep: a root mesh over the same ranks whose "fsdp" dim spans efsdp x ep (the dense parts are fully
+    sharded over all of them; fully_shard needs TP's root mesh), built once per ``apply``."""
+    d = plan.degrees
+    if "_dense_mesh" not in plan.__dict__:
+        shape, names = (d["fsdp"], d["tp"]), ("fsdp", "tp")
+        if d["pp"] > 1:
+            shape, names = (d["pp"],) + shape, ("pp",) + names
+        plan.__dict__["_dense_mesh"] = hp.init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+    return plan.__dict__["_dense_mesh"]
+
+
+def parallelize_part(plan, model: nn.Module, info, mesh):
+    """Apply the plan's TP/SP, CP, AC, EP and FSDP/replicate to ``model`` in place (the whole model, or a
+    pipeline stage holding a subset of the blocks and top-level modules under their unsplit names)."""
+    d = plan.degrees
+    tp, sp, ep, cp = d["tp"], plan.sequence_parallel, d["ep"], d["cp"]
     seq = Shard(1) if sp else Replicate()
     mods = dict(model.named_modules())
-    roles_of = info.module_roles
-    ep = d["ep"]
-    dense = None
-    if ep > 1:  # dense parts on a ("fsdp", "tp") root over the same ranks (fully_shard needs TP's root mesh)
-        dense = hp.init_device_mesh(mesh.device_type, (d["fsdp"], tp), mesh_dim_names=("fsdp", "tp"))
+    blocks = [(b, moe) for b, moe in zip(info.block_names, info.block_is_moe) if b in mods]
+    roles_of = {f: r for f, r in info.module_roles.items() if f in mods}
+    dense = _dense_mesh(plan, mesh) if ep > 1 else None
     if tp > 1:
         tp_mesh = (dense if dense is not None else mesh)["tp"]
         for n in info.norm_modules:
-            SequenceParallel.register_module_type(type(mods[n]))
+            if n in mods:
+                SequenceParallel.register_module_type(type(mods[n]))
         in_block = lambda f: any(f == b or f.startswith(b + ".") for b in info.block_names)
         top = {}
         for f, r in roles_of.items():
@@ -74,12 +120,11 @@ def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=No
                 top[f] = SequenceParallel()
         if top:
             parallelize_module(model, tp_mesh, top, src_data_rank=None)
-        n_args = {}
-        for b, is_moe in zip(info.block_names, info.block_is_moe):
+        for b, _ in blocks:
             bp = {}
             for a in info.attention_modules:
                 if a.startswith(b + "."):
-                    k = max(plan_args(info, a, model), 1)
+                    k = max(info.n_args.get(a, 1), 1)
                     bp[_rel(b, a)] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (k - 1),
                                                         desired_input_layouts=(Replicate(),) + (None,) * (k - 1),
                                                         use_local_output=True)
@@ -104,13 +149,18 @@ def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=No
                 elif r == "norm" and sp:
                     bp[_rel(b, f)] = SequenceParallel()
             parallelize_module(mods[b], tp_mesh, bp, src_data_rank=None)
+        if sp and blocks:
+            _sp_stage_boundaries(model, info, mods, roles_of, blocks, tp_mesh, seq)
+    if cp > 1:
+        _apply_cp(plan, model, info, mesh, mods)
     if plan.activation_checkpointing == "full":
-        for b in info.block_names:
+        for b, _ in blocks:
             blk = mods[b]
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
-    elif plan.activation_checkpointing not in ("none",):
-        raise NotImplementedError(f"Plan.apply: activation_checkpointing={plan.activation_checkpointing!r} is not "
-                                  "applied yet (only 'none' and 'full')")
+    elif plan.activation_checkpointing == "selective":
+        from hyper_parallel.auto.selective_ac import checkpoint_selective
+        for b, _ in blocks:
+            checkpoint_selective(mods[b])
     if ep > 1:
         from hyper_parallel.moe import ExpertParallel
         for f, r in roles_of.items():
@@ -119,70 +169,66 @@ def apply_plan(plan, model: nn.Module, *, roles=None, device_type="cpu", mesh=No
                 hp.fully_shard(mods[f], mesh=mesh["efsdp"])
                 # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
                 mods[f].set_gradient_divide_factor(d["fsdp"])
-        for b in info.block_names:
+        for b, _ in blocks:
             hp.fully_shard(mods[b], mesh=dense["fsdp"])
         hp.fully_shard(model, mesh=dense["fsdp"])
         return model
+    fs = None
     if d["fsdp"] > 1:
-        fs_mesh = mesh["dp", "fsdp"] if d["dp"] > 1 else mesh["fsdp"]
-        for b in info.block_names:
+        fs = ("dp", "fsdp") if d["dp"] > 1 else ("fsdp", "cp") if cp > 1 else ("fsdp",)
+    elif d["pp"] > 1 and cp > 1:  # a pipeline has no replicate: the gradients reduce over cp by FSDP over cp
+        fs = ("cp",)
+    if fs is not None:
+        fs_mesh = mesh[fs] if fs == ("dp", "fsdp") else _flat(plan, mesh, fs)
+        for b, _ in blocks:
             hp.fully_shard(mods[b], mesh=fs_mesh)
         hp.fully_shard(model, mesh=fs_mesh)
-    elif d["dp"] > 1:
-        hp.replicate(model, mesh["dp"])
+    elif d["dp"] > 1 or cp > 1:
+        hp.replicate(model, _flat(plan, mesh, tuple(k for k in ("dp", "cp") if d[k] > 1)))
     return model
 
 
-def plan_args(info, module_fqn, model):
-    """Positional arguments the module's forward took in the trace (attention takes (x, cos, sin) ...)."""
-    return info.n_args.get(module_fqn, 1)
+def _sp_stage_boundaries(model, info, mods, roles_of, blocks, tp_mesh, seq):
+    """A pipeline stage with SP: the hidden state crossing a stage boundary is a ``Shard(1)`` DTensor (the
+    stage sends its local shard and the layout; the next stage rebuilds it), so that a stage's forward sees
+    the global sequence length (it sizes the rotary tables from it). No-op for a whole model."""
+    from hyper_parallel import PrepareModuleOutput
+    first, last = blocks[0][0], blocks[-1][0]
+    if "embedding" not in roles_of.values():
+        k = max(info.n_args.get(first, 1), 1)
+        parallelize_module(mods[first], tp_mesh, PrepareModuleInput(
+            input_layouts=(seq,) + (None,) * (k - 1), desired_input_layouts=(seq,) + (None,) * (k - 1),
+            use_local_output=True))
+    if "output" not in roles_of.values():
+        parallelize_module(mods[last], tp_mesh, PrepareModuleOutput(output_layouts=seq, desired_output_layouts=seq,
+                                                                     use_local_output=False))
+
+
+def positional_buffers(model, seq_len):
+    """Names of the root module's own buffers with at least ``seq_len`` rows (per-position tables, such as
+    rotary cos/sin, that the model slices to the sequence length it sees)."""
+    return [n for n, b in model._buffers.items() if b is not None and b.dim() >= 1 and b.shape[0] >= seq_len]
+
+
+def _apply_cp(plan, model, info, mesh, mods):
+    from hyper_parallel.context_parallel import ContextParallel, cp_shard
+    cp_mesh = mesh["cp"]
+    style = {}
+    for a in info.attention_modules:
+        if a in mods:
+            style[a] = ContextParallel(method=plan.cp_method or "ring", load_balance=True)
+    if style:
+        parallelize_module(model, cp_mesh, style)
+    S = plan.seq_len
+    for n in positional_buffers(model, S):
+        (local,) = cp_shard(cp_mesh, [model._buffers[n][:S]], [0], load_balance=True)
+        model._buffers[n] = local.contiguous()
+    plan.__dict__["_cp_mesh"] = cp_mesh
 
 
 PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}
 
 
-def _ce_loss(out, target):
+def ce_loss(out, target):
     out = out.full_tensor() if isinstance(out, hp.DTensor) else out
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
-
-
-def _apply_pipeline(plan, model, *, roles, device_type, mesh, loss_fn):
-    """pp (x fsdp): this rank's stages (``hyper_parallel.pipelining.split_into_stages``, names kept), each
-    ``fully_shard``-ed per block and on the stage root over ``fsdp``, in torch's schedule. Returns the
-    schedule (``step(x, target=y, losses=[])``); its ``stage_modules`` hold this rank's modules (for the
-    optimizer) and ``pp_group`` the pipeline group (for ``hyper_parallel.pipelining.clip_grad_norm_``)."""
-    from hyper_parallel import pipelining as pp
-    d = plan.degrees
-    if d["tp"] > 1 or d["cp"] > 1 or d["ep"] > 1 or plan.activation_checkpointing != "none":
-        raise NotImplementedError(
-            f"Plan.apply: pipeline plans are applied with fsdp only (got {plan.summary()}); run this one with "
-            f"examples/llama/train.py {' '.join(plan.to_args())}")
-    info = plan._model_info
-    if info is None or roles is not None:
-        info = infer_roles(model, trace_model(model, plan.seq_len), roles)
-    if "." in info.blocks_path or not info.blocks_path:
-        raise NotImplementedError(f"Plan.apply: pipelining needs the blocks as a ModuleDict attribute of the model "
-                                  f"root, found them at {info.blocks_path!r}")
-    mesh = mesh if mesh is not None else build_mesh(plan, device_type)
-    inputs = tuple(n for n, r in info.module_roles.items() if r == "embedding" and "." not in n)
-    outputs = tuple(n for n, c in model.named_children()
-                    if n not in inputs and n != info.blocks_path and any(True for _ in c.parameters()))
-    name = PP_SCHEDULES[plan.pp_schedule]
-    n_stages = len(plan.layers_per_stage)
-    parts = pp.split_into_stages(model, mesh["pp"], num_stages=n_stages, schedule=name, layers=info.blocks_path,
-                                 input_modules=inputs, output_modules=outputs)
-    if d["fsdp"] > 1:
-        for _, m in parts:
-            for block in getattr(m, info.blocks_path).values():
-                hp.fully_shard(block, mesh=mesh["fsdp"])
-            hp.fully_shard(m, mesh=mesh["fsdp"])
-    dev = torch.device(device_type)
-    stages = [pp.PipelineStage(m, s, n_stages, dev, group=mesh["pp"].get_group()) for s, m in parts]
-    cls = pp.get_schedule_class(name)
-    single = n_stages == d["pp"]
-    schedule = cls(stages[0] if single else stages, n_microbatches=plan.microbatches, loss_fn=loss_fn or _ce_loss)
-    schedule.stage_modules = [m for _, m in parts]
-    schedule.pp_group = mesh["pp"]
-    schedule.has_first = any(s == 0 for s, _ in parts)
-    schedule.has_last = any(s == n_stages - 1 for s, _ in parts)
-    return schedule

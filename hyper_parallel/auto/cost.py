@@ -159,6 +159,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         if c.ac == "full":
             biggest = max(((i / tp + o / sp_div + gg) for s in st_ids for i, o, gg in stages[s]["reps"]), default=0)
             per_sample = nblk * hidden_bytes / sp_div / act_scale + biggest / cp
+        elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
+            from hyper_parallel.auto.selective_ac import selective_per_sample
+            per_sample = selective_per_sample(ms, [stages[s] for s in st_ids], tp, sp_div, cp,
+                                              hidden_bytes / act_scale)
         else:
             per_sample = sum(stages[s]["inner"] / tp + stages[s]["outer"] / sp_div + stages[s]["gathered"]
                              for s in st_ids) / cp
@@ -200,13 +204,13 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     compute = b_local * (fwd * (1 + ms.bwd_ratio) + recompute) / cluster.flops
     if cluster.op_overhead:  # host time per operator (eager CPU runs): forward, backward and recomputed ops
         ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
-        re_ops = sum(x["ops"] for x in mine) if c.ac == "full" else 0
+        re_ops = sum(x["ops"] for x in mine) if c.ac in ("full", "selective") else 0
         compute += m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.op_overhead
     comm: Dict[str, float] = {}
     if tp > 1:  # TP / SP per block and microbatch: Megatron's 2 collectives per block in each direction
         a = b_mb * hidden_bytes
         span = _span(order, sizes, "tp")
-        n_coll = 2 * nblk * (2 if c.ac == "full" else 1) + 2 * nblk
+        n_coll = 2 * nblk * (2 if c.ac in ("full", "selective") else 1) + 2 * nblk
         if c.sp:
             per = ct("all_gather", a, tp, intra(span)) + ct("reduce_scatter", a, tp, intra(span))
         else:

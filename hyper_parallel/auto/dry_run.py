@@ -8,9 +8,17 @@ step (forward, backward, AdamW; gradients freed before it as ``zero_grad`` does)
 a live-storage tracker (a ``TorchDispatchMode`` that adds the bytes of every new tensor storage and
 subtracts them when the storage is freed; the peak over the step) and
 ``hyper_parallel.CommDebugMode`` (every collective the library issues with its bytes and group).
+
+Pipelines: ``Plan.apply`` builds the stages in torch's static mode (boundary shapes from the layout), so
+nothing but activations and gradients crosses the stages. Under the fake group the stage's first-step
+handshake (torch's static/dynamic vote and our boundary check, both point to point) is skipped and its
+receive buffers are zeros (the fake group's receives leave them as they are): the stage runs its real
+forward, backward and collectives on them. Context parallelism runs as is: the ring's receives leave
+zeros too, which changes values, not sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Callable, Dict, List, Optional
@@ -23,7 +31,6 @@ from torch.utils._pytree import tree_flatten
 import hyper_parallel as hp
 
 
-_WORLDS = set()  # world sizes dry-run in this process
 
 
 @dataclasses.dataclass
@@ -66,12 +73,49 @@ def _roles(plan, world_size):
 
 
 def _default_batch(plan, rank, vocab):
-    from hyper_parallel.auto.plan import Plan  # noqa: F401
     idx, n = plan.data_shard(rank)
     b = plan.global_batch // n
     g = torch.Generator().manual_seed(idx)
     x = torch.randint(0, vocab, (b, plan.seq_len + 1), generator=g)
     return x[:, :-1], x[:, 1:]
+
+
+def _cp_cut(plan, x, y):
+    """This cp rank's load-balanced sequence positions of a data-parallel share (no-op without cp)."""
+    if plan.degrees["cp"] == 1:
+        return x, y
+    from hyper_parallel.context_parallel import cp_shard
+    return tuple(cp_shard(plan.__dict__["_cp_mesh"], [x, y], [1, 1], load_balance=True))
+
+
+def _fake_world_stage_cls():
+    """``PipelineStage`` for the fake group: no first-step handshake, zeroed receive buffers."""
+    from hyper_parallel.pipelining import PipelineStage
+
+    class FakeWorldStage(PipelineStage):
+        def _warmup_forward_vote(self, has_backward, received_acc=None):
+            return torch.ones(1, dtype=torch.int32)   # every stage is static (Plan.apply gives the shapes)
+
+        def _warmup_backward_result(self, received_result=None):
+            return torch.ones(1, dtype=torch.int32)
+
+        def _hp_static_boundary_check(self):
+            return None                                 # the neighbours' declared shapes are ours by construction
+
+        def _setup_forward_recv_info(self, num_microbatches, has_backward):
+            super()._setup_forward_recv_info(num_microbatches, has_backward)
+            for infos in self.args_recv_info.values():
+                for info in infos:
+                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                        info.buffer.zero_()
+
+        def _setup_backward_recv_info(self, num_microbatches):
+            super()._setup_backward_recv_info(num_microbatches)
+            for infos in self.grad_recv_info.values():
+                for info in infos:
+                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                        info.buffer.zero_()
+    return FakeWorldStage
 
 
 def _loss(out, y):
@@ -83,7 +127,7 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
             rank: Optional[int] = None, batch_fn=None, loss_fn=None, lr: float = 1e-3) -> DryRunResult:
     """Run one training step of ``rank`` (default: every differing rank role) of a ``world_size``-rank job
     laid out by ``plan``, in this process on the fake process group. ``model_fn()`` builds the model
-    (the same on every rank); ``batch_fn(plan, rank)`` gives this rank's (inputs, targets) (default: random
+    (the same on every rank); ``batch_fn(plan, rank)`` gives this rank's data-parallel (inputs, targets) (cut over cp here; default: random
     token ids of the plan's batch share); ``loss_fn(output, targets)`` (default: cross-entropy)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -95,17 +139,13 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
                            "own fake one per rank (run it in a fresh process)")
     if rank is not None and not 0 <= rank < W:
         raise ValueError(f"dry_run: rank={rank} is not in [0, {W})")
-    if _WORLDS and W not in _WORLDS:
-        raise RuntimeError(f"dry_run: this process already dry-ran world_size={sorted(_WORLDS)[0]}; the library caches "
-                           f"layouts per mesh, so dry-run world_size={W} in a fresh process (one world size per "
-                           "process; any number of plans and ranks)")
-    _WORLDS.add(W)
     roles = {rank: f"rank {rank}"} if rank is not None else _roles(plan, W)
     reports = {}
     for r, role in roles.items():
         dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=W)
         try:
-            reports[r] = _one_rank(plan, model_fn, r, role, batch_fn, loss_fn or _loss, lr, fake=True)
+            with _works_hold_tensors():
+                reports[r] = _one_rank(plan, model_fn, r, role, batch_fn, loss_fn or _loss, lr, fake=True)
         finally:
             _release_groups()
             dist.destroy_process_group()
@@ -116,9 +156,15 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
 
 
 def _release_groups():
-    """Forget the library's cached process groups of the previous fake world (the next rank builds its own)."""
+    """Forget the library's cached process groups of the previous fake world (the next rank builds its own),
+    and the layouts and dispatch entries built on its meshes: a mesh of the next world with the same ranks
+    and names compares equal to the old one, and a cached layout would hand it the old world's groups."""
+    from hyper_parallel.dispatch import dispatcher
     from hyper_parallel.distributed import groups
+    from hyper_parallel.dtensor import layout_builder
     groups.release_groups()
+    layout_builder._LAYOUT_CACHE.clear()
+    dispatcher._clear_caches()
 
 
 def _local(t):
@@ -159,6 +205,68 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class _HeldWork:
+    """A fake group's ``Work`` that keeps the collective's tensors alive until its holder drops it, as a real
+    backend's work does (gloo's and NCCL's hold their inputs and outputs): a schedule or kernel that keeps a
+    work a while keeps those tensors with it, which is part of the real peak."""
+
+    def __init__(self, work, args):
+        self._work, self._args = work, args
+
+    def wait(self, *a, **k):
+        return self._work.wait(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+_PG_CALLS = ("_allgather_base", "_reduce_scatter_base", "all_gather_single", "all_gather_single_coalesced",
+             "all_to_all_single", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "allreduce",
+             "allreduce_coalesced", "alltoall", "alltoall_base", "broadcast", "gather", "recv", "reduce",
+             "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+             "reduce_scatter_tensor_coalesced", "scatter", "send")
+
+
+@contextlib.contextmanager
+def _works_hold_tensors():
+    """While dry-running: every ``ProcessGroup`` call's work holds the call's tensors (see ``_HeldWork``)."""
+    from torch._C._distributed_c10d import ProcessGroup
+    saved = {}
+    for name in _PG_CALLS:
+        orig = getattr(ProcessGroup, name, None)
+        if orig is None:
+            continue
+        saved[name] = orig
+
+        def held(self, *args, __orig=orig, **kwargs):
+            return _HeldWork(__orig(self, *args, **kwargs), args)
+        setattr(ProcessGroup, name, held)
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(ProcessGroup, name, orig)
+
+
+@contextlib.contextmanager
+def _p2p_events(events):
+    """Pipeline point-to-point messages (torch's schedules batch them in ``_batch_p2p``) as ``("send" | "recv",
+    bytes, 2)`` events, in issue order with the collectives."""
+    from torch.distributed.pipelining import schedules as sch
+    orig = sch._batch_p2p
+
+    def logged(p2p_ops, desc=None):
+        for op in p2p_ops:
+            events.append(("send" if op.op is dist.isend else "recv", op.tensor.numel() * op.tensor.element_size(),
+                           (0, 1)))
+        return orig(p2p_ops, desc)
+    sch._batch_p2p = logged
+    try:
+        yield
+    finally:
+        sch._batch_p2p = orig
+
+
 def measure_step(plan, model_fn, *, role: str = "", batch_fn=None, loss_fn=None, lr: float = 1e-3) -> RankReport:
     """One training step of this rank of the launched (real or fake) world under ``plan``: the report
     ``dry_run`` gives, measured the same way, so a real multi-process run compares one to one."""
@@ -167,17 +275,15 @@ def measure_step(plan, model_fn, *, role: str = "", batch_fn=None, loss_fn=None,
 
 
 def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
+    from hyper_parallel.auto.apply import apply_plan
     pp = plan.degrees["pp"] > 1
-    if plan.degrees["cp"] > 1 or (pp and fake):
-        raise NotImplementedError("dry_run: pipeline and context-parallel plans are not dry-run yet (torch's stage "
-                                  "metadata exchange needs real data; docs/auto_parallel.md \"Limits\"); "
-                                  "measure_step runs pipelines on a real world")
     if batch_fn is not None:
         x, y = batch_fn(plan, rank)
     else:
         x, y = _default_batch(plan, rank, plan._model_info.vocab)
     if pp:  # the schedule: this rank's stage modules; their forward and backward inside step()
-        sched = plan.apply(model_fn(), loss_fn=loss_fn)
+        sched = apply_plan(plan, model_fn(), loss_fn=loss_fn, stage_cls=_fake_world_stage_cls() if fake else None)
+        x, y = _cp_cut(plan, x, y)
         modules = sched.stage_modules
         params = [p for m in modules for p in m.parameters()]
 
@@ -185,7 +291,8 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
             sched.step(*((x,) if sched.has_first else ()), target=y if sched.has_last else None,
                        losses=[] if sched.has_last else None)
     else:
-        model = plan.apply(model_fn())
+        model = apply_plan(plan, model_fn())
+        x, y = _cp_cut(plan, x, y)
         modules = [model]
         params = list(model.parameters())
 
@@ -206,7 +313,7 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
     mt = LiveBytes()
     mt.live.update({k: None for k in base})
     with mt:
-        with hp.CommDebugMode() as comm:
+        with hp.CommDebugMode() as comm, _p2p_events(comm.events):
             step()
             opt.step()
     peak = sum(base.values()) + mt.peak
@@ -219,4 +326,9 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 state += _local(v).numel() * _local(v).element_size()
     events = [(k, int(b), len(g) if g is not None else 0) for k, b, g in comm.events]
-    return RankReport(rank, role, int(peak), state, events, dict(comm.get_comm_counts()), comm.get_bytes())
+    counts, nbytes = dict(comm.get_comm_counts()), comm.get_bytes()
+    for k, b, _ in events:
+        if k in ("send", "recv"):
+            counts[k] = counts.get(k, 0) + 1
+            nbytes[k] = nbytes.get(k, 0) + b
+    return RankReport(rank, role, int(peak), state, events, counts, nbytes)

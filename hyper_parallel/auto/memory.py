@@ -121,7 +121,10 @@ def _bytes(counter: Counter, tp, shard, ep, expert_shard) -> int:
 
 def shard_degrees(degrees: Dict[str, int]) -> Tuple[int, int]:
     """(ranks that shard a dense parameter, ranks that shard an expert's local slice) under FSDP."""
-    shard = degrees["fsdp"] * (degrees["cp"] if degrees["fsdp"] > 1 else 1)
+    cp = degrees["cp"]
+    # cp ranks shard parameters with fsdp; a pipeline without fsdp shards over cp alone (it reduces the
+    # gradients over cp with FSDP, having no replicate)
+    shard = degrees["fsdp"] * cp if degrees["fsdp"] > 1 or degrees.get("pp", 1) > 1 else 1
     ep = degrees["ep"]
     return shard, (shard // ep if ep > 1 else shard)
 
@@ -148,11 +151,21 @@ def state_bytes_per_stage(groups: ParamGroups, degrees: Dict[str, int], stages: 
     return out
 
 
-def split_layers(n_layers: int, pp: int, per_stage: Optional[List[int]] = None) -> List[List[int]]:
-    """Balanced contiguous split of block indices over ``pp`` stages (earlier stages get the extra ones)."""
+def split_layers(n_layers: int, pp: int, per_stage: Optional[List[int]] = None, *, input_weight: int = 1,
+                 output_weight: int = 1) -> List[List[int]]:
+    """Contiguous split of block indices over ``pp`` stages, as ``hyper_parallel.pipelining.plan_stages``
+    deals them (what ``Plan.apply`` runs): the embedding counts as ``input_weight`` layers of the first
+    stage and the head as ``output_weight`` of the last, the ``n_layers + weights`` layers are dealt out as
+    evenly as possible, earlier stages taking one more."""
     if per_stage is None:
-        base, extra = divmod(n_layers, pp)
+        total = n_layers + input_weight + output_weight
+        base, extra = divmod(total, pp)
         per_stage = [base + (1 if s < extra else 0) for s in range(pp)]
+        per_stage[0] -= input_weight
+        per_stage[-1] -= output_weight
+        if min(per_stage) < 0:  # fewer layers than stages can take: plain even split of the blocks
+            base, extra = divmod(n_layers, pp)
+            per_stage = [base + (1 if s < extra else 0) for s in range(pp)]
     out, i = [], 0
     for k in per_stage:
         out.append(list(range(i, i + k)))

@@ -48,14 +48,22 @@ def _balanced_experts_forward(mod):
 class _MetaDataDependent(TorchDispatchMode):
     """Host reads of meta tensors return 0; ``bincount`` returns ``minlength`` meta entries."""
 
-    def __init__(self, on_op=None):
+    def __init__(self, on_op=None, on_out=None):
         super().__init__()
         self.on_op = on_op
+        self.on_out = on_out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.on_op is not None:
             self.on_op(func)
+        if self.on_out is not None:
+            out = self._run(func, args, kwargs)
+            self.on_out(func, out)
+            return out
+        return self._run(func, args, kwargs)
+
+    def _run(self, func, args, kwargs):
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             return 0 if not args[0].dtype.is_floating_point else 0.0
@@ -94,6 +102,7 @@ class ModuleTrace:
     sdpa_at: Optional[int] = None  # index into linear_order at which sdpa ran (attention modules)
     sdpa_flops: int = 0
     ops: int = 0                   # aten ops run while this module was the innermost one (forward)
+    sac_bytes: int = 0             # outputs of matmuls and attention (what selective AC saves), forward
 
 
 @dataclasses.dataclass
@@ -231,7 +240,15 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
         if owner in mods:
             mods[owner].ops += 1
     linear_inputs, module_input_id = {}, {}
-    phase = {"bwd": False}
+    phase = {"bwd": False, "sdpa": False}
+    from hyper_parallel.auto.selective_ac import SAVE_OPS
+
+    def on_out(func, out):  # what selective AC keeps: matmul outputs (attention's own are added by the spy)
+        if phase["bwd"] or phase["sdpa"] or func not in SAVE_OPS or not isinstance(out, torch.Tensor):
+            return
+        owner = stack[-1] if stack else ""
+        if owner in mods:
+            mods[owner].sac_bytes += out.numel() * out.element_size()
 
     def pre(mod, args):
         n = names.get(mod)
@@ -294,8 +311,14 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
                 # the output and a float32 log-sum-exp [B, H, S] for backward, never the [S, S] scores
                 b, h, s, d = q.shape
                 extra_bwd[0] += 2 * 4 * b * h * s * k.shape[-2] * d  # dq, dk, dv (+ recomputed scores)
-                with torch.no_grad():
-                    out = func(*args, **kwargs)
+                phase["sdpa"] = True
+                try:
+                    with torch.no_grad():
+                        out = func(*args, **kwargs)
+                finally:
+                    phase["sdpa"] = False
+                if stack and stack[-1] in mods:  # selective AC saves the attention output and its log-sum-exp
+                    mods[stack[-1]].sac_bytes += out.numel() * out.element_size() + b * h * s * 4
                 return _FusedAttention.apply(out, args[0], args[1], args[2])
             return func(*args, **kwargs)
 
@@ -307,7 +330,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
         else:
             x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
         fwd_counter = FlopCounterMode(display=False)
-        with _MetaDataDependent(on_op), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with _MetaDataDependent(on_op, on_out), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 _SdpaSpy():
             out = meta(*x) if isinstance(x, tuple) else meta(x)
             if isinstance(out, (tuple, list)):

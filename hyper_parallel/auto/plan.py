@@ -147,10 +147,29 @@ class Plan:
                 idx, n = idx * size + c[name], n * size
         return idx, n
 
+    def shard_batch(self, x, y, rank: Optional[int] = None):
+        """This rank's share of a global batch ``x``, ``y`` (``[global_batch, seq_len]``): its data-parallel
+        rows (:meth:`data_shard`) and, with context parallelism, its load-balanced sequence positions (head-tail
+        chunks, as :meth:`apply`, which must have run first in this process, cut the rotary tables)."""
+        import torch.distributed as dist
+        rank = dist.get_rank() if rank is None else rank
+        idx, n = self.data_shard(rank)
+        b = x.shape[0] // n
+        x, y = x[idx * b:(idx + 1) * b], y[idx * b:(idx + 1) * b]
+        if self.degrees["cp"] > 1:
+            mesh = self.__dict__.get("_cp_mesh")
+            if mesh is None:
+                raise RuntimeError("Plan.shard_batch: a context-parallel plan cuts the sequence over its cp mesh; "
+                                   "call plan.apply(model) in this process first")
+            from hyper_parallel.context_parallel import cp_shard
+            x, y = cp_shard(mesh, [x, y], [1, 1], load_balance=True)
+        return x, y
+
     # ------------------------------------------------------------------ doing
     def apply(self, model, *, roles=None, device_type: str = "cpu", loss_fn=None):
         """Build the mesh and parallelize ``model`` (call on every rank of the launched world): returns the
         module, or, with a pipeline, the schedule (torch's ``step(x, target=y, losses=[])``; ``loss_fn(output,
-        target)``, default cross-entropy). See ``hyper_parallel.auto.apply``."""
+        target)``, default cross-entropy). Feed it :meth:`shard_batch` of each global batch. See
+        ``hyper_parallel.auto.apply``."""
         from hyper_parallel.auto.apply import apply_plan
         return apply_plan(self, model, roles=roles, device_type=device_type, loss_fn=loss_fn)

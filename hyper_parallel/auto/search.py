@@ -60,7 +60,8 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     best (shortest predicted step time among those that fit the per-rank memory) first.
 
     ``parallelisms``: which of dp (replicate), fsdp, tp, sp, pp, cp, ep may be used.
-    ``activation_checkpointing``: "auto" (search none / full), or one of "none", "full", "selective".
+    ``activation_checkpointing``: "auto" (search none / full (per block) / selective (op-level: matmul and
+    attention outputs saved)), or one of "none", "full", "selective".
     ``roles``: ``{module fqn: role}`` for modules the planner cannot tag (see ``hyper_parallel.auto.roles``).
     Raises ``ValueError`` when nothing fits (naming the smallest per-rank memory needed, in GiB, and the
     plan closest to fitting) or when the constraints leave no valid layout (saying why).
@@ -76,13 +77,13 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
         raise ValueError(f"plan(): parallelisms={tuple(parallelisms)!r} has unknown {bad}; choose from {PARALLELISMS}")
     if optimizer not in ("adamw", "adam", "sgd"):
         raise ValueError(f"plan(): optimizer={optimizer!r}; supported: 'adamw', 'adam', 'sgd'")
-    acs = ("none", "full") if activation_checkpointing == "auto" else (activation_checkpointing,)
+    acs = AC_CHOICES if activation_checkpointing == "auto" else (activation_checkpointing,)
     if acs[0] not in AC_CHOICES:
         raise ValueError(f"plan(): activation_checkpointing={activation_checkpointing!r}; expected 'auto' or one "
                          f"of {AC_CHOICES}")
     trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
     info = infer_roles(model, trace, roles)
-    ms = summarize(info, trace, model)
+    ms = _summary(info, trace, model)
     item = ms.act_item
     p_item = _dtype_item(param_dtype, item)
     r_item = _dtype_item(reduce_dtype, p_item)
@@ -176,7 +177,7 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
         raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
     trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
     info = infer_roles(model, trace, roles)
-    ms = summarize(info, trace, model)
+    ms = _summary(info, trace, model)
     why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
     if why:
         raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
@@ -191,6 +192,14 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
                             reduce_item=_dtype_item(reduce_dtype, p_item))
     return _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+
+
+def _summary(info, trace, model):
+    """The cost model's summary of the trace, with what selective AC saves per block (``selective_ac``)."""
+    from hyper_parallel.auto.selective_ac import block_sac_bytes
+    ms = summarize(info, trace, model)
+    ms.blk_sac = block_sac_bytes(info, trace)
+    return ms
 
 
 def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[str]:
@@ -209,8 +218,8 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
             return f"tp={tp} > devices_per_node={cluster.devices_per_node} (tensor parallelism stays within a node)"
     if pp > L:
         return f"pp={pp} > {L} layers"
-    if cp > 1 and seq_len % cp:
-        return f"cp={cp} does not divide seq_len={seq_len}"
+    if cp > 1 and seq_len % (2 * cp):
+        return f"2*cp={2 * cp} does not divide seq_len={seq_len} (load-balanced head-tail shards of equal length)"
     if ep > 1:
         if E % ep:
             return f"ep={ep} does not divide the {E} experts"

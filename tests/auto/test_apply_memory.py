@@ -1,4 +1,5 @@
-"""hyper_parallel.auto on 4 gloo ranks: Plan.apply (also pipelines: the schedule) trains like one process (loss, gradients, one AdamW step,
+"""hyper_parallel.auto on 4 gloo ranks: Plan.apply (also context parallelism, and pipelines x tp / cp / ep / AC:
+the schedule) trains like one process (loss, gradients, one AdamW step,
 float64), and the predicted parameter + gradient + optimizer bytes equal the measured local shards exactly
 (the maximum over ranks)."""
 import pytest
@@ -7,7 +8,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from examples.llama.configs import get_config
-from examples.llama.data import TokenBatches, dp_shard
+from examples.llama.data import TokenBatches
 from examples.llama.model import build_model, loss_fn
 
 DT = torch.float64
@@ -26,6 +27,17 @@ LAYOUTS = [  # (config, degrees, sp, ac)
     ("moe-tiny", {"fsdp": 4, "ep": 4}, False, "none"),
     ("renamed", {"fsdp": 2, "tp": 2}, True, "none"),   # other names, nn.LayerNorm / nn.RMSNorm, ModuleList
     ("renamed", {"dp": 2, "tp": 2}, False, "full"),
+    # context parallelism (load-balanced sequence shards; gradients reduced over dp/fsdp x cp)
+    ("tiny", {"fsdp": 2, "cp": 2}, False, "none"),
+    ("tiny", {"cp": 2, "tp": 2}, True, "none"),
+    ("tiny", {"dp": 2, "cp": 2}, False, "full"),
+    ("tiny", {"cp": 4, "cp_method": "ulysses"}, False, "none"),
+    ("renamed", {"fsdp": 2, "cp": 2}, False, "none"),
+    # selective activation checkpointing (matmul and attention outputs saved, the rest recomputed)
+    ("tiny", {"fsdp": 4}, False, "selective"),
+    ("tiny", {"fsdp": 2, "tp": 2}, True, "selective"),
+    ("moe-tiny", {"fsdp": 4, "ep": 2}, False, "selective"),
+    ("renamed", {"dp": 2, "tp": 2}, False, "selective"),
 ]
 
 
@@ -68,15 +80,16 @@ def _reference(cfg):
 def _body(case):
     from hyper_parallel.auto import Cluster, evaluate_plan
     name, degrees, sp, ac = LAYOUTS[case]
+    degrees = dict(degrees)
+    cp_method = degrees.pop("cp_method", None)
     cfg = _config(name)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = cfg.build()
     plan = evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=cfg.global_batch,
-                         seq_len=cfg.seq_len, sequence_parallel=sp, activation_checkpointing=ac)
+                         seq_len=cfg.seq_len, sequence_parallel=sp, activation_checkpointing=ac, cp_method=cp_method)
     model = plan.apply(model)
-    idx, n = plan.data_shard(rank)
-    x, y = _batch(cfg)
-    loss = loss_fn(model(dp_shard(x, idx, n)), dp_shard(y, idx, n))
+    x, y = plan.shard_batch(*_batch(cfg))
+    loss = loss_fn(model(x), y)
     loss.backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
@@ -112,23 +125,32 @@ def test_apply_parity_and_exact_state_bytes(dist_runner, case):
         torch.testing.assert_close(out[0]["params"][k], ref_params[k], **TOL, msg=lambda m: f"param {k}: {m}")
 
 
-PP_LAYOUTS = [("tiny", {"pp": 2, "fsdp": 2}, "1f1b", 2), ("tiny", {"pp": 2, "fsdp": 2}, "gpipe", 4),
-              ("moe-tiny", {"pp": 2, "fsdp": 2}, "gpipe", 2), ("demo", {"pp": 2, "fsdp": 2}, "interleaved1f1b", 2)]
+PP_LAYOUTS = [  # (config, degrees, schedule, microbatches, sp, ac)
+    ("tiny", {"pp": 2, "fsdp": 2}, "1f1b", 2, False, "none"), ("tiny", {"pp": 2, "fsdp": 2}, "gpipe", 4, False, "none"),
+    ("moe-tiny", {"pp": 2, "fsdp": 2}, "gpipe", 2, False, "none"),
+    ("demo", {"pp": 2, "fsdp": 2}, "interleaved1f1b", 2, False, "none"),
+    # pipeline x tp / cp / ep / AC
+    ("tiny", {"pp": 2, "tp": 2}, "1f1b", 2, True, "none"), ("tiny", {"pp": 2, "tp": 2}, "gpipe", 4, False, "none"),
+    ("demo", {"pp": 2, "tp": 2}, "interleaved1f1b", 2, True, "none"),
+    ("tiny", {"pp": 2, "cp": 2}, "1f1b", 2, False, "none"), ("tiny", {"pp": 2, "fsdp": 2}, "1f1b", 2, False, "full"),
+    ("moe-tiny", {"pp": 2, "fsdp": 2, "ep": 2}, "gpipe", 2, False, "none"),
+    ("demo", {"pp": 4}, "gpipe", 4, False, "none"),
+    ("tiny", {"pp": 2, "tp": 2}, "1f1b", 2, True, "selective"),
+]
 
 
 def _pp_body(case):
     from hyper_parallel.auto import Cluster, evaluate_plan
     from hyper_parallel.pipelining import clip_grad_norm_  # noqa: F401  (the schedule's companion)
-    name, degrees, sched, m = PP_LAYOUTS[case]
+    name, degrees, sched, m, sp, ac = PP_LAYOUTS[case]
     cfg = _config(name)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = cfg.build()
     plan = evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=cfg.global_batch,
-                         seq_len=cfg.seq_len, pp_schedule=sched, microbatches=m)
+                         seq_len=cfg.seq_len, pp_schedule=sched, microbatches=m, sequence_parallel=sp,
+                         activation_checkpointing=ac)
     schedule = plan.apply(model)
-    idx, n = plan.data_shard(rank)
-    x, y = _batch(cfg)
-    x, y = dp_shard(x, idx, n), dp_shard(y, idx, n)
+    x, y = plan.shard_batch(*_batch(cfg))
     losses = []
     schedule.step(*((x,) if schedule.has_first else ()), target=y if schedule.has_last else None, losses=losses)
     params = [p for mod in schedule.stage_modules for p in mod.parameters()]
@@ -142,12 +164,13 @@ def _pp_body(case):
     dist.all_reduce(loss)
     out = {k: _full(p.detach()) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
     grads = {k: _full(p.grad) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
-    return dict(loss=loss.item() / (n if n > 1 else 1), params=out, grads=grads, predicted=plan.memory.state,
+    return dict(loss=loss.item() / (world // plan.degrees["pp"]), params=out, grads=grads, predicted=plan.memory.state,
                 measured=int(measured.item()))
 
 
 @pytest.mark.parametrize("case", range(len(PP_LAYOUTS)),
-                         ids=[f"{c}-{'x'.join(f'{k}{v}' for k, v in d.items())}-{s}-m{m}" for c, d, s, m in PP_LAYOUTS])
+                         ids=[f"{c}-{'x'.join(f'{k}{v}' for k, v in d.items())}-{s}-m{m}{'-sp' if sp else ''}-ac{ac}"
+                              for c, d, s, m, sp, ac in PP_LAYOUTS])
 def test_apply_pipeline_returns_a_schedule_with_parity(dist_runner, case):
     out = dist_runner.run(4, _pp_body, case)
     ref_loss, ref_grads, ref_params = _reference(_config(PP_LAYOUTS[case][0]))

@@ -134,7 +134,7 @@ def test_parallelisms_restrict_the_search():
     m = _meta(cfg.model)
     ps = plan(m, Cluster(4, 4, "2GiB"), global_batch=16, seq_len=128, parallelisms=("fsdp",))
     assert ps and all(p.degrees == dict(dp=1, fsdp=4, tp=1, pp=1, cp=1, ep=1) for p in ps)
-    assert {p.activation_checkpointing for p in ps} == {"none", "full"}
+    assert {p.activation_checkpointing for p in ps} == {"none", "full", "selective"}
     ps = plan(m, Cluster(4, 4, "2GiB"), global_batch=16, seq_len=128, parallelisms=("tp", "sp"))
     assert all(p.degrees["tp"] == 4 for p in ps) and any(p.sequence_parallel for p in ps)
 

@@ -8,6 +8,8 @@ each unit of work the library actually issues, timed the way a step runs it:
   a step (4 ranks on 2 cores: each gets about half); the median of ``repeats`` blocks, the slowest
   rank's figure (all ranks agree);
 * ``flops``: a square matmul; ``op``: host seconds per aten op of a small MLP's forward + backward;
+  ``ac_op``: the extra seconds per forward op of the same MLP under activation checkpointing (recompute
+  and the checkpoint's hooks);
 * ``dtensor_op``: the extra seconds of one op dispatched on a DTensor through a ``ColwiseParallel``
   Linear (input/output hooks included) over a plain Linear's forward;
 * ``optim``: seconds per parameter tensor of one AdamW step, plain tensors and DTensors;
@@ -81,7 +83,8 @@ class _Timer:
 
 
 def _op_overhead(timed):
-    """Seconds per aten op of a tiny MLP's forward + backward (module calls and autograd included)."""
+    """(Seconds per aten op of a tiny MLP's forward + backward (module calls and autograd included), extra
+    seconds per forward op when the MLP runs under activation checkpointing: its hooks and the recompute)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     net = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(16, 16), torch.nn.SiLU())])
@@ -99,7 +102,17 @@ def _op_overhead(timed):
 
     with _Count():
         step()
-    return timed(step, iters=4) / max(_Count.n, 1)
+    n_all = max(_Count.n, 1)
+    _Count.n = 0
+    with _Count():
+        net(x)
+    n_fwd = max(_Count.n, 1)
+    t = timed(step, iters=4)
+
+    def ckpt_step():  # the same under activation checkpointing (non-reentrant, as Plan.apply wraps blocks)
+        torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False).sum().backward()
+    t_ac = timed(ckpt_step, iters=4)
+    return t / n_all, max(t_ac - t, 0.0) / n_fwd
 
 
 def _dtensor_costs(timed, mesh):
@@ -198,7 +211,7 @@ def measure_world(group, *, sizes, matmul_n, repeats, with_host):
         from hyper_parallel.distributed.comm_group import CommGroup
         groups[n] = CommGroup(ranks, group, dist.get_rank())
     if with_host:
-        times["op"] = _op_overhead(timed)
+        times["op"], times["ac_op"] = _op_overhead(timed)
         if meshes:
             m = meshes[max(meshes)]
             times["dtensor_op"], times["optim_plain"], times["optim_dtensor"] = _dtensor_costs(timed, m)
@@ -215,7 +228,8 @@ def measure_world(group, *, sizes, matmul_n, repeats, with_host):
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     times = dict(zip(keys, vec.tolist()))
     out = dict(flops=2 * mn**3 / max(times["matmul"], 1e-12), comm={}, fsdp_unit={},
-               op_overhead=times.get("op", 0.0), dtensor_op=times.get("dtensor_op", 0.0),
+               op_overhead=times.get("op", 0.0), ac_op=times.get("ac_op", 0.0),
+               dtensor_op=times.get("dtensor_op", 0.0),
                optim=(times.get("optim_plain", 0.0), times.get("optim_dtensor", 0.0)))
     for g in groups:
         if ("fsdp_unit", g) in times:

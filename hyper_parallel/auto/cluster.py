@@ -61,7 +61,7 @@ class Cluster:
     on the wire) and ``latency`` (s per message step) default to the H100 preset's effective values.
     ``comm`` (filled by :meth:`measure`) holds the measured fits: ``(kind, n)`` -> (seconds per call,
     bytes/s on the wire) for each calibrated group size ``n``, and ``kind`` -> (seconds per message step,
-    bytes/s) for other sizes. ``op_overhead``, ``dtensor_op``, ``optim`` and ``fsdp_unit`` are the host
+    bytes/s) for other sizes. ``op_overhead``, ``ac_op``, ``dtensor_op``, ``optim`` and ``fsdp_unit`` are the host
     costs of the library's execution (docs/auto_parallel.md "Calibration"); 0 on device clusters.
     """
 
@@ -74,13 +74,14 @@ class Cluster:
     latency: Optional[float] = None
     comm: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     op_overhead: float = 0.0
+    ac_op: float = 0.0
     dtensor_op: float = 0.0
     optim: tuple = (0.0, 0.0)
     fsdp_unit: Dict[int, float] = dataclasses.field(default_factory=dict)
 
     def __init__(self, world_size, devices_per_node, device_memory, *, flops=None, intra_node_bw=None,
-                 inter_node_bw=None, latency=None, comm=None, op_overhead=0.0, dtensor_op=0.0, optim=(0.0, 0.0),
-                 fsdp_unit=None):
+                 inter_node_bw=None, latency=None, comm=None, op_overhead=0.0, ac_op=0.0, dtensor_op=0.0,
+                 optim=(0.0, 0.0), fsdp_unit=None):
         for name, v in (("world_size", world_size), ("devices_per_node", devices_per_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Cluster: {name} must be a positive int, got {v!r}")
@@ -99,6 +100,7 @@ class Cluster:
         self.comm = dict(comm or {})
         # host costs, measured on CPU worlds (0 where the host runs ahead of the device: hidden)
         self.op_overhead = float(op_overhead)    # seconds per aten op (forward or backward)
+        self.ac_op = float(ac_op)                # extra seconds per forward op under activation checkpointing
         self.dtensor_op = float(dtensor_op)      # extra seconds per op dispatched on a DTensor
         self.optim = tuple(float(v) for v in optim)  # AdamW seconds per parameter tensor: (plain, DTensor)
         self.fsdp_unit = dict(fsdp_unit or {})   # group size -> seconds per fully_shard unit per step
@@ -196,4 +198,4 @@ def _measure(cluster, mesh_or_group, sizes, matmul_n, repeats):
     return Cluster(cluster.world_size, cluster.devices_per_node, cluster.device_memory, flops=r["flops"],
                    intra_node_bw=bw, inter_node_bw=bw if cluster.world_size <= cluster.devices_per_node
                    else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm, op_overhead=r["op_overhead"],
-                   dtensor_op=r["dtensor_op"], optim=r["optim"], fsdp_unit=r["fsdp_unit"])
+                   ac_op=r["ac_op"], dtensor_op=r["dtensor_op"], optim=r["optim"], fsdp_unit=r["fsdp_unit"])

@@ -191,6 +191,28 @@ def _stages(ms: ModelSummary, n_stage_modules: int):
     return out
 
 
+def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
+    """TP collectives of one microbatch's forward + backward: ``{(kind, "act" | "logits"): count}``.
+
+    Per site (attention, MLP), with SP: all_gather in, reduce_scatter out, the reverse in backward; without:
+    all_reduce out, all_reduce of the input gradient. Activation checkpointing recomputes a block's forward
+    but stops after its last saved tensor (the last site's output collective is not redone). The embedding
+    (RowwiseParallel) reduces its output (SP: reduce_scatter, gradient all_gather); the head
+    (ColwiseParallel, replicated logits) all_gathers the logits and reduces its input gradient (SP: it also
+    gathers its sequence-sharded input)."""
+    sites = sum(hc.sites[i] for i in blocks)
+    re_sites = sum(max(hc.sites[i] - 1, 0) for i in blocks) if full_ac else 0
+    out = {}
+    if sp:
+        out[("all_gather", "act")] = 2 * sites + (sites if full_ac else 0) + int(first) + int(last)
+        out[("reduce_scatter", "act")] = 2 * sites + re_sites + int(first) + int(last)
+    else:
+        out[("all_reduce", "act")] = 2 * sites + re_sites + int(first) + int(last)
+    if last:
+        out[("all_gather", "logits")] = 1
+    return out
+
+
 def blocks_of(stages):
     return [i for x in stages for i in x["blocks"]]
 
@@ -292,7 +314,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     if cluster.op_overhead:  # host time per operator (eager CPU runs): forward, backward and recomputed ops
         ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
         re_ops = sum(x["ops"] for x in mine) if c.ac == "full" else 0
-        compute += m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.op_overhead
+        compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
+                        + re_ops * (cluster.ac_op or cluster.op_overhead))
     comm: Dict[str, float] = {}
     hc = ms.host
     blocks = blocks_of(mine)
@@ -303,23 +326,14 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue (docs/auto_parallel.md)
         a = b_mb * hidden_bytes
         span = _span(order, sizes, "tp")
-        ag = lambda nb: ct("all_gather", nb, tp, intra(span))
-        rs = lambda nb: ct("reduce_scatter", nb, tp, intra(span))
-        ar = lambda nb: ct("all_reduce", nb, tp, intra(span))
-        sites = sum(hc.sites[i] for i in blocks)
-        re_sites = sum(max(hc.sites[i] - 1, 0) for i in blocks) if full_ac else 0  # recompute stops early
         logits = b_mb * S / cp * info.vocab * param_item
-        if c.sp:  # per site: all_gather in, reduce_scatter out; backward the reverse
-            t = 2 * sites * (ag(a) + rs(a)) + (sites * ag(a) + re_sites * rs(a) if full_ac else 0)
-            t += (rs(a) + ag(a)) if first else 0            # embedding: Shard(1) output and its gradient
-            t += (ag(a) + ag(logits) + rs(a)) if last else 0  # head: gather its input, the logits; input grad
-        else:     # per site: all_reduce out (forward), all_reduce of the input gradient (backward)
-            t = (2 * sites + re_sites) * ar(a)
-            t += ar(a) if first else 0                       # embedding: Replicate output
-            t += (ag(logits) + ar(a)) if last else 0         # head: logits all_gather; input-gradient all_reduce
+        size = {"act": a, "logits": logits}
+        t = sum(cnt * ct(kind, size[what], tp, intra(span))
+                for (kind, what), cnt in tp_collectives(hc, blocks, c.sp, full_ac, first, last).items())
         comm["tp"] = t * m
         if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
-            comm["tp"] += ar(4 * info.dim * (sum(hc.p_norm[i] for i in blocks) + hc.top_p_norm))
+            comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(hc.p_norm[i] for i in blocks) + hc.top_p_norm), tp,
+                             intra(span))
     if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
         span = _span(order, sizes, "cp")
         if c.cp_method == "ring":

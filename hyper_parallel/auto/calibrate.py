@@ -5,8 +5,10 @@ training step of a small model is mostly host work, not FLOPs, so the cost model
 each unit of work the library actually issues, timed the way a step runs it:
 
 * every timing starts after a barrier, so all ranks run the benchmark at once and share the cores as in
-  a step (4 ranks on 2 cores: each gets about half); the median of ``repeats`` blocks, the slowest
-  rank's figure (all ranks agree);
+  a step (4 ranks on 2 cores: each gets about half); host work is the minimum of ``repeats`` blocks
+  (other jobs on the machine only add time), a difference (checkpointed vs plain, DTensor vs plain, FSDP
+  vs plain) is timed in alternating blocks; collectives are the median (waiting for peers is their
+  cost); every figure is the slowest rank's (all ranks agree);
 * ``flops``: a square matmul; ``op``: host seconds per aten op of a small MLP's forward + backward;
   ``ac_op``: the extra seconds per forward op of the same MLP under activation checkpointing (recompute
   and the checkpoint's hooks);
@@ -67,19 +69,31 @@ class _Timer:
         self.group, self.repeats, self.sync = group, repeats, sync
         self.n = dist.get_world_size(group)
 
+    def _block(self, fn, iters):
+        if self.n > 1:
+            dist.barrier(group=self.group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) / iters
+
     def __call__(self, fn, iters=1):
+        """Median seconds per call (collectives: waiting for peers is part of their cost)."""
         fn()
         self.sync()
-        ts = []
+        return statistics.median(self._block(fn, iters) for _ in range(self.repeats))
+
+    def pair(self, fa, fb, iters=1):
+        """(min seconds per call of ``fa``, of ``fb``), timed in alternating blocks: host work, where other
+        jobs on the machine only add time and a slow drift must hit both alike."""
+        fa(), fb()
+        self.sync()
+        ta, tb = [], []
         for _ in range(self.repeats):
-            if self.n > 1:
-                dist.barrier(group=self.group)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            self.sync()
-            ts.append((time.perf_counter() - t0) / iters)
-        return statistics.median(ts)
+            ta.append(self._block(fa, iters))
+            tb.append(self._block(fb, iters))
+        return min(ta), min(tb)
 
 
 def _op_overhead(timed):
@@ -107,11 +121,9 @@ def _op_overhead(timed):
     with _Count():
         net(x)
     n_fwd = max(_Count.n, 1)
-    t = timed(step, iters=4)
-
     def ckpt_step():  # the same under activation checkpointing (non-reentrant, as Plan.apply wraps blocks)
         torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False).sum().backward()
-    t_ac = timed(ckpt_step, iters=4)
+    t, t_ac = timed.pair(step, ckpt_step, iters=4)
     return t / n_all, max(t_ac - t, 0.0) / n_fwd
 
 
@@ -125,20 +137,19 @@ def _dtensor_costs(timed, mesh):
     tp = torch.nn.Sequential(*[torch.nn.Linear(16, 16 * mesh.size(), bias=False) for _ in range(k)])
     parallelize_module(tp, mesh, {str(i): ColwiseParallel() for i in range(k)}, src_data_rank=None)
     x = torch.randn(4, 16)
-    with torch.no_grad():  # forward only: backward of a DTensor op is plain local autograd
-        t_plain = timed(lambda: [m(x) for m in plain], iters=4)
-        t_dt = timed(lambda: [m(x) for m in tp], iters=4)
+    # forward only (recording autograd, as in training): backward of a DTensor op is plain local autograd
+    t_plain, t_dt = timed.pair(lambda: [m(x) for m in plain], lambda: [m(x) for m in tp], iters=4)
     per_op = max(t_dt - t_plain, 0.0) / k
     ps = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(k)]
     ds = [torch.nn.Parameter(hp.distribute_tensor(torch.randn(16 * mesh.size(), 16), mesh, [Shard(0)]))
           for _ in range(k)]
-    out = []
+    opts = []
     for params in (ps, ds):
         for p in params:
             p.grad = torch.ones_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        out.append(timed(opt.step, iters=2) / k)
-    return per_op, out[0], out[1]
+        opts.append(torch.optim.AdamW(params, lr=1e-4))
+    t_p, t_d = timed.pair(opts[0].step, opts[1].step, iters=2)
+    return per_op, t_p / k, t_d / k
 
 
 def _fsdp_unit(timed, mesh):
@@ -154,8 +165,7 @@ def _fsdp_unit(timed, mesh):
         hp.fully_shard(m, mesh=mesh)
     hp.fully_shard(sharded, mesh=mesh)
     x = torch.randn(4, 16)
-    t_plain = timed(lambda: plain(x).sum().backward(), iters=2)
-    t_fsdp = timed(lambda: sharded(x).sum().backward(), iters=2)
+    t_plain, t_fsdp = timed.pair(lambda: plain(x).sum().backward(), lambda: sharded(x).sum().backward(), iters=2)
     return max(t_fsdp - t_plain, 0.0) / k
 
 
@@ -199,7 +209,8 @@ def measure_world(group, *, sizes, matmul_n, repeats, with_host):
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a = torch.randn(mn, mn, device=dev, dtype=dt)
     b = torch.randn(mn, mn, device=dev, dtype=dt)
-    times = {"matmul": timed(lambda: torch.mm(a, b), iters=2)}
+    mm = lambda: torch.mm(a, b)
+    times = {"matmul": timed.pair(mm, mm, iters=2)[0]}
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
     meshes, groups = {}, {}
     if n > 1 and n == dist.get_world_size():  # the whole world: sub-meshes of every calibrated size
@@ -221,7 +232,8 @@ def measure_world(group, *, sizes, matmul_n, repeats, with_host):
         for kind in KINDS:
             for s in sizes:
                 numel = max(s // 4 // g * g, g)
-                times[(kind, g, numel * 4)] = timed(_collective_fn(kind, numel, cg, dev))
+                # back to back, as a step issues them: the barrier's release skew is spread over the calls
+                times[(kind, g, numel * 4)] = timed(_collective_fn(kind, numel, cg, dev), iters=3)
     keys = sorted(times, key=str)
     vec = torch.tensor([times[k] for k in keys], dtype=torch.float64)
     if n > 1:

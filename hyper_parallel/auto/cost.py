@@ -2,6 +2,10 @@
 
 Everything here is arithmetic on a :class:`ModelSummary` (built once per ``plan()`` call from the meta
 trace), so one candidate costs microseconds and thousands are scored in well under a second.
+
+On a calibrated CPU world (``Cluster.measure()`` found host costs) the step also pays the library's host
+work, counted from the trace (:class:`HostCounts`): aten ops, ops dispatched on DTensors, AdamW's
+per-parameter steps, ``fully_shard`` units, and each collective's measured per-call time at its group size.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ each unit of work the library actually issues, timed the way a step runs it:
   a step (4 ranks on 2 cores: each gets about half); host work is the minimum of ``repeats`` blocks
   (other jobs on the machine only add time), a difference (checkpointed vs plain, DTensor vs plain, FSDP
   vs plain) is timed in alternating blocks; collectives are the median (waiting for peers is their
-  cost); every figure is the slowest rank's (all ranks agree);
+  cost) of rounds over all kinds and sizes; every figure is the slowest rank's (all ranks agree);
 * ``flops``: a square matmul; ``op``: host seconds per aten op of a small MLP's forward + backward;
   ``ac_op``: the extra seconds per forward op of the same MLP under activation checkpointing (recompute
   and the checkpoint's hooks);
@@ -83,6 +83,18 @@ class _Timer:
         fn()
         self.sync()
         return statistics.median(self._block(fn, iters) for _ in range(self.repeats))
+
+    def interleaved(self, fns, iters=1):
+        """Median seconds per call of each of ``fns``, timed in rounds over all of them (a load spike on
+        the machine hits every function alike instead of the one being timed)."""
+        for fn in fns:
+            fn()
+        self.sync()
+        ts = [[] for _ in fns]
+        for _ in range(self.repeats):
+            for t, fn in zip(ts, fns):
+                t.append(self._block(fn, iters))
+        return [statistics.median(t) for t in ts]
 
     def pair(self, fa, fb, iters=1):
         """(min seconds per call of ``fa``, of ``fb``), timed in alternating blocks: host work, where other
@@ -229,11 +241,10 @@ def measure_world(group, *, sizes, matmul_n, repeats, with_host):
             for g, m in meshes.items():
                 times[("fsdp_unit", g)] = _fsdp_unit(timed, m)
     for g, cg in groups.items():
-        for kind in KINDS:
-            for s in sizes:
-                numel = max(s // 4 // g * g, g)
-                # back to back, as a step issues them: the barrier's release skew is spread over the calls
-                times[(kind, g, numel * 4)] = timed(_collective_fn(kind, numel, cg, dev), iters=3)
+        keys = [(kind, g, max(s // 4 // g * g, g) * 4) for kind in KINDS for s in sizes]
+        fns = [_collective_fn(kind, nb // 4, cg, dev) for kind, _, nb in keys]
+        # back to back, as a step issues them (the barrier's release skew is spread over the calls)
+        times.update(zip(keys, timed.interleaved(fns, iters=3)))
     keys = sorted(times, key=str)
     vec = torch.tensor([times[k] for k in keys], dtype=torch.float64)
     if n > 1:

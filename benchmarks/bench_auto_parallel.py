@@ -207,7 +207,7 @@ def _rank_body(name, rounds, steps, warmup):
             per_round.append(t.item() / steps)
     cal = dict(flops=cluster.flops, op=cluster.op_overhead, ac_op=cluster.ac_op, dtensor_op=cluster.dtensor_op,
                optim=cluster.optim, fsdp_unit=cluster.fsdp_unit,
-               comm={f"{k[0]}@{k[1]}": v for k, v in cluster.comm.items() if isinstance(k, tuple)}, took=t_measure)
+               comm={f"{k[0]}@{k[1]}": v for k, v in cluster.comm_by_size.items()}, took=t_measure)
     return cal, [(p.summary(), p.step_time.total, p.step_time.compute, dict(p.step_time.comm_per_dim), rounds_)
                  for p, _, _, _, _, rounds_ in runs]
 

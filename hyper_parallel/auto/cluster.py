@@ -59,9 +59,9 @@ class Cluster:
 
     ``flops`` (sustained FLOP/s per device), ``intra_node_bw`` / ``inter_node_bw`` (bytes/s per rank
     on the wire) and ``latency`` (s per message step) default to the H100 preset's effective values.
-    ``comm`` (filled by :meth:`measure`) holds the measured fits: ``(kind, n)`` -> (seconds per call,
-    bytes/s on the wire) for each calibrated group size ``n``, and ``kind`` -> (seconds per message step,
-    bytes/s) for other sizes. ``op_overhead``, ``ac_op``, ``dtensor_op``, ``optim`` and ``fsdp_unit`` are the host
+    ``comm_by_size`` (filled by :meth:`measure`) holds the measured fits ``(kind, n)`` -> (seconds per call,
+    bytes/s on the wire) for each calibrated group size ``n``; ``comm`` ``kind`` -> (seconds per message
+    step, bytes/s) for other sizes (from the largest measured group). ``op_overhead``, ``ac_op``, ``dtensor_op``, ``optim`` and ``fsdp_unit`` are the host
     costs of the library's execution (docs/auto_parallel.md "Calibration"); 0 on device clusters.
     """
 
@@ -73,6 +73,7 @@ class Cluster:
     inter_node_bw: Optional[float] = None
     latency: Optional[float] = None
     comm: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    comm_by_size: Dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     op_overhead: float = 0.0
     ac_op: float = 0.0
     dtensor_op: float = 0.0
@@ -80,7 +81,7 @@ class Cluster:
     fsdp_unit: Dict[int, float] = dataclasses.field(default_factory=dict)
 
     def __init__(self, world_size, devices_per_node, device_memory, *, flops=None, intra_node_bw=None,
-                 inter_node_bw=None, latency=None, comm=None, op_overhead=0.0, ac_op=0.0, dtensor_op=0.0,
+                 inter_node_bw=None, latency=None, comm=None, comm_by_size=None, op_overhead=0.0, ac_op=0.0, dtensor_op=0.0,
                  optim=(0.0, 0.0), fsdp_unit=None):
         for name, v in (("world_size", world_size), ("devices_per_node", devices_per_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -98,6 +99,7 @@ class Cluster:
         if self.latency < 0:
             raise ValueError(f"Cluster: latency must be >= 0, got {self.latency!r}")
         self.comm = dict(comm or {})
+        self.comm_by_size = dict(comm_by_size or {})
         # host costs, measured on CPU worlds (0 where the host runs ahead of the device: hidden)
         self.op_overhead = float(op_overhead)    # seconds per aten op (forward or backward)
         self.ac_op = float(ac_op)                # extra seconds per forward op under activation checkpointing
@@ -137,7 +139,7 @@ class Cluster:
         (all_reduce twice), in n-1 steps (2(n-1))."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        fit = self.comm.get((kind, n))
+        fit = self.comm_by_size.get((kind, n))
         if fit is not None:  # measured at this group size: seconds per call + wire bytes / bandwidth
             return fit[0] + wire_bytes(kind, nbytes, n) / fit[1]
         bw, lat = self.bandwidth(intra, kind), self.lat(kind)
@@ -185,7 +187,7 @@ def _measure(cluster, mesh_or_group, sizes, matmul_n, repeats):
     group = _group_of(mesh_or_group)
     backend = dist.get_backend(group)
     r = measure_world(group, sizes=sizes, matmul_n=matmul_n, repeats=repeats, with_host=backend != "nccl")
-    comm = dict(r["comm"])
+    comm = {}
     # per-step alpha-beta for group sizes not measured: from the largest measured group of each kind
     for kind in KINDS:
         fits = sorted((n, v) for (k, n), v in r["comm"].items() if k == kind)
@@ -197,5 +199,6 @@ def _measure(cluster, mesh_or_group, sizes, matmul_n, repeats):
     bw = ar[1]
     return Cluster(cluster.world_size, cluster.devices_per_node, cluster.device_memory, flops=r["flops"],
                    intra_node_bw=bw, inter_node_bw=bw if cluster.world_size <= cluster.devices_per_node
-                   else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm, op_overhead=r["op_overhead"],
+                   else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm, comm_by_size=r["comm"],
+                   op_overhead=r["op_overhead"],
                    ac_op=r["ac_op"], dtensor_op=r["dtensor_op"], optim=r["optim"], fsdp_unit=r["fsdp_unit"])

@@ -353,7 +353,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         comm["ep"] = 4 * ct("all_to_all", rows, ep, intra(ep * cp * tp)) * n_moe * m
     if shard > 1 and shard in cluster.fsdp_unit:  # measured per-unit cost (hooks + latencies) + bandwidth
         span = _span(order, sizes, "fsdp")
-        bw_only = lambda kind, nb, n: ct(kind, nb, n, intra(span)) - cluster.comm.get((kind, n), (0.0,))[0]
+        bw_only = lambda kind, nb, n: ct(kind, nb, n, intra(span)) - cluster.comm_by_size.get((kind, n), (0.0,))[0]
         t = (nblk + v) * cluster.fsdp_unit[shard]  # a fully_shard unit per block and per stage root
         for x in mine:
             for k, cnt in x["kind_counts"].items():

@@ -28,7 +28,7 @@ def _measure_body():
     c = Cluster(dist.get_world_size(), 8, "1GiB").measure(repeats=3)
     n = dist.get_world_size()
     return dict(flops=c.flops, op=c.op_overhead, ac_op=c.ac_op, dtensor_op=c.dtensor_op, optim=c.optim,
-                fsdp_unit=dict(c.fsdp_unit), comm={k: v for k, v in c.comm.items()},
+                fsdp_unit=dict(c.fsdp_unit), comm=dict(c.comm_by_size), kinds=sorted(c.comm),
                 small=c.collective_time("all_reduce", 2**10, n, True),
                 large=c.collective_time("all_reduce", 2**22, n, True))
 
@@ -46,6 +46,7 @@ def test_measure_returns_positive_finite_host_costs_on_gloo(dist_runner):
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         per_call, bw = r["comm"][(kind, 2)]
         assert math.isfinite(per_call) and per_call >= 0 and pos(bw), (kind, per_call, bw)
+    assert r["kinds"] == ["all_gather", "all_reduce", "all_to_all", "p2p", "reduce_scatter"]  # other sizes: per step
     assert 0 < r["small"] < r["large"], (r["small"], r["large"])
 
 

@@ -5,7 +5,9 @@ training step of a small model is mostly host work, not FLOPs, so the cost model
 each unit of work the library actually issues, timed the way a step runs it:
 
 * every timing starts after a barrier, so all ranks run the benchmark at once and share the cores as in
-  a step (4 ranks on 2 cores: each gets about half); host work is the minimum of ``repeats`` blocks
+  a step (4 ranks on 2 cores: each gets about half); host work is the minimum of ``repeats`` blocks of
+  at least 40 ms, each timed until every rank has finished it (a rank that ran first and alone would
+  see a whole core; a step, synchronised by its collectives, runs at the shared cores' throughput)
   (other jobs on the machine only add time), a difference (checkpointed vs plain, DTensor vs plain, FSDP
   vs plain) is timed in alternating blocks; collectives are the median (waiting for peers is their
   cost) of rounds over all kinds and sizes; every figure is the slowest rank's (all ranks agree);
@@ -26,6 +28,7 @@ Equations: docs/auto_parallel.md "Calibration".
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+MIN_BLOCK = 0.04  # seconds per timed block of host work
 
 
 def group_sizes(world: int, cap: int = 8):
@@ -69,13 +73,15 @@ class _Timer:
         self.group, self.repeats, self.sync = group, repeats, sync
         self.n = dist.get_world_size(group)
 
-    def _block(self, fn, iters):
+    def _block(self, fn, iters, until_all=False):
         if self.n > 1:
             dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         self.sync()
+        if until_all and self.n > 1:  # until every rank is done: the shared cores' throughput, as a step sees it
+            dist.barrier(group=self.group)
         return (time.perf_counter() - t0) / iters
 
     def __call__(self, fn, iters=1):
@@ -99,12 +105,19 @@ class _Timer:
     def pair(self, fa, fb, iters=1):
         """(min seconds per call of ``fa``, of ``fb``), timed in alternating blocks: host work, where other
         jobs on the machine only add time and a slow drift must hit both alike."""
+        t0 = time.perf_counter()
         fa(), fb()
         self.sync()
+        # blocks of at least MIN_BLOCK seconds, so that the closing barrier's latency is small beside them
+        iters = max(iters, math.ceil(MIN_BLOCK / max((time.perf_counter() - t0) / 2, 1e-6)))
+        if self.n > 1:  # one count on every rank (the closing barrier waits for the slowest)
+            v = torch.tensor([iters], dtype=torch.int64)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
+            iters = int(v.item())
         ta, tb = [], []
         for _ in range(self.repeats):
-            ta.append(self._block(fa, iters))
-            tb.append(self._block(fb, iters))
+            ta.append(self._block(fa, iters, until_all=True))
+            tb.append(self._block(fb, iters, until_all=True))
         return min(ta), min(tb)
 
 

@@ -11,7 +11,9 @@
 * dryrun:  dry_run at world 8 vs the same step on 8 real gloo ranks (peak, collective list with bytes), and
            dry_run at world 256 (tiny config) wall time.
 * ranking: on 4 ranks, calibrated with Cluster.measure(), every plan that Plan.apply runs for the tiny and demo
-           configs is timed for a few steps; predicted vs measured step time, Spearman rho, top pick vs fastest.
+           configs is timed (warm-up steps, then rounds of steps interleaved over the plans); table of predicted
+           vs measured (median, min, spread) step time and ranks, Spearman rho, top pick vs fastest.
+           Options: `ranking rounds=7 steps=2 warmup=2 configs=tiny,demo` (about 3-4 minutes on 2 cores).
 """
 from __future__ import annotations
 
@@ -165,30 +167,57 @@ def _dry_256():
 
 
 # ------------------------------------------------------------------ ranking
-def _rank_body(name, steps):
+def _one_step(model, opt, x, y):
+    from hyper_parallel.auto.dry_run import _loss
+    opt.zero_grad(set_to_none=True)
+    _loss(model(x), y).backward()
+    opt.step()
+
+
+def _rank_body(name, rounds, steps, warmup):
+    """Every rank: calibrate, plan, build every plan, then time them round-robin (each round starts at the next
+    plan, so drift and position hit all plans alike); a round times ``steps`` steps of each plan (max over ranks)."""
     from hyper_parallel.auto import Cluster, plan
-    from hyper_parallel.auto.dry_run import _default_batch, _loss
+    from hyper_parallel.auto.dry_run import _default_batch
     cfg, meta = _meta(name)
+    t0 = time.perf_counter()
     cluster = Cluster(4, 4, "1GiB").measure()
+    t_measure = time.perf_counter() - t0
     plans = plan(meta, cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                  parallelisms=("dp", "fsdp", "tp", "sp", "ep"), top_k=1000)
     runs = []
-    for p in plans:  # every plan built first, then timed round-robin: the machine's drift hits all alike
+    for p in plans:
         model = p.apply(_builder(cfg)())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        runs.append((p, model, opt, _default_batch(p, dist.get_rank(), cfg.model.vocab_size), []))
-    for i in range(steps + 1):
-        for p, model, opt, (x, y), times in runs:
+        x, y = _default_batch(p, dist.get_rank(), cfg.model.vocab_size)
+        for _ in range(warmup):
+            _one_step(model, opt, x, y)
+        runs.append((p, model, opt, x, y, []))
+    n = len(runs)
+    for r in range(rounds):
+        for k in range(n):
+            p, model, opt, x, y, per_round = runs[(r + k) % n]
             dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            _loss(model(x), y).backward()
-            opt.step()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            t = torch.zeros(1, dtype=torch.float64)
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                _one_step(model, opt, x, y)
+                t += time.perf_counter() - t0
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if i:
-                times.append(t.item())
-    return [(p.summary(), p.step_time.total, statistics.median(times)) for p, _, _, _, times in runs]
+            per_round.append(t.item() / steps)
+    cal = dict(flops=cluster.flops, op=cluster.op_overhead, ac_op=cluster.ac_op, dtensor_op=cluster.dtensor_op,
+               optim=cluster.optim, fsdp_unit=cluster.fsdp_unit,
+               comm={f"{k[0]}@{k[1]}": v for k, v in cluster.comm_by_size.items()}, took=t_measure)
+    return cal, [(p.summary(), p.step_time.total, p.step_time.compute, dict(p.step_time.comm_per_dim), rounds_)
+                 for p, _, _, _, _, rounds_ in runs]
+
+
+def _ranks(v):
+    order = sorted(range(len(v)), key=lambda i: v[i])
+    r = [0] * len(v)
+    for k, i in enumerate(order):
+        r[i] = k + 1
+    return r
 
 
 def _spearman(a, b):
@@ -207,20 +236,57 @@ def _spearman(a, b):
     return cov / (va * vb) if va and vb else float("nan")
 
 
-def bench_ranking(configs=("tiny", "demo"), steps=7):
+def bench_ranking(configs=("tiny", "demo"), rounds=7, steps=2, warmup=2):
+    """Table per config: plan (planner order), predicted step (compute + comm), measured min over rounds (each
+    round: the mean of ``steps`` steps, max over ranks; other jobs only add time), median, spread ((max - min) /
+    min over rounds), predicted and measured rank; Spearman rho and the top pick's measured / the fastest's
+    (from the mins; also from the medians)."""
+    summary = []
     for name in configs:
-        res = launch(4, _rank_body, name, steps)
-        fastest = min(r[2] for r in res)
-        rows = [(i + 1, s, f"{pred * 1e3:.1f}", f"{meas * 1e3:.1f}", f"{meas / fastest:.2f}")
-                for i, (s, pred, meas) in enumerate(res)]
-        rho = _spearman([r[1] for r in res], [r[2] for r in res])
-        print(f"\n## ranking on 4 gloo ranks, config {name}: {len(res)} plans (planner order), "
-              f"Spearman rho {rho:.2f}, top pick {res[0][2] / fastest:.2f}x the fastest\n")
-        print(table(["#", "plan", "pred. ms", "meas. ms", "meas./fastest"], rows))
+        t0 = time.perf_counter()
+        cal, res = launch(4, _rank_body, name, rounds, steps, warmup)
+        took = time.perf_counter() - t0
+        med = [statistics.median(r[4]) for r in res]
+        mins = [min(r[4]) for r in res]  # the measured figure: other jobs on the machine only ever add time
+        spread = [(max(r[4]) - min(r[4])) / m for r, m in zip(res, mins)]
+        pred = [r[1] for r in res]
+        rp, rm = _ranks(pred), _ranks(mins)
+        fastest = min(mins)
+        rows = [(i + 1, r[0], f"{r[1] * 1e3:.1f}", f"{r[2] * 1e3:.1f}",
+                 " ".join(f"{k}={v * 1e3:.1f}" for k, v in r[3].items()) or "-", f"{mins[i] * 1e3:.1f}",
+                 f"{med[i] * 1e3:.1f}", f"{spread[i] * 100:.0f}%", rp[i], rm[i], f"{mins[i] / fastest:.2f}")
+                for i, r in enumerate(res)]
+        rho, rho_med = _spearman(pred, mins), _spearman(pred, med)
+        top, top_med = mins[0] / fastest, med[0] / min(med)
+        summary.append((name, len(res), f"{rho:.2f}", f"{top:.2f}", f"{rho_med:.2f}", f"{top_med:.2f}",
+                        f"{statistics.median(spread) * 100:.0f}%", f"{took:.0f}"))
+        comm = "; ".join(f"{k} {a * 1e6:.0f} us + B/{bw / 1e6:.0f} MB/s" for k, (a, bw) in sorted(cal["comm"].items()))
+        print(f"\n## ranking on 4 gloo ranks, config {name}: {len(res)} plans in planner order; {rounds} rounds x "
+              f"{steps} steps each, interleaved\n")
+        print(f"calibration (Cluster.measure(), {cal['took']:.1f}s): matmul {cal['flops'] / 1e9:.1f} GFLOP/s per "
+              f"rank; aten op {cal['op'] * 1e6:.1f} us; +{cal['ac_op'] * 1e6:.1f} us per checkpointed forward op; "
+              f"DTensor op +{cal['dtensor_op'] * 1e6:.1f} us; AdamW per parameter {cal['optim'][0] * 1e6:.0f} us plain, "
+              f"{cal['optim'][1] * 1e6:.0f} us DTensor; fully_shard unit "
+              + ", ".join(f"{v * 1e3:.2f} ms at {k}" for k, v in sorted(cal["fsdp_unit"].items()))
+              + f"; collectives: {comm}\n")
+        print(table(["#", "plan", "pred. ms", "pred. compute", "pred. comm per dim", "meas. ms (min)",
+                     "meas. median", "spread", "pred. rank", "meas. rank", "meas./fastest"], rows))
+        print(f"\nSpearman rho (predicted vs measured min) {rho:.2f}, top pick {top:.2f}x the fastest measured plan "
+              f"({res[rm.index(1)][0]}); with the medians: rho {rho_med:.2f}, top pick {top_med:.2f}x")
+    print("\n## ranking summary (acceptance: rho >= 0.7, top pick <= 1.15x; measured = min over rounds)\n")
+    print(table(["config", "plans", "Spearman rho", "top pick / fastest", "rho (medians)", "top pick (medians)",
+                 "median spread", "wall s"], summary))
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    which = sys.argv[1:] or ["speed", "memory", "dryrun", "ranking"]
+    which = [a for a in sys.argv[1:] if "=" not in a] or ["speed", "memory", "dryrun", "ranking"]
+    opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)  # ranking: rounds=7 steps=2 configs=tiny,demo
+    rank_kw = {k: int(v) for k, v in opts.items() if k in ("rounds", "steps", "warmup")}
+    if "configs" in opts:
+        rank_kw["configs"] = tuple(opts["configs"].split(","))
     for w in which:
-        {"speed": bench_speed, "memory": bench_memory, "dryrun": bench_dryrun, "ranking": bench_ranking}[w]()
+        if w == "ranking":
+            bench_ranking(**rank_kw)
+        else:
+            {"speed": bench_speed, "memory": bench_memory, "dryrun": bench_dryrun}[w]()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+
+from hyper_parallel.auto.calibrate import KINDS, wire_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -58,7 +59,10 @@ class Cluster:
 
     ``flops`` (sustained FLOP/s per device), ``intra_node_bw`` / ``inter_node_bw`` (bytes/s per rank
     on the wire) and ``latency`` (s per message step) default to the H100 preset's effective values.
-    ``comm`` (filled by :meth:`measure`) holds per-collective (latency, bandwidth) fits.
+    ``comm_by_size`` (filled by :meth:`measure`) holds the measured fits ``(kind, n)`` -> (seconds per call,
+    bytes/s on the wire) for each calibrated group size ``n``; ``comm`` ``kind`` -> (seconds per message
+    step, bytes/s) for other sizes (from the largest measured group). ``op_overhead``, ``ac_op``, ``dtensor_op``, ``optim`` and ``fsdp_unit`` are the host
+    costs of the library's execution (docs/auto_parallel.md "Calibration"); 0 on device clusters.
     """
 
     world_size: int
@@ -69,10 +73,16 @@ class Cluster:
     inter_node_bw: Optional[float] = None
     latency: Optional[float] = None
     comm: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    comm_by_size: Dict[tuple, tuple] = dataclasses.field(default_factory=dict)
     op_overhead: float = 0.0
+    ac_op: float = 0.0
+    dtensor_op: float = 0.0
+    optim: tuple = (0.0, 0.0)
+    fsdp_unit: Dict[int, float] = dataclasses.field(default_factory=dict)
 
     def __init__(self, world_size, devices_per_node, device_memory, *, flops=None, intra_node_bw=None,
-                 inter_node_bw=None, latency=None, comm=None, op_overhead=0.0):
+                 inter_node_bw=None, latency=None, comm=None, comm_by_size=None, op_overhead=0.0, ac_op=0.0, dtensor_op=0.0,
+                 optim=(0.0, 0.0), fsdp_unit=None):
         for name, v in (("world_size", world_size), ("devices_per_node", devices_per_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Cluster: {name} must be a positive int, got {v!r}")
@@ -89,7 +99,13 @@ class Cluster:
         if self.latency < 0:
             raise ValueError(f"Cluster: latency must be >= 0, got {self.latency!r}")
         self.comm = dict(comm or {})
-        self.op_overhead = float(op_overhead)  # host seconds per operator (measured on CPU worlds; 0: hidden)
+        self.comm_by_size = dict(comm_by_size or {})
+        # host costs, measured on CPU worlds (0 where the host runs ahead of the device: hidden)
+        self.op_overhead = float(op_overhead)    # seconds per aten op (forward or backward)
+        self.ac_op = float(ac_op)                # extra seconds per forward op under activation checkpointing
+        self.dtensor_op = float(dtensor_op)      # extra seconds per op dispatched on a DTensor
+        self.optim = tuple(float(v) for v in optim)  # AdamW seconds per parameter tensor: (plain, DTensor)
+        self.fsdp_unit = dict(fsdp_unit or {})   # group size -> seconds per fully_shard unit per step
 
     @classmethod
     def preset(cls, name: str, world_size: int, devices_per_node: int = 8, **overrides) -> "Cluster":
@@ -123,6 +139,9 @@ class Cluster:
         (all_reduce twice), in n-1 steps (2(n-1))."""
         if n <= 1 or nbytes <= 0:
             return 0.0
+        fit = self.comm_by_size.get((kind, n))
+        if fit is not None:  # measured at this group size: seconds per call + wire bytes / bandwidth
+            return fit[0] + wire_bytes(kind, nbytes, n) / fit[1]
         bw, lat = self.bandwidth(intra, kind), self.lat(kind)
         if kind == "all_reduce":
             return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
@@ -131,12 +150,14 @@ class Cluster:
         return (n - 1) * lat + (n - 1) / n * nbytes / bw
 
     # ------------------------------------------------------------------ calibration
-    def measure(self, mesh_or_group=None, *, sizes=(2**14, 2**22), matmul_n=None, repeats=5) -> "Cluster":
-        """Calibrate on the launched world (call on every rank): matmul FLOP/s, and latency + bandwidth
-        of all_reduce, all_gather, reduce_scatter, all_to_all and p2p over the group (the whole world,
-        a process group, or a DeviceMesh's flattened group). Works on gloo/CPU and NCCL.
-        Returns a new ``Cluster`` (memory and topology unchanged); every rank gets the same numbers
-        (the slowest rank's times)."""
+    def measure(self, mesh_or_group=None, *, sizes=(2**12, 2**20), matmul_n=None, repeats=7) -> "Cluster":
+        """Calibrate on the launched world (call on every rank): matmul FLOP/s, and seconds per call +
+        bandwidth of all_reduce, all_gather, reduce_scatter, all_to_all and p2p over groups of every
+        power-of-two size up to 8 (the whole world; a process group or a DeviceMesh's flattened group:
+        its own size), through the library's collectives. On CPU worlds also the host costs: per aten op,
+        per DTensor-dispatched op, per AdamW parameter, per ``fully_shard`` unit. All ranks time at once
+        (the cores are shared as in a step); medians; every rank gets the slowest rank's numbers.
+        Works on gloo/CPU and NCCL. Returns a new ``Cluster`` (memory and topology unchanged)."""
         return _measure(self, mesh_or_group, sizes, matmul_n, repeats)
 
     def describe(self) -> str:
@@ -158,118 +179,26 @@ def _group_of(mesh_or_group):
     return mesh_or_group
 
 
-def _fit(points):
-    """Least-squares t = a + b * x over (x, t) points -> (a >= 0, 1/b bandwidth)."""
-    (x0, t0), (x1, t1) = points[0], points[-1]
-    if t1 <= t0:  # noise swamped the size difference: all of the large message's time is bandwidth
-        return t0, x1 / t1
-    b = (t1 - t0) / max(x1 - x0, 1)
-    a = max(t0 - b * x0, 0.0)
-    return a, 1.0 / b
-
-
-def _op_overhead(timed):
-    """Seconds per aten op of a tiny MLP's forward + backward (module hooks and autograd included)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    net = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(16, 16), torch.nn.SiLU())])
-    x = torch.randn(4, 16)
-
-    def step():
-        net(x).sum().backward()
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        step()
-    return timed(step) / max(_Count.n, 1)
-
-
 def _measure(cluster, mesh_or_group, sizes, matmul_n, repeats):
+    from hyper_parallel.auto.calibrate import measure_world
     if not dist.is_initialized():
         raise RuntimeError("Cluster.measure() needs an initialized process group (torch.distributed."
                            "init_process_group or hyper_parallel.init_device_mesh) on every rank")
     group = _group_of(mesh_or_group)
-    n = dist.get_world_size(group)
-    me = dist.get_rank(group)
     backend = dist.get_backend(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-
-    def timed(fn):
-        fn()
-        sync()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    # matmul throughput
-    mn = matmul_n or (4096 if dev.type == "cuda" else 256)
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    a = torch.randn(mn, mn, device=dev, dtype=dt)
-    b = torch.randn(mn, mn, device=dev, dtype=dt)
-    t_mm = timed(lambda: torch.mm(a, b))
-    times = {"matmul": t_mm}
-    if dev.type == "cpu":  # eager host cost per operator (module calls, autograd): CPU runs are synchronous
-        times["op"] = _op_overhead(timed)
-    if n > 1:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
-            for s in sizes:
-                numel = max(s // 4 // n * n, n)
-                x = torch.ones(numel, device=dev)
-                out = torch.empty_like(x)
-                shard = torch.empty(numel // n, device=dev)
-                if kind == "all_reduce":
-                    fn = lambda: dist.all_reduce(x, group=group)
-                elif kind == "all_gather":
-                    fn = lambda: dist.all_gather_into_tensor(out, x[: numel // n].contiguous(), group=group)
-                elif kind == "reduce_scatter":
-                    fn = lambda: dist.reduce_scatter_tensor(shard, x, group=group)
-                elif kind == "all_to_all":
-                    fn = lambda: dist.all_to_all_single(out, x, group=group)
-                else:  # p2p ring: even ranks send first
-                    nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
-
-                    def fn():
-                        ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, out, prv, group)]
-                        for w in dist.batch_isend_irecv(ops):
-                            w.wait()
-                times[(kind, numel * 4)] = timed(fn)
-    # the slowest rank's times, agreed by every rank
-    keys = sorted(times, key=str)
-    vec = torch.tensor([times[k] for k in keys], dtype=torch.float64)
-    if n > 1:
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    times = dict(zip(keys, vec.tolist()))
-    flops = 2 * mn**3 / max(times["matmul"], 1e-12)
+    r = measure_world(group, sizes=sizes, matmul_n=matmul_n, repeats=repeats, with_host=backend != "nccl")
     comm = {}
-    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
-        pts = sorted((k[1], v) for k, v in times.items() if isinstance(k, tuple) and k[0] == kind)
-        if len(pts) < 2:
-            continue
-        # convert to the alpha-beta form of Cluster.collective_time: bytes on the wire per rank / bw
-        if kind == "all_reduce":
-            pts = [(2 * (n - 1) / n * s, t) for s, t in pts]
-            steps = 2 * (n - 1)
-        elif kind == "p2p":
-            steps = 1
-        else:
-            pts = [((n - 1) / n * s, t) for s, t in pts]
-            steps = n - 1
-        a, bw = _fit(pts)
-        comm[kind] = (a / steps, bw)
+    # per-step alpha-beta for group sizes not measured: from the largest measured group of each kind
+    for kind in KINDS:
+        fits = sorted((n, v) for (k, n), v in r["comm"].items() if k == kind)
+        if fits:
+            n, (a, bw) = fits[-1]
+            steps = 1 if kind == "p2p" else 2 * (n - 1) if kind == "all_reduce" else n - 1
+            comm[kind] = (a / steps, bw)
     ar = comm.get("all_reduce", (cluster.latency, cluster.intra_node_bw))
     bw = ar[1]
-    return Cluster(cluster.world_size, cluster.devices_per_node, cluster.device_memory, flops=flops,
+    return Cluster(cluster.world_size, cluster.devices_per_node, cluster.device_memory, flops=r["flops"],
                    intra_node_bw=bw, inter_node_bw=bw if cluster.world_size <= cluster.devices_per_node
-                   else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm, op_overhead=times.get("op", 0.0))
+                   else min(bw, cluster.inter_node_bw), latency=ar[0], comm=comm, comm_by_size=r["comm"],
+                   op_overhead=r["op_overhead"],
+                   ac_op=r["ac_op"], dtensor_op=r["dtensor_op"], optim=r["optim"], fsdp_unit=r["fsdp_unit"])

@@ -2,6 +2,10 @@
 
 Everything here is arithmetic on a :class:`ModelSummary` (built once per ``plan()`` call from the meta
 trace), so one candidate costs microseconds and thousands are scored in well under a second.
+
+On a calibrated CPU world (``Cluster.measure()`` found host costs) the step also pays the library's host
+work, counted from the trace (:class:`HostCounts`): aten ops, ops dispatched on DTensors, AdamW's
+per-parameter steps, ``fully_shard`` units, and each collective's measured per-call time at its group size.
 """
 from __future__ import annotations
 
@@ -40,10 +44,73 @@ class ModelSummary:
     blk_ops: List[int] = None         # aten ops per block forward (any batch)
     head_ops: int = 0
     bwd_op_ratio: float = 2.0
+    host: "HostCounts" = None         # what the library dispatches per block under TP / FSDP (host costs)
 
     @property
     def n_layers(self):
         return len(self.blk_fwd)
+
+
+TP_ROLES = {"attention_q", "attention_k", "attention_v", "attention_o", "mlp_gate", "mlp_up", "mlp_down",
+            "embedding", "output"}
+
+
+@dataclasses.dataclass
+class HostCounts:
+    """Per block (and outside the blocks: ``top_*``), what costs host time on a CPU world.
+
+    ``dt_tp``: torch-function calls in the modules TP shards (each one op dispatched on DTensors per forward);
+    ``dt_norm``: the same in the norms (DTensors only with sequence parallelism);
+    ``p_tp`` / ``p_norm`` / ``p_all``: parameter tensors (AdamW steps them one by one: on DTensors when sharded);
+    ``sites``: attention + dense MLP modules (one TP gather/reduce pair per direction each).
+    """
+
+    dt_tp: List[int]
+    dt_norm: List[int]
+    p_tp: List[int]
+    p_norm: List[int]
+    p_all: List[int]
+    sites: List[int]
+    top_dt_tp: int
+    top_dt_norm: int
+    top_p_tp: int
+    top_p_norm: int
+    top_p_all: int
+
+
+def host_counts(info: ModelInfo, trace: Trace) -> HostCounts:
+    mods, roles = trace.modules, info.module_roles
+    nb = len(info.block_names)
+    inside = lambda f, b: f == b or f.startswith(b + ".")
+    block_of = lambda f: next((i for i, b in enumerate(info.block_names) if inside(f, b)), None)
+    dt_tp, dt_norm = [0] * nb, [0] * nb
+    top = dict(dt_tp=0, dt_norm=0, p_tp=0, p_norm=0, p_all=0)
+    for f, t in mods.items():
+        r = roles.get(f)
+        key = "dt_tp" if r in TP_ROLES else "dt_norm" if r == "norm" else None
+        if key is None:
+            continue
+        i = block_of(f)
+        if i is None:
+            top[key] += t.tf_ops
+        else:
+            (dt_tp if key == "dt_tp" else dt_norm)[i] += t.tf_ops
+    p_tp, p_norm, p_all = [0] * nb, [0] * nb, [0] * nb
+    for p in info.params:
+        kind = "p_tp" if p.role in TP_ROLES else "p_norm" if p.role == "norm" else None
+        if p.block is None:
+            top["p_all"] += 1
+            if kind:
+                top[kind] += 1
+        else:
+            p_all[p.block] += 1
+            if kind:
+                (p_tp if kind == "p_tp" else p_norm)[p.block] += 1
+    moe = lambda m: any(inside(m, k) for k in info.moe_modules)
+    sites = [sum(1 for m in info.attention_modules + [x for x in info.mlp_modules if not moe(x)] if inside(m, b))
+             for b in info.block_names]
+    return HostCounts(dt_tp, dt_norm, p_tp, p_norm, p_all, sites, top["dt_tp"], top["dt_norm"], top["p_tp"],
+                      top["p_norm"], top["p_all"])
 
 
 def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
@@ -82,7 +149,8 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     bufs = sum(x.numel() * x.element_size() for x in model.buffers())
     return ModelSummary(info, group_params(info), trace.seq_len, item, blk_fwd, blk_exp, blk_attn, head,
                         trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs, blk_gat,
-                        blk_ops, max(trace.fwd_ops - sum(blk_ops), 0), trace.bwd_ops / max(trace.fwd_ops, 1))
+                        blk_ops, max(trace.fwd_ops - sum(blk_ops), 0), trace.bwd_ops / max(trace.fwd_ops, 1),
+                        host_counts(info, trace))
 
 
 @dataclasses.dataclass
@@ -125,6 +193,55 @@ def _stages(ms: ModelSummary, n_stage_modules: int):
         ))
     cache[n_stage_modules] = out
     return out
+
+
+def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
+    """TP collectives of one microbatch's forward + backward: ``{(kind, "act" | "logits"): count}``.
+
+    Per site (attention, MLP), with SP: all_gather in, reduce_scatter out, the reverse in backward; without:
+    all_reduce out, all_reduce of the input gradient. Activation checkpointing recomputes a block's forward
+    but stops after its last saved tensor (the last site's output collective is not redone). The embedding
+    (RowwiseParallel) reduces its output (SP: reduce_scatter, gradient all_gather); the head
+    (ColwiseParallel, replicated logits) all_gathers the logits and reduces its input gradient (SP: it also
+    gathers its sequence-sharded input)."""
+    sites = sum(hc.sites[i] for i in blocks)
+    re_sites = sum(max(hc.sites[i] - 1, 0) for i in blocks) if full_ac else 0
+    out = {}
+    if sp:
+        out[("all_gather", "act")] = 2 * sites + (sites if full_ac else 0) + int(first) + int(last)
+        out[("reduce_scatter", "act")] = 2 * sites + re_sites + int(first) + int(last)
+    else:
+        out[("all_reduce", "act")] = 2 * sites + re_sites + int(first) + int(last)
+    if last:
+        out[("all_gather", "logits")] = 1
+    return out
+
+
+def blocks_of(stages):
+    return [i for x in stages for i in x["blocks"]]
+
+
+def _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard):
+    """Seconds of host work beyond the aten ops: ops dispatched on DTensors (TP, SP norms; again when
+    activation checkpointing recomputes them) and AdamW's per-parameter steps (on DTensors when sharded)."""
+    hc = ms.host
+    top = 0 in st_ids or (nsm - 1) in st_ids
+    sp = c.sp and tp > 1
+    n_all = sum(hc.p_all[i] for i in blocks) + (hc.top_p_all if top else 0)
+    t = 0.0
+    if tp > 1:
+        dt = sum(hc.dt_tp[i] + (hc.dt_norm[i] if sp else 0) for i in blocks)
+        dt_top = hc.top_dt_tp + (hc.top_dt_norm if sp else 0) if top else 0
+        t += m * ((2 if c.ac in ("full", "selective") else 1) * dt + dt_top) * cluster.dtensor_op
+    if shard > 1:  # fully_shard: every parameter is a DTensor
+        n_dt = n_all
+    elif tp > 1:
+        n_dt = sum(hc.p_tp[i] + (hc.p_norm[i] if sp else 0) for i in blocks)
+        n_dt += (hc.top_p_tp + (hc.top_p_norm if sp else 0)) if top else 0
+    else:
+        n_dt = 0
+    plain, dtensor = cluster.optim
+    return t + n_dt * dtensor + (n_all - n_dt) * plain
 
 
 def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
@@ -205,20 +322,26 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     if cluster.op_overhead:  # host time per operator (eager CPU runs): forward, backward and recomputed ops
         ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
         re_ops = sum(x["ops"] for x in mine) if c.ac in ("full", "selective") else 0
-        compute += m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.op_overhead
+        compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
+                        + re_ops * (cluster.ac_op or cluster.op_overhead))
     comm: Dict[str, float] = {}
-    if tp > 1:  # TP / SP per block and microbatch: Megatron's 2 collectives per block in each direction
+    hc = ms.host
+    blocks = blocks_of(mine)
+    if cluster.op_overhead:  # CPU world: the library's host work (calibrated by Cluster.measure())
+        compute += _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard)
+    first = 0 in st_ids
+    full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
+    if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue (docs/auto_parallel.md)
         a = b_mb * hidden_bytes
         span = _span(order, sizes, "tp")
-        n_coll = 2 * nblk * (2 if c.ac in ("full", "selective") else 1) + 2 * nblk
-        if c.sp:
-            per = ct("all_gather", a, tp, intra(span)) + ct("reduce_scatter", a, tp, intra(span))
-        else:
-            per = ct("all_reduce", a, tp, intra(span))
-        t = n_coll * per
-        if last or pp == 1:  # head: logits all_gather forward; input-gradient reduction backward
-            t += ct("all_gather", b_mb * S / cp * info.vocab * param_item, tp, intra(span)) + per
+        logits = b_mb * S / cp * info.vocab * param_item
+        size = {"act": a, "logits": logits}
+        t = sum(cnt * ct(kind, size[what], tp, intra(span))
+                for (kind, what), cnt in tp_collectives(hc, blocks, c.sp, full_ac, first, last).items())
         comm["tp"] = t * m
+        if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
+            comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(hc.p_norm[i] for i in blocks) + hc.top_p_norm), tp,
+                             intra(span))
     if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
         span = _span(order, sizes, "cp")
         if c.cp_method == "ring":
@@ -232,7 +355,25 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
         rows = b_mb * S / cp * info.top_k * info.dim * param_item
         comm["ep"] = 4 * ct("all_to_all", rows, ep, intra(ep * cp * tp)) * n_moe * m
-    if shard > 1:  # FSDP: all_gather fwd + bwd, reduce_scatter per block; prefetch hides all but the first
+    if shard > 1 and shard in cluster.fsdp_unit:  # measured per-unit cost (hooks + latencies) + bandwidth
+        span = _span(order, sizes, "fsdp")
+        bw_only = lambda kind, nb, n: ct(kind, nb, n, intra(span)) - cluster.comm_by_size.get((kind, n), (0.0,))[0]
+        t = (nblk + v) * cluster.fsdp_unit[shard]  # a fully_shard unit per block and per stage root
+        for x in mine:
+            for k, cnt in x["kind_counts"].items():
+                dense = g.kind_dense_bytes[k] / tp / ms.act_item
+                expert = g.kind_expert_bytes[k] / (ep if ep > 1 else 1) / ms.act_item
+                t += cnt * (2 * bw_only("all_gather", dense * param_item, shard)
+                            + bw_only("reduce_scatter", dense * reduce_item, shard)
+                            + 2 * ct("all_gather", expert * param_item, expert_shard, intra(span))
+                            + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
+                if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
+                    t += cnt * ct("all_reduce", (dense + expert) / shard * reduce_item, dp,
+                                  intra(_span(order, sizes, "dp")))
+        if dp > 1:  # and the stage roots' gradients
+            t += v * ct("all_reduce", 1.0, dp, intra(_span(order, sizes, "dp")))
+        comm["fsdp"] = t  # gloo on the cores that compute: nothing overlaps
+    elif shard > 1:  # FSDP: all_gather fwd + bwd, reduce_scatter per block; prefetch hides all but the first
         span = _span(order, sizes, "fsdp")
         total = first = 0.0
         for x in mine:

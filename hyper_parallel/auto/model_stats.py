@@ -103,6 +103,7 @@ class ModuleTrace:
     sdpa_flops: int = 0
     ops: int = 0                   # aten ops run while this module was the innermost one (forward)
     sac_bytes: int = 0             # outputs of matmuls and attention (what selective AC saves), forward
+    tf_ops: int = 0                # torch-function calls (what a DTensor dispatches) in it, innermost (forward)
 
 
 @dataclasses.dataclass
@@ -215,6 +216,12 @@ def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, 
                  lin_in, mod_in, t.fwd_ops + extra_ops, int(t.bwd_ops + extra_ops * oratio))
 
 
+# tensor metadata reads: answered without the op dispatcher (DTensor's fast methods / properties)
+_METADATA = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size",
+             "is_floating_point", "is_complex", "__len__", "__format__", "__repr__", "__hash__",
+             "register_hook"}  # (register_hook: the flop counter's module tracker, not the model)
+
+
 def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     names = {m: n for n, m in meta.named_modules()}
     for m in meta.modules():
@@ -296,6 +303,8 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     class _SdpaSpy(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if not phase["bwd"] and stack and getattr(func, "__name__", "") not in _METADATA:
+                mods[stack[-1]].tf_ops += 1
             if func is F.scaled_dot_product_attention and not phase["bwd"]:
                 q, k = args[0], args[1]
                 sdpa_shapes.append((tuple(q.shape), tuple(k.shape)))

@@ -5,7 +5,7 @@
 
 * speed:   plan() for a 70B-class dense Llama and a DeepSeek-V3-class MoE on the meta device at world 1024
            (8 per node, 80 GiB): seconds, and the top plan's predicted memory.
-* memory:  on 4 gloo ranks, for plans of the example Llama (dense and MoE: fsdp, hsdp, dp, tp+sp, ep, AC on/off),
+* memory:  on 4 gloo ranks, for plans of the example Llama (dense and MoE: fsdp, hsdp, dp, tp+sp, cp, ep, AC none/full/selective),
            predicted parameter + gradient + optimizer bytes vs the measured local shards (max over ranks) and
            the predicted per-rank peak vs the measured one (parameters + buffers + the step's peak of new storages).
 * dryrun:  dry_run at world 8 vs the same step on 8 real gloo ranks (peak, collective list with bytes), and
@@ -40,6 +40,10 @@ MEM_LAYOUTS = [  # (config, degrees, sp, ac)
     ("moe-tiny", {"fsdp": 4, "ep": 2}, False, "none"),
     ("moe-tiny", {"fsdp": 4, "ep": 4}, False, "full"),
     ("moe-demo", {"fsdp": 2, "tp": 2}, True, "none"),
+    ("tiny", {"fsdp": 2, "cp": 2}, False, "none"),          # context parallel (the planner's cp method)
+    ("demo", {"dp": 2, "cp": 2}, False, "full"),
+    ("demo", {"fsdp": 4}, False, "selective"),               # selective AC
+    ("demo", {"fsdp": 2, "tp": 2}, True, "selective"),
     ("tiny", {"pp": 2, "fsdp": 2}, False, "1f1b"),        # pipelines: the last field is the schedule
     ("demo", {"pp": 2, "fsdp": 2}, False, "gpipe"),
     ("demo", {"pp": 2, "fsdp": 2}, False, "interleaved1f1b"),

@@ -1,5 +1,5 @@
 """``Plan.apply`` of pipeline plans: split the model into stages, lay out each stage as a whole model
-(``apply.parallelize_part``: TP/SP, CP, AC, EP, FSDP), and return torch's schedule.
+(``parallelize.parallelize_part``: TP/SP, CP, AC, EP, FSDP), and return torch's schedule.
 
 Every stage is built in torch's **static** mode: its boundary shapes are given (``input_args`` /
 ``output_args``), so no metadata travels between the stages, which is also what lets ``dry_run`` run
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hyper_parallel.auto.apply import PP_SCHEDULES, ce_loss, parallelize_part
+from hyper_parallel.auto.parallelize import PP_SCHEDULES, ce_loss, parallelize_part
 
 
 def _chunk_len(n, k, i):

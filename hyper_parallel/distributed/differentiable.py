@@ -202,12 +202,18 @@ class ReplicateToPartial(torch.autograd.Function):
 
 
 class PartialGrad(torch.autograd.Function):
-    """Identity forward; all_reduce(sum) of the gradient (Megatron's copy-to-region)."""
+    """Identity forward; all_reduce(sum) of the gradient (Megatron's copy-to-region).
+
+    The output is a view of a detached alias of ``x``, not of ``x`` itself: callers cache the output on
+    ``x`` (one all_reduce however many consumers), and a view of ``x`` would hold ``x`` through its C++
+    ``_base``, a cycle ``x -> cache -> output -> x`` that Python's collector cannot see, keeping every
+    step's activations alive.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return x.detach().view_as(x)
 
     @staticmethod
     def backward(ctx, g):

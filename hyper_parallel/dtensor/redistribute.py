@@ -9,8 +9,6 @@ of an all_reduce (see :func:`partial_grad_view`).
 """
 from __future__ import annotations
 
-import weakref
-
 from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.compile import compile_mode
 from hyper_parallel.distributed import deferred_grads
@@ -84,8 +82,6 @@ def partial_grad_view(local, group, leave_partial: bool = True):
         cache = {"version": local._version}
         local._hp_pgrad = cache
     view = cache.get(key)
-    if isinstance(view, weakref.ref):
-        view = view()
     if view is None:
         g = getattr(local, "_hp_gathered", None)
         if g is not None and g[0] == group.ranks and g[1].requires_grad:
@@ -95,12 +91,7 @@ def partial_grad_view(local, group, leave_partial: bool = True):
             view = _D.DeferredPartialGrad.apply(local, group, leave_partial)
         else:
             view = _F.PartialGrad.apply(local, group)
-        # An activation's view is a view of ``local`` itself (its C++ ``_base``), so a strong entry would
-        # make local -> cache -> view -> local a cycle that Python's collector cannot see through, and
-        # every step's activations would stay alive. The entry is weak: consumers that save the view for
-        # backward keep it alive; once none does, a later consumer makes a new view (its gradient is
-        # summed on its own, which is the same total). Parameters (leaves) live on; their entry stays.
-        cache[key] = view if local.is_leaf else weakref.ref(view)
+        cache[key] = view
     return view
 
 

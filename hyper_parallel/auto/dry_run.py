@@ -233,10 +233,14 @@ def _works_hold_tensors():
     from torch._C._distributed_c10d import ProcessGroup
     saved = {}
     for name in _PG_CALLS:
-        orig = getattr(ProcessGroup, name, None)
-        if orig is None:
+        # keep the class's own attribute (pybind's method descriptor) to put back: getattr returns the bare
+        # builtin, which as a class attribute no longer binds ``self``, so every later call on any group in
+        # this process (and in processes forked from it) would fail with "incompatible function arguments"
+        raw = ProcessGroup.__dict__.get(name)
+        if raw is None:
             continue
-        saved[name] = orig
+        orig = getattr(ProcessGroup, name)
+        saved[name] = raw
 
         def held(self, *args, __orig=orig, **kwargs):
             return _HeldWork(__orig(self, *args, **kwargs), args)

@@ -130,3 +130,16 @@ def test_dry_run_pipeline_world8_matches_real_ranks(dist_runner):
         assert rep.collectives == real[r].collectives and rep.state_bytes == real[r].state_bytes
         assert abs(rep.peak_memory - real[r].peak_memory) <= 0.05 * real[r].peak_memory, \
             (r, rep.peak_memory, real[r].peak_memory)
+
+
+def test_dry_run_leaves_process_group_methods_as_they_were():
+    """The dry run wraps ``ProcessGroup``'s collectives while it runs; afterwards the class holds the very
+    same attributes again (putting back ``getattr``'s bare builtin broke every later collective of the
+    process: "incompatible function arguments", self no longer bound)."""
+    from torch._C._distributed_c10d import ProcessGroup
+    from hyper_parallel.auto.dry_run import _PG_CALLS, _works_hold_tensors
+    before = {n: ProcessGroup.__dict__.get(n) for n in _PG_CALLS}
+    with _works_hold_tensors():
+        assert any(ProcessGroup.__dict__.get(n) is not before[n] for n in _PG_CALLS)
+    after = {n: ProcessGroup.__dict__.get(n) for n in _PG_CALLS}
+    assert all(after[n] is before[n] for n in _PG_CALLS), [n for n in _PG_CALLS if after[n] is not before[n]]

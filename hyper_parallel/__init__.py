@@ -62,7 +62,7 @@ def init_process_group(device_type: str = None, timeout_s: float = None) -> None
     elastic restart works after ``new_group``), and the process groups are destroyed and freed
     at interpreter exit (docs/checkpoint.md "Elastic restart", docs/testing.md). ``device_type``:
     "cpu" (gloo) or "cuda" (nccl; default when CUDA is available); ``timeout_s``: collective
-    timeout (default ``HYPER_PARALLEL_TIMEOUT`` or 600 s).
+    timeout (default ``HYPER_PARALLEL_COLLECTIVE_TIMEOUT`` or 600 s).
     """
     groups.init_process_group(device_type or groups.default_device_type(), timeout_s)
 

@@ -17,7 +17,7 @@ script written against it works with our DTensors:
   rank 0 broadcasts each tensor and every rank keeps its own box of it.
 
 DTensors are recognised by duck typing (the class defines ``__hp_stage__``), so
-this platform module needs nothing from the layers above it.
+this module needs nothing from the layers above it.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher
   :func:`eager_hook`. Shapes are static: DTensor nodes refuse symbolic sizes (``_require_static``).
 
 Everything torch-specific about compilation lives here; the core only calls
-:func:`traced_op` / :func:`native_query` through the platform.
+:func:`traced_op` / :func:`native_query`.
 """
 from __future__ import annotations
 

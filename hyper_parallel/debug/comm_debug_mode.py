@@ -1,4 +1,4 @@
-"""CommDebugMode: count collectives (and bytes) issued through the platform layer.
+"""CommDebugMode: count collectives (and bytes) issued through the ground floor's collectives (hyper_parallel.distributed).
 
 Counts are keyed by hyper_parallel's collective kinds (``"all_gather"``...) and
 also answer PyTorch's keys (``torch.ops.c10d_functional.all_gather_into_tensor``,

@@ -48,12 +48,6 @@ def make_methods(cls, dispatch) -> dict:
     return out
 
 
-def install(cls, dispatch):
-    """Define the methods of :func:`make_methods` on ``cls``."""
-    for name, fn in make_methods(cls, dispatch).items():
-        setattr(cls, name, fn)
-
-
 def _make(orig, kf, name, DT, dispatch):
     fast, skip_any, scalars = dispatch._FAST, dispatch._SKIP_ANY, dispatch._SCALARS
     key_of, wrap, run_pg, call_kw = dispatch._fast_key, dispatch._wrap_entry, dispatch._run_pg, dispatch._fast_call_kw

@@ -2,7 +2,7 @@
 
 Every rank builds the same mesh; the groups for every line of every mesh dim
 are created once, in the same order on all ranks (``new_group`` is collective
-over the world), and cached in the platform, so sliced or re-created meshes
+over the world), and cached in the ground floor (``distributed/groups.py``), so sliced or re-created meshes
 reuse them.
 """
 from __future__ import annotations

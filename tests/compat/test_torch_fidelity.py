@@ -304,7 +304,7 @@ def _layout_and_ops(mesh):
     assert close.dtype == torch.bool and bool(close.full_tensor().all())
 
     # one-element plain tensors mixed with DTensors are replicated (torch's test_auto_implicit_replication);
-    # on a PyTorch mesh other plain tensors raise (HyperParallel's meshes: tests/compat/test_hp_semantics_b.py)
+    # on a PyTorch mesh other plain tensors raise (HyperParallel's meshes: tests/compat/test_hp_device_moves_and_mixed_inputs.py)
     from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
     loc = torch.ones(ws, 3)
     s = DTensor.from_local(loc, torch_init_device_mesh("cpu", (ws,)), [Shard(0)])

@@ -169,7 +169,18 @@ def _reset() -> None:
         set_debug(_debug_from_env())
 
 
-__all__ = ["strict_layouts", "set_strict_layouts", "strict_layouts_mode", "StrictLayoutError",
+def reset_process_state() -> None:
+    """Forget per-process state between independent jobs in one process: the dispatch modes go back to
+    the environment's, and the layout-independent random stream (``hp.manual_seed``) is unseeded.
+
+    The test harness calls it between tasks and ``hyper_parallel.auto.dry_run`` between fake worlds.
+    """
+    from hyper_parallel.dtensor import random as _random
+    _random.reset_seed_state()
+    _reset()
+
+
+__all__ = ["reset_process_state", "strict_layouts", "set_strict_layouts", "strict_layouts_mode", "StrictLayoutError",
            "StrictLayoutNotImplementedError", "ImplicitRedistributionWarning", "implicit_replication",
            "allow_replicate_fallback", "set_debug", "SkipDTensorDispatch", "add_no_skip_ops", "remove_no_skip_ops",
            "get_no_skip_ops", "disable_dtensor_dispatch", "enable_dtensor_dispatch", "on_switch_change"]

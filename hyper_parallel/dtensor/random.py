@@ -50,6 +50,12 @@ def _set(scheme):
             h()
 
 
+def reset_seed_state() -> None:
+    """Unseed the layout-independent stream (as in a fresh process); the scheme is kept."""
+    _state["seed"] = None
+    _state["counter"] = 0
+
+
 def manual_seed(seed: int) -> None:
     """Seed the DTensor random stream (call with the same seed on every rank); HyperParallel's scheme."""
     if not isinstance(seed, int):

@@ -8,6 +8,7 @@ Quick start::
     y = x.redistribute(mesh, ("None", "tp"))      # alias spelling, one name per tensor dim
 """
 from importlib import import_module as _import_module
+from typing import Optional
 
 from hyper_parallel.distributed import groups
 from hyper_parallel.dtensor.placement_types import Placement, Shard, Replicate, Partial
@@ -78,7 +79,7 @@ _compose()
 __version__ = "0.1.0"
 
 
-def init_process_group(device_type: str = None, timeout_s: float = None) -> None:
+def init_process_group(device_type: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
     """Initialise the default process group from torchrun's environment, if not yet done.
 
     What ``init_device_mesh`` does first; call it yourself to initialise before building a mesh.

@@ -28,6 +28,7 @@ per thread). Its initial value comes from ``HYPER_PARALLEL_STRICT_LAYOUTS``:
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from hyper_parallel.dtensor import dispatch_state as _ds
 from hyper_parallel.dtensor.dispatch_state import (  # noqa: F401  (public home of these names)
@@ -128,7 +129,7 @@ WARNED_FALLBACK: set = set()  # ops the replicate fallback has warned about
 _ON_CHANGE: list = []
 
 
-def on_switch_change(fn) -> None:
+def on_switch_change(fn: Callable[[], None]) -> None:
     """Call ``fn()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
     cache clearing)."""
     if not callable(fn):

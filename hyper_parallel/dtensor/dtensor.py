@@ -172,6 +172,11 @@ class DTensor(torch.Tensor):
     # slots: the per-op wrapper sets these five on every output, cheaper than __dict__ entries
     # (rare attributes - caches, Parameter flags - still go to the instance __dict__)
     __slots__ = ("_local_tensor", "_mesh", "_layout", "_gshape", "_spec")
+    _local_tensor: torch.Tensor
+    _mesh: DeviceMesh
+    _layout: Layout
+    _gshape: torch.Size
+    _spec: Spec
 
     @staticmethod
     def __new__(cls, local_tensor, device_mesh: DeviceMesh = None, placements=None, *, shape=None, stride=None):

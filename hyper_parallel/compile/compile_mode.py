@@ -20,7 +20,7 @@ Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher
   by ``__eq__``) and never traces their construction.
 * **Python-level fast methods are eager only.** Dynamo refuses to inline
   Tensor methods a subclass overrides, so the first time dynamo meets a DTensor
-  the fast methods (``_fast_methods.METHODS``) and the overridden
+  the fast methods (``dtensor/fast_path.py: METHODS``) and the overridden
   ``size``/``dim``/``numel``/``to``/``float`` are removed from the class for the
   rest of the process: outside compiled regions those calls then take the
   ordinary ``__torch_function__`` path (same results, ~1 us slower per call).

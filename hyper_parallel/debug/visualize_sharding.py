@@ -27,7 +27,7 @@ def visualize_sharding(dtensor: Any, header: str = "", use_rich: bool = False) -
 
 def sharding_table(dtensor: Any, header: str = "") -> str:
     """The table :func:`visualize_sharding` prints (every rank can build it; no communication)."""
-    layout, shape = dtensor.layout, tuple(dtensor.shape)
+    layout, shape = dtensor._layout, tuple(dtensor.shape)
     blocks: dict = {}  # (row range, col range) -> ranks holding it
     for rank in layout.rank_list:
         lshape, offset = layout.local_shape_and_offset(shape, rank)

@@ -20,7 +20,6 @@ For every op called with DTensor arguments the dispatcher
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 
 from hyper_parallel.dtensor import dispatch_state as _ds
@@ -29,7 +28,7 @@ from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.layout import Layout as _Layout
 from hyper_parallel.dtensor.redistribute import partial_grad_view
-from hyper_parallel.dispatch import fast_methods as _fast_methods
+from hyper_parallel.dtensor import fast_path as _fast_path
 from hyper_parallel.dispatch import strict_layouts as _strict
 from hyper_parallel.dispatch import modes as _modes
 from hyper_parallel.dispatch.mesh_split import split_by_mesh as _split_by_mesh
@@ -64,15 +63,15 @@ class _Entry:
 _CACHE: dict = {}
 # (func, spec | scalar, ...) -> entry (spec: dtensor.Spec), for calls with positional DTensor/scalar
 # arguments that need no redistribution, are not in place and return one tensor (the rule's local
-# implementation, if any, and partial-gradient views are applied inline).
-_FAST: dict = {}
+# implementation, if any, and partial-gradient views are applied inline). The table lives in the
+# DTensor core (dtensor/fast_path.py) because the class's fast methods read it; this module fills it.
+_FAST = _fast_path.FAST
 # Both caches are bounded (oldest entry evicted): a program with unboundedly many distinct calls
 # (e.g. shapes that change every step) must not grow them forever.
 _CACHE_MAX = 8192
 # func -> whether float argument values are part of its cache key (see DistributedOp.float_args_matter)
 _FLOATS_MATTER: dict = {}
-_SCALARS = (int, float, bool, type(None))
-_EMPTY: dict = {}
+_SCALARS = _fast_path.SCALARS
 _INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
 _BOOL = torch.bool
 _TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -139,42 +138,15 @@ def _handle(func, types, args, kwargs):
 
 
 def _fast_key(func, args):
-    """The fast-cache key of ``func(*args)``, or None when an argument is neither a DTensor nor a scalar."""
-    parts = [func]
-    for a in args:
-        t = type(a)
-        if t is _DT:
-            parts.append(a._spec)
-        elif t in _SCALARS:
-            parts.append(a)
-        else:
-            return None
-    return tuple(parts)
+    return _fast_path.fast_key(_DT, func, args)
 
 
 def _fast_key_kw(func, args, kwargs):
-    """The fast-cache key of a call with keyword arguments (all scalars), or None.
-
-    The keywords form one trailing tuple; positional parts are never tuples, so the
-    key cannot equal that of a call without keywords.
-    """
-    for v in kwargs.values():
-        if type(v) not in _SCALARS:
-            return None
-    key = _fast_key(func, args)
-    return None if key is None else key + (tuple(kwargs.items()),)
+    return _fast_path.fast_key_kw(_DT, func, args, kwargs)
 
 
-def _fast_call_kw(func, args, kwargs):
-    """The fast path for calls with scalar keyword arguments (``x.mean(-1, keepdim=True)``,
-    ``F.softmax(x, dim=-1)``); returns None on a miss."""
-    key = _fast_key_kw(func, args, kwargs)
-    entry = None if key is None else _FAST.get(key)
-    if entry is None:
-        return None
-    locs = [x._local_tensor if type(x) is _DT else x for x in args]
-    out = entry.fn(*locs, **kwargs) if entry.pg_args is None else _run_pg(entry, locs, kwargs)
-    return _wrap_entry(entry, out)
+_run_pg = _fast_path.run_with_partial_grads
+_fast_call_kw = _fast_path.fast_call_kw  # (cls, func, args, kwargs)
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
@@ -236,22 +208,11 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         if special is not None:
             return special(*args, **(kwargs or {}))
     elif kwargs and not _SKIP_ANY[0]:
-        out = _fast_call_kw(func, args, kwargs)
+        out = _fast_call_kw(_DT, func, args, kwargs)
         if out is not None:
             return out
     # SkipDTensorDispatch, special-cased methods under it, cache misses
     return _handle(func, types, args, kwargs or {})
-
-
-def _run_pg(entry, locs, kwargs=_EMPTY):
-    """Run ``entry.fn`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
-    for i, groups in entry.pg_args:
-        loc = locs[i]
-        if loc.requires_grad:
-            for g in groups:
-                loc = partial_grad_view(loc, g)
-            locs[i] = loc
-    return entry.fn(*locs, **kwargs)
 
 
 def _out_via_copy(func, name, args, kwargs):
@@ -597,18 +558,6 @@ _make_wrapper = _dt._make_wrapper
 _STRIDED = _dt._STRIDED
 
 
-def _wrap_entry(entry, out):
-    """Wrap the local result of a fast-cache ``entry`` (see :mod:`._fast_methods`)."""
-    shape = entry.out_shapes
-    r = _make_wrapper(_DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
-    r._local_tensor = out
-    r._mesh = entry.mesh
-    r._layout = entry.out_layouts
-    r._gshape = shape
-    r._spec = entry.out_spec
-    return r
-
-
 # ----------------------------------------------------------------------------- the dispatcher object
 def _compile_torch_function(cls, func, types, args=(), kwargs=None):
     """``__torch_function__`` in compile mode: while dynamo traces, one opaque node per op
@@ -648,7 +597,7 @@ _DYNAMO_COMPILING = _COMPILE.is_dynamo_compiling
 _DYNAMO_LOADED = _COMPILE.is_dynamo_loaded  # the compile state is read through its function, never its table
 
 DISPATCHER = Dispatcher()
-_dt.set_dispatcher(DISPATCHER, _fast_methods.make_methods(DTensor, sys.modules[__name__]))
+_dt.set_dispatcher(DISPATCHER)
 _COMPILE.install(DTensor, _torch_function, (_Layout, _dt.DeviceMesh, _dt.Shard, _dt.Replicate, _dt.Partial),
                  DISPATCHER.set_mode)
 

@@ -112,7 +112,7 @@ def _local_map_wrapped(func, out_placements, in_placements, in_grad_placements, 
             # layout cache: dynamo traces this wrapper inside compiled blocks)
             if want is not None and not _same_placements(a, want):
                 lay = build_layout(a.device_mesh, want, a.ndim, f"local_map in_placements[{i}]")
-                if lay != a.layout:
+                if lay != a._layout:
                     if not redistribute_inputs:
                         raise ValueError(
                             f"local_map({fname}): argument {i} has placements "
@@ -128,7 +128,7 @@ def _local_map_wrapped(func, out_placements, in_placements, in_grad_placements, 
                 continue
             local = a.to_local()
             if local.requires_grad:
-                lay = a.layout
+                lay = a._layout
                 for d in sorted(_non_replicated_mesh_dims(out_placements, a.device_mesh)):
                     if lay.partial[d] is None and lay.tensor_dim_of(d) is None and a.device_mesh.size(d) > 1:
                         local = partial_grad_view(local, a.device_mesh.get_comm_group(d))

@@ -111,7 +111,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = 
         if tensor.device_mesh != mesh:
             raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} "
                              f"to a different device mesh {mesh}.")
-        if tensor.layout != layout:
+        if tensor._layout != layout:
             raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to a different "
                              f"placements {tuple(layout.placements)}. do you want to call `redistribute` instead?")
         return tensor

@@ -9,8 +9,8 @@ documented behaviour (values compared with the same computation on one process):
   ``distribute_tensor(t, mesh, [Partial()])``, from_local on a tensor subclass;
 * sub-mesh DTensors (ranks outside the mesh: empty local tensors, no collective,
   right global metadata) - see ``_sub_mesh``;
-* ``.layout``: torch code (assert_close, torch.save/load) sees ``torch.strided``,
-  our code sees the Layout;
+* ``.layout`` on a PyTorch mesh is ``torch.strided`` (assert_close, torch.save/load work);
+  ``dist_layout()`` is the distribution Layout;
 * ``as_strided`` / ``new_empty_strided`` / ``equal`` / ``allclose``; ``torch.vmap`` over simple programs
   (an error naming vmap otherwise); meta DTensors and ``to_empty``; from_local backward layouts;
 * one-element plain tensors taken as replicated; ``stride()`` is the global stride;
@@ -227,9 +227,10 @@ def _layout_and_ops(mesh):
     full = _global(2, 2 * ws, 4)
     a = distribute_tensor(full, mesh, [Shard(0)])
     b = distribute_tensor(full, mesh, [Replicate()])
-    # .layout: ours for us, torch.strided for torch (assert_close, save/load)
-    assert isinstance(a.layout, hp.Layout) and a.layout.placements == (Shard(0),)
-    assert a.layout == torch.strided
+    # .layout on a PyTorch mesh: the memory layout, as torch's DTensor (docs/design.md, "DTensor.layout");
+    # the distribution layout is dist_layout(). On a HyperParallel mesh .layout is the Layout (compat tests).
+    assert a.layout is torch.strided
+    assert isinstance(a.dist_layout(), hp.Layout) and a.dist_layout().placements == (Shard(0),)
     torch.testing.assert_close(a, a)
     with pytest.raises(AssertionError, match="DTensor placements do not match"):
         torch.testing.assert_close(a, b)  # different placements: torch 2.13 refuses (test_assert_equal_dtensor)

@@ -216,7 +216,7 @@ def test_compile_parity_two_ranks(dist_runner):
 
 def test_compile_mode_restores_fast_methods():
     """Compile mode removes the eager fast methods (dynamo cannot inline them); the reset puts them back."""
-    from hyper_parallel.dispatch import fast_methods as _fast_methods
+    from hyper_parallel.dtensor import fast_path as _fast_methods
     cs = compile_mode
     assert all(n in hp.DTensor.__dict__ for n in _fast_methods.METHODS if hasattr(torch.Tensor, n))
     from hyper_parallel.dispatch.dispatcher import DISPATCHER

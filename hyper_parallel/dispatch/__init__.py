@@ -3,7 +3,7 @@
 Design (one screen)
 -------------------
 * **One dispatcher object.** ``DTensor.__torch_function__`` (defined once, in ``dtensor/dtensor.py``)
-  calls ``dispatcher.DISPATCHER.torch_function``. In eager mode that is the fast path (a cache keyed
+  calls ``dispatcher.ENTRY.torch_function``. In eager mode that is the fast path (a cache keyed
   by the op and the interned layout of each argument, a hit runs the op on local tensors and wraps
   the result in a few microseconds) falling back to the rule-based path; in compile mode (the first
   time dynamo meets a DTensor) each op becomes one opaque node (``compile/compile_mode.py``).

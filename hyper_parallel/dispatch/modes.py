@@ -32,7 +32,8 @@ from typing import Callable
 
 from hyper_parallel.dtensor import dispatch_state as _ds
 from hyper_parallel.dtensor.dispatch_state import (  # noqa: F401  (public home of these names)
-    SkipDTensorDispatch, add_no_skip_ops, disable_dtensor_dispatch, enable_dtensor_dispatch, get_no_skip_ops,
+    SkipDTensorDispatch, add_no_skip_ops, disable_dtensor_dispatch, enable_dtensor_dispatch, get_dtensor_dispatch,
+    get_no_skip_ops,
     implicit_replication, remove_no_skip_ops)
 
 OFF, STRICT, WARN = 0, 1, 2
@@ -184,4 +185,5 @@ def reset_process_state() -> None:
 __all__ = ["reset_process_state", "strict_layouts", "set_strict_layouts", "strict_layouts_mode", "StrictLayoutError",
            "StrictLayoutNotImplementedError", "ImplicitRedistributionWarning", "implicit_replication",
            "allow_replicate_fallback", "set_debug", "SkipDTensorDispatch", "add_no_skip_ops", "remove_no_skip_ops",
-           "get_no_skip_ops", "disable_dtensor_dispatch", "enable_dtensor_dispatch", "on_switch_change"]
+           "get_no_skip_ops", "disable_dtensor_dispatch", "enable_dtensor_dispatch", "get_dtensor_dispatch",
+           "on_switch_change"]

@@ -26,7 +26,7 @@ from hyper_parallel.dtensor.redistribute import partial_grad_view
 
 # (func, spec | scalar, ...) -> entry, for calls with positional DTensor/scalar arguments that need no
 # redistribution, are not in place and return one tensor. An entry has ``fn`` (the local op),
-# ``pg_args`` (inputs given partial-gradient views), ``mesh``, ``out_layouts``, ``out_shapes`` and
+# ``partial_grad_inputs`` (inputs given partial-gradient views), ``mesh``, ``out_layouts``, ``out_shapes`` and
 # ``out_spec``. Filled and bounded by the dispatcher.
 FAST: Dict[tuple, Any] = {}
 SCALARS = (int, float, bool, type(None))
@@ -59,8 +59,8 @@ def wrap_entry(cls: type, entry: Any, out: torch.Tensor) -> Any:
 
 
 def run_with_partial_grads(entry: Any, locs: list, kwargs: dict = _EMPTY) -> torch.Tensor:
-    """Run ``entry.fn`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
-    for i, groups in entry.pg_args:
+    """Run ``entry.fn`` on local tensors, giving inputs with partial gradients (``entry.partial_grad_inputs``) their views."""
+    for i, groups in entry.partial_grad_inputs:
         loc = locs[i]
         if loc.requires_grad:
             for g in groups:
@@ -104,7 +104,7 @@ def fast_call_kw(cls: type, func: Callable, args: tuple, kwargs: dict) -> Any:
     if entry is None:
         return None
     locs = [x._local_tensor if type(x) is cls else x for x in args]
-    out = entry.fn(*locs, **kwargs) if entry.pg_args is None else run_with_partial_grads(entry, locs, kwargs)
+    out = entry.fn(*locs, **kwargs) if entry.partial_grad_inputs is None else run_with_partial_grads(entry, locs, kwargs)
     return wrap_entry(cls, entry, out)
 
 
@@ -149,7 +149,7 @@ def _make(orig, kf, name, DT):
         n = len(args)
         if n == 0:
             entry = fast.get((kf, self._spec))
-            if entry is not None and entry.pg_args is None:
+            if entry is not None and entry.partial_grad_inputs is None:
                 return wrap(entry, entry.fn(self._local_tensor))
         elif n == 1:
             b = args[0]
@@ -160,17 +160,17 @@ def _make(orig, kf, name, DT):
                 sl = self._local_tensor
                 lb = b._local_tensor if tb is DT else b
                 # partial-gradient views matter only for inputs that require grad
-                if entry.pg_args is None or not (sl.requires_grad or (tb is DT and lb.requires_grad)):
+                if entry.partial_grad_inputs is None or not (sl.requires_grad or (tb is DT and lb.requires_grad)):
                     return wrap(entry, entry.fn(sl, lb))
                 return wrap(entry, run_pg(entry, [sl, lb]))
         elif n == 2 and type(args[0]) in scalars and type(args[1]) in scalars:  # transpose(1, 2), view(a, b)
             entry = fast.get((kf, self._spec) + args)
-            if entry is not None and entry.pg_args is None:
+            if entry is not None and entry.partial_grad_inputs is None:
                 return wrap(entry, entry.fn(self._local_tensor, *args))
         else:
             key = fast_key(DT, kf, (self,) + args)
             entry = None if key is None else fast.get(key)
-            if entry is not None and entry.pg_args is None:
+            if entry is not None and entry.partial_grad_inputs is None:
                 return wrap(entry, entry.fn(self._local_tensor, *[b._local_tensor if type(b) is DT else b
                                                                   for b in args]))
         # a miss, or partial-gradient views to apply: the ordinary path (its fast path handles the latter)

@@ -250,7 +250,7 @@ def _require_static(what, args, kwargs):
     ("Unsupported output type for nonstrict_trace-ed function"); the graph-break
     log (``TORCH_LOGS=graph_breaks``) quotes this message. Raising it from the code
     dynamo inlines instead did not stop the compile with it either (torch 2.13), so
-    the user-facing error is still dynamo's; docs/performance.md says to compile
+    the user-facing error is still dynamo's; docs/performance_history.md (torch.compile) says to compile
     with ``dynamic=False`` (as ``examples/llama/train.py --compile`` does).
     """
     shape = _symbolic_shape((args, kwargs))

@@ -71,6 +71,7 @@ run_one() {  # stack row nproc config weightflag args...
     rm -f "$OUT/$stack-$row.json"
     ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
         "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
+        ${DUMP_GRADS:+--dump-grads "$OUT/grads-$stack-$row.pt"} \
         "$wflag" "${WEIGHTS:-$OUT/weights-$row.pt}" -- \
         --module titan_configs --config "$cfg" --hf_assets_path "$OUT/assets/tokenizer" \
         --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$STEPS" --training.seq_len 128 \

@@ -46,6 +46,8 @@ LLAMA=llama3_debugmodel_sdpa_noac
 # cp rows: torch 2.13 has no CPU sharding strategy for its flash SDPA op, so torch's own CP fails on CPU;
 # hyper_parallel's CP2 is compared with torch on the same 2 ranks WITHOUT CP and the same global batch
 # and data (TP2: data-parallel degree 1, so both stacks train on the same 2 sequences a step).
+# _fd rows: torchtitan's full_dtensor backend (every parameter, buffer and input a DTensor on the whole
+# dense mesh; fully_shard with DataParallelMeshDims); the later --parallelism.spmd-backend wins.
 MATRIX="
 fsdp2|2|$LLAMA|
 fsdp2_ac|2|llama3_debugmodel_sdpa|
@@ -63,6 +65,9 @@ tp2_compile_model|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enab
 moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 moe_ep2_4|4|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 moe_ep1|2|qwen3_moe_debug_sdpa_noac|
+fsdp2_fd|2|$LLAMA|--parallelism.spmd-backend full_dtensor
+tp2_fd|2|$LLAMA|--parallelism.spmd-backend full_dtensor --parallelism.tensor_parallel_degree 2
+fsdp2tp2_fd|4|$LLAMA|--parallelism.spmd-backend full_dtensor --parallelism.tensor_parallel_degree 2
 "
 ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
 
@@ -71,7 +76,7 @@ run_one() {  # stack row nproc config weightflag args...
     rm -f "$OUT/$stack-$row.json"
     ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
         "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
-        ${DUMP_GRADS:+--dump-grads "$OUT/grads-$stack-$row.pt"} \
+        ${DUMP_GRADS:+--dump-grads "$OUT/grads-$stack-$row.pt"} ${PROFILE:+--profile "$OUT/prof-$stack-$row.pstats"} \
         "$wflag" "${WEIGHTS:-$OUT/weights-$row.pt}" -- \
         --module titan_configs --config "$cfg" --hf_assets_path "$OUT/assets/tokenizer" \
         --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$STEPS" --training.seq_len 128 \

@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--record", required=True)
     ap.add_argument("--save-weights")
     ap.add_argument("--load-weights")
+    ap.add_argument("--profile", help="cProfile of train_step from step 2 on (rank 0), written as pstats here")
     ap.add_argument("--dump-grads", help="write every parameter's full gradient of step 1 (before clipping)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -169,9 +170,20 @@ def main():
             record["loaded"] = len(load_weights(self, args.load_weights))
         return orig_train(self)
 
+    prof = None
+    if args.profile and int(os.environ.get("RANK", "0")) == 0:
+        import cProfile
+        prof = cProfile.Profile()
+
     def train_step(self, *a, **k):
         t0 = time.perf_counter()
+        on = prof is not None and len(record["steps"]) >= 1
+        if on:
+            prof.enable()
         out = orig_step(self, *a, **k)
+        if on:
+            prof.disable()
+            prof.dump_stats(args.profile)
         record["steps"][-1]["time_s"] = time.perf_counter() - t0
         return out
 

@@ -60,6 +60,9 @@ def _body():
     with pytest.raises(ValueError, match="names mesh dim 'dp'"):
         fully_shard(model, mesh=full, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     fully_shard(model, mesh=full, dp_mesh_dims=DataParallelMeshDims(shard="fsdp"))
+    # the loss is the global mean, so its gradient pieces sum to the whole gradient: no division
+    # (torchtitan's full_dtensor does this; torch's default divides the summed pieces by the dp size)
+    model.set_gradient_divide_factor(1.0)
     assert tuple(model.a.device_mesh.mesh_dim_names) == ("fsdp", "tp")
     fs = full["fsdp"]
     k, f = fs.size(), fs.get_local_rank()
@@ -111,10 +114,12 @@ def _nested_body():
         for a, b in ((a0, b0), (a1, b1)):
             x = x + F.linear(torch.tanh(F.linear(x, a)), b)
         return F.linear(x, h)
-    ref_losses = []
+    ref_losses, ref_grads = [], None
     for xb in batches:
         loss = (fwd(ref, xb) ** 2).mean()
         loss.backward()
+        if ref_grads is None:
+            ref_grads = [p.grad.clone() for p in ref]
         with torch.no_grad():
             for p in ref:
                 p -= 0.1 * p.grad
@@ -131,15 +136,28 @@ def _nested_body():
             for blk in self.blocks:
                 x = x + blk(x)
             return F.linear(x, self.head)
-    model = Root()
-    dims = DataParallelMeshDims(shard="dp_shard")
-    for blk in model.blocks:
-        fully_shard(blk, mesh=full, dp_mesh_dims=dims)
-    fully_shard(model, mesh=full, dp_mesh_dims=dims)   # raised: a block's S(0) on 'dp_shard'
-    assert tuple(model.head.placements) == (Shard(0), Replicate())
-    assert tuple(model.blocks[0].a.placements) == (Shard(0), Shard(0))
     fs = full["dp_shard"]
     k, f = fs.size(), fs.get_local_rank()
+    dims = DataParallelMeshDims(shard="dp_shard")
+    for divide in (None, 1.0):
+        model = Root()
+        for blk in model.blocks:
+            fully_shard(blk, mesh=full, dp_mesh_dims=dims)
+        fully_shard(model, mesh=full, dp_mesh_dims=dims)   # raised: a block's S(0) on 'dp_shard'
+        if divide is not None:
+            for mod in (model, *model.blocks):
+                mod.set_gradient_divide_factor(divide)
+        x = hp.DTensor.from_local(batches[0].chunk(k)[f], full, [Shard(0), Replicate()])
+        (model(x) ** 2).mean().full_tensor().backward()
+        got = [model.blocks[0].a, model.blocks[1].a, model.blocks[0].b, model.blocks[1].b, model.head]
+        # as torch's FSDP2 (checked with torch on these 4 ranks): the gradient pieces over the dp dim are
+        # reduce-scattered once, divided by the dp size unless a divide factor is set
+        for g, r in zip(got, ref_grads):
+            torch.testing.assert_close(g.grad.full_tensor(), r / (k if divide is None else divide),
+                                       rtol=1e-10, atol=1e-12)
+        model.zero_grad()
+    assert tuple(model.head.placements) == (Shard(0), Replicate())
+    assert tuple(model.blocks[0].a.placements) == (Shard(0), Shard(0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, xb in enumerate(batches):
         x = hp.DTensor.from_local(xb.chunk(k)[f], full, [Shard(0), Replicate()])

@@ -6,12 +6,16 @@
 #   STEPS=5 OUT=runs/torchtitan bash scripts/torchtitan_check.sh
 #   INIT=seed SEED=42 ROWS="fsdp2 tp2" bash scripts/torchtitan_check.sh   # no loaded weights: both stacks
 #       initialise from the same seed (--debug.seed); their initial weights and step-1 losses are compared
+#   TOL=1e-6 ROWS="fsdp2_fd tp2_fd fsdp2tp2_fd" bash scripts/torchtitan_check.sh   # torchtitan's full_dtensor
+#   DUMP_GRADS=1 ...   # also write each stack's full step-1 gradients (grads-<stack>-<row>.pt)
+#   PROFILE=1 ...      # also a cProfile of train_step from step 2 on, rank 0 (prof-<stack>-<row>.pstats)
 #
 # * .venv-torchtitan (git-ignored, not the test suite's .venv): torch==2.13.0 (CPU), torchtitan==0.3.0,
 #   this package (editable, no dependencies).
 # * Each row runs torchtitan's own train loop twice on gloo ranks (torchrun, a free port each): on torch
 #   (which writes its initial weights) and under hyper_parallel.swap (which loads them), then prints
-#   the losses side by side, the largest relative difference and the step-time ratio.
+#   the losses and grad norms side by side, their largest relative differences (verdict: both within TOL,
+#   default 1e-5) and the step-time ratio.
 # * The only changes to torchtitan are the CPU patches in scripts/torchtitan/run_titan.py (device "cpu",
 #   a stub for the triton-only kernel module, SUM instead of PREMUL_SUM on gloo, no
 #   torch.distributed.set_timeout), applied to both stacks; the model is torchtitan's llama3

@@ -10,6 +10,8 @@ processes, alternating blocks:
 
 * **EP**: ``parallelize_module(layer, mesh["ep"], {"experts": ExpertParallel()})``, experts sharded
   1/ep per rank; the router gradient is all_reduced, the expert gradients need nothing;
+* **torch EP**: the same layer on torch's own DTensor and functional collectives, expert-parallel as
+  torchtitan's token dispatcher does it (``_torch_ep_layer``): the side-by-side baseline;
 * **replicated**: the same layer with every expert on every rank (no token exchange) and the expert
   gradients all_reduced with the router's (plain data parallelism);
 * **one process**: rank 0 alone runs the whole batch (ep * tokens) on the whole layer, while the
@@ -44,7 +46,7 @@ def _layer_cls():
             self.w3 = nn.Parameter(torch.randn(E, hidden, dim, generator=g) / dim ** 0.5)
 
         def forward(self, x, num_tokens_per_expert):
-            loc = lambda w: w.to_local() if isinstance(w, hp.DTensor) else w
+            loc = lambda w: w.to_local() if hasattr(w, "to_local") else w   # ours or torch's DTensor
             w1, w2, w3 = loc(self.w1), loc(self.w2), loc(self.w3)
             offs = torch.cumsum(num_tokens_per_expert, 0).to(torch.int32)
             h = F.silu(moe.grouped_mm(x, w1.transpose(-2, -1), offs)) * moe.grouped_mm(x, w3.transpose(-2, -1), offs)
@@ -70,6 +72,48 @@ def _layer_cls():
     return MoE
 
 
+def _torch_ep_layer(MoE, E, dim, hidden, k):
+    """The same layer on torch's own stack, expert-parallel as torchtitan's token dispatcher does it.
+
+    Expert weights are torch DTensors ``Shard(0)`` on a torch mesh; the forward exchanges the counts
+    (``all_to_all_single``), reads the splits on the host, moves the tokens with
+    ``all_to_all_single_autograd`` (torch's functional collectives), groups the received rows by local
+    expert, runs the local experts on ``w.to_local()`` and sends the rows back: the baseline for
+    hyper_parallel's ``moe.ExpertParallel`` (same kernel, ``moe.grouped_mm``).
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("ep",))
+    group = mesh.get_group()
+    layer = MoE(E, dim, hidden, k)
+    ex = layer.experts
+    for name in ("w1", "w2", "w3"):
+        ex.register_parameter(name, nn.Parameter(distribute_tensor(getattr(ex, name).data, mesh, [Shard(0)])))
+    inner = ex.forward
+    e_loc = E // ws
+
+    def ep_forward(x, num_tokens_per_expert):
+        recv = torch.empty_like(num_tokens_per_expert)
+        dist.all_to_all_single(recv, num_tokens_per_expert, group=group)
+        send_splits = num_tokens_per_expert.view(ws, e_loc).sum(1).tolist()
+        recv_splits = recv.view(ws, e_loc).sum(1).tolist()
+        rows = all_to_all_single_autograd(x, recv_splits, send_splits, group)
+        # received rows: by source rank, then local expert; group them by local expert
+        src_exp = torch.arange(ws * e_loc).remainder(e_loc).repeat_interleave(recv)
+        order = torch.argsort(src_exp, stable=True)
+        out = inner(rows[order], recv.view(ws, e_loc).sum(0))
+        back = torch.empty_like(out).index_copy(0, order, out)
+        return all_to_all_single_autograd(back, send_splits, recv_splits, group)
+    ex.forward = ep_forward
+    return layer
+
+
 def worker(ws, T, dim, hidden, E, k, iters, repeats):
     import torch
     import torch.distributed as dist
@@ -83,6 +127,9 @@ def worker(ws, T, dim, hidden, E, k, iters, repeats):
     x = torch.randn(T, dim, generator=g).requires_grad_(True)   # as inside a model: the input needs a gradient
     ep_layer = parallelize_module(MoE(E, dim, hidden, k), mesh, {"experts": moe.ExpertParallel()})
     rep_layer = MoE(E, dim, hidden, k)
+    torch_layer = _torch_ep_layer(MoE, E, dim, hidden, k)
+    with torch.no_grad():   # the same output as ours (same weights, same routing)
+        assert torch.allclose(torch_layer(x), ep_layer(x), rtol=1e-5, atol=1e-6), "torch EP and EP disagree"
 
     def allreduce_grads(params):
         grads = [p.grad for p in params if p.grad is not None]
@@ -102,7 +149,13 @@ def worker(ws, T, dim, hidden, E, k, iters, repeats):
         rep_layer(x).sum().backward()
         allreduce_grads(list(rep_layer.parameters()))
 
-    t_ep, t_rep = bench_interleaved([ep_step, rep_step], iters, repeats, sync=dist.barrier)
+    def torch_step():
+        x.grad = None
+        torch_layer.zero_grad(set_to_none=True)
+        torch_layer(x).sum().backward()
+        allreduce_grads([torch_layer.router.weight])
+
+    t_ep, t_rep, t_torch = bench_interleaved([ep_step, rep_step, torch_step], iters, repeats, sync=dist.barrier)
 
     # one process on the whole batch (rank 0 alone)
     t_one = None
@@ -140,7 +193,7 @@ def worker(ws, T, dim, hidden, E, k, iters, repeats):
     dist.all_reduce(buf)
     w_ep = sum(p.to_local().numel() * 4 for p in ep_layer.experts.parameters())
     w_rep = sum(p.numel() * 4 for p in rep_layer.experts.parameters())
-    return dict(t_ep=t_ep, t_rep=t_rep, t_one=t_one, n_a2a=len(a2a), a2a_bytes=[e[1] for e in a2a],
+    return dict(t_ep=t_ep, t_rep=t_rep, t_torch=t_torch, t_one=t_one, n_a2a=len(a2a), a2a_bytes=[e[1] for e in a2a],
                 syncs=syncs, t_dc=t_dc, formula=buf[0].item(), moved=buf[1].item(), w_ep=w_ep, w_rep=w_rep)
 
 
@@ -271,14 +324,15 @@ def main():
     rows, extra = [], []
     for ws in [int(s) for s in a.only.split(",")]:
         r = launch(ws, worker, ws, a.tokens, a.dim, a.hidden, a.experts, a.top_k, a.iters, a.repeats)
-        rows.append([ws, f"{r['t_ep'] / 1e3:.1f}", f"{r['t_rep'] / 1e3:.1f}", f"{r['t_one'] / 1e3:.1f}",
-                     f"{r['t_ep'] / r['t_rep']:.2f}", f"{r['t_ep'] / r['t_one']:.2f}",
+        rows.append([ws, f"{r['t_ep'] / 1e3:.1f}", f"{r['t_torch'] / 1e3:.1f}", f"{r['t_ep'] / r['t_torch']:.2f}",
+                     f"{r['t_rep'] / 1e3:.1f}", f"{r['t_one'] / 1e3:.1f}", f"{r['t_ep'] / r['t_rep']:.2f}", f"{r['t_ep'] / r['t_one']:.2f}",
                      f"{r['w_ep'] / 2**20:.2f} / {r['w_rep'] / 2**20:.2f}"])
         extra.append([ws, r["n_a2a"], r["syncs"], f"{r['t_dc'] / 1e3:.2f}", int(r["formula"]), int(r["moved"]),
                       " ".join(str(b) for b in r["a2a_bytes"])])
     print(f"MoE layer: {a.tokens} tokens/rank, dim {a.dim}, hidden {a.hidden}, {a.experts} experts, "
           f"top-{a.top_k}, float32; step = forward + backward + gradient all_reduce (ms, median)")
-    print(table(["ranks", "EP", "replicated", "one process (whole batch)", "EP / replicated",
+    print(table(["ranks", "EP", "torch EP", "EP / torch EP", "replicated", "one process (whole batch)",
+                 "EP / replicated",
                  "EP / one process", "expert MiB per rank EP / repl."], rows))
     print()
     print(table(["ranks", "all_to_alls per EP step", "host syncs per step", "dispatch+combine fwd+bwd (ms)",

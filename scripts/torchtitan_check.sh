@@ -6,12 +6,16 @@
 #   STEPS=5 OUT=runs/torchtitan bash scripts/torchtitan_check.sh
 #   INIT=seed SEED=42 ROWS="fsdp2 tp2" bash scripts/torchtitan_check.sh   # no loaded weights: both stacks
 #       initialise from the same seed (--debug.seed); their initial weights and step-1 losses are compared
+#   TOL=1e-6 ROWS="fsdp2_fd tp2_fd fsdp2tp2_fd" bash scripts/torchtitan_check.sh   # torchtitan's full_dtensor
+#   DUMP_GRADS=1 ...   # also write each stack's full step-1 gradients (grads-<stack>-<row>.pt)
+#   PROFILE=1 ...      # also a cProfile of train_step from step 2 on, rank 0 (prof-<stack>-<row>.pstats)
 #
 # * .venv-torchtitan (git-ignored, not the test suite's .venv): torch==2.13.0 (CPU), torchtitan==0.3.0,
 #   this package (editable, no dependencies).
 # * Each row runs torchtitan's own train loop twice on gloo ranks (torchrun, a free port each): on torch
 #   (which writes its initial weights) and under hyper_parallel.swap (which loads them), then prints
-#   the losses side by side, the largest relative difference and the step-time ratio.
+#   the losses and grad norms side by side, their largest relative differences (verdict: both within TOL,
+#   default 1e-5) and the step-time ratio.
 # * The only changes to torchtitan are the CPU patches in scripts/torchtitan/run_titan.py (device "cpu",
 #   a stub for the triton-only kernel module, SUM instead of PREMUL_SUM on gloo, no
 #   torch.distributed.set_timeout), applied to both stacks; the model is torchtitan's llama3
@@ -46,6 +50,8 @@ LLAMA=llama3_debugmodel_sdpa_noac
 # cp rows: torch 2.13 has no CPU sharding strategy for its flash SDPA op, so torch's own CP fails on CPU;
 # hyper_parallel's CP2 is compared with torch on the same 2 ranks WITHOUT CP and the same global batch
 # and data (TP2: data-parallel degree 1, so both stacks train on the same 2 sequences a step).
+# _fd rows: torchtitan's full_dtensor backend (every parameter, buffer and input a DTensor on the whole
+# dense mesh; fully_shard with DataParallelMeshDims); the later --parallelism.spmd-backend wins.
 MATRIX="
 fsdp2|2|$LLAMA|
 fsdp2_ac|2|llama3_debugmodel_sdpa|
@@ -63,6 +69,9 @@ tp2_compile_model|2|$LLAMA|--parallelism.tensor_parallel_degree 2 --compile.enab
 moe_ep2|2|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 moe_ep2_4|4|qwen3_moe_debug_sdpa_noac|--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs
 moe_ep1|2|qwen3_moe_debug_sdpa_noac|
+fsdp2_fd|2|$LLAMA|--parallelism.spmd-backend full_dtensor
+tp2_fd|2|$LLAMA|--parallelism.spmd-backend full_dtensor --parallelism.tensor_parallel_degree 2
+fsdp2tp2_fd|4|$LLAMA|--parallelism.spmd-backend full_dtensor --parallelism.tensor_parallel_degree 2
 "
 ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
 
@@ -71,6 +80,7 @@ run_one() {  # stack row nproc config weightflag args...
     rm -f "$OUT/$stack-$row.json"
     ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
         "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
+        ${DUMP_GRADS:+--dump-grads "$OUT/grads-$stack-$row.pt"} ${PROFILE:+--profile "$OUT/prof-$stack-$row.pstats"} \
         "$wflag" "${WEIGHTS:-$OUT/weights-$row.pt}" -- \
         --module titan_configs --config "$cfg" --hf_assets_path "$OUT/assets/tokenizer" \
         --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$STEPS" --training.seq_len 128 \

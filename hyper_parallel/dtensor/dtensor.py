@@ -29,7 +29,7 @@ from hyper_parallel.dtensor.redistribute import CastRedistribute, GradRedistribu
 from hyper_parallel.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.dtensor.cache_key import Spec, spec_of  # noqa: F401  (the dispatcher's key token)
 from hyper_parallel.dtensor.layout_builder import build_layout
-from hyper_parallel.dtensor.grad_state import (_DG, _grad_layout, _set_partial_grad, _with_partial_over,  # noqa: F401
+from hyper_parallel.dtensor.grad_state import (_DG, _grad_layout, _set_partial_grad, _with_partial_over, is_partial_leaf,  # noqa: F401
                                                     grad_view, settle_pending_grads)
 from hyper_parallel.dtensor.run_check import run_check as _run_check
 from hyper_parallel.dtensor.local_meta import _global_stride, _off_mesh_local, _to_like  # noqa: F401
@@ -390,6 +390,10 @@ class DTensor(torch.Tensor):
             return DTensor._wrap(_off_mesh_local(local_tensor), mesh, layout, gshape, stride)
         if run_check:
             local_tensor = _run_check(local_tensor, mesh, layout, gshape, check_stride=shape is None)
+        if is_partial_leaf(local_tensor, layout):
+            # a leaf piece wrapped as a DTensor is not the DTensor's leaf (PyTorch: from_local's output is
+            # not a leaf): the piece keeps the reduction's adjoint gradient, a Partial leaf DTensor the full one
+            local_tensor = local_tensor.view_as(local_tensor)
         if grad_placements is not None and local_tensor.requires_grad:
             gl = build_layout(mesh, grad_placements, local_tensor.dim(), "grad_placements")
             want = _grad_layout(layout)
@@ -541,7 +545,15 @@ class DTensor(torch.Tensor):
             if hit is not None:
                 return hit
         plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
-        out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
+        if is_partial_leaf(local, self._layout):
+            # torch's convention for a Partial(avg/max/min) leaf: its gradient is the full one, Replicate
+            # (the adjoint of the reduction would leave each rank its piece's share)
+            bplan = rp.plan(_grad_layout(dst), _grad_layout(self._layout), tuple(self._gshape),
+                            local.element_size())
+            out = CastRedistribute.apply(local, plan, bplan, self._mesh, self._mesh._rank_index(),
+                                         local.dtype, local.dtype)
+        else:
+            out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
         if memo:
             if len(cache) > 4:
                 cache.clear()

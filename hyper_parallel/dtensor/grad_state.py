@@ -9,6 +9,8 @@ class.
 from __future__ import annotations
 
 import weakref
+
+import torch
 from hyper_parallel.distributed import deferred_grads
 
 
@@ -18,6 +20,19 @@ _DG = deferred_grads  # partial gradients left pending after backward (see DTens
 def _grad_layout(layout):
     """The layout of the gradient of a tensor laid out as ``layout`` (Partial read as Replicate)."""
     return layout.without_partial() if layout.has_partial() else layout
+
+
+def is_partial_leaf(local, layout) -> bool:
+    """Whether ``local`` is the autograd leaf of a DTensor laid out ``Partial(avg/max/min/...)`` on some dim.
+
+    PyTorch gives such a leaf the full gradient, ``Replicate`` (its redistribute backward reads a
+    Partial source as Replicate), not each piece's share under the reduction's adjoint (``g / k``
+    for avg, ``g`` masked to the winning rank for max/min), which is what a piece entering
+    through ``from_local`` of a non-leaf tensor gets. ``Partial(sum)`` needs nothing: its adjoint
+    is the full gradient already.
+    """
+    return (local.is_leaf and local.requires_grad and torch.is_grad_enabled()
+            and any(op not in (None, "sum") for op in layout.partial))
 
 
 def settle_pending_grads() -> None:

@@ -75,6 +75,8 @@ def partial_grad_view(local, group, leave_partial: bool = True):
     """
     if group.size == 1 or not local.requires_grad or not _GRAD_ENABLED():
         return local
+    if group.ranks in getattr(local, "_hp_grad_summed_over", ()):
+        return local  # its owner sums the pieces itself (FSDP's unsharded parameter on a dp-mesh-dims mesh)
     # Keyed by the version counter: after an in-place update (optimizer step) a new view is made.
     key = (group.ranks, local._version, leave_partial)
     cache = getattr(local, "_hp_pgrad", None)

@@ -312,7 +312,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             raise ValueError(f"fully_shard: MixedPrecisionPolicy.{field}={dt!r} is not a floating dtype")
     if dp_mesh_dims is not None:
         from hyper_parallel.fsdp.spmd_mesh import split_spmd_mesh
-        mesh = split_spmd_mesh(module, mesh, dp_mesh_dims)
+        mesh = split_spmd_mesh(module, mesh, dp_mesh_dims, ignored_params=ignored_params)
     mesh, params = plan_params(module, mesh, ignored_params, shard_placement_fn)
     return state.fully_shard(module, mesh=mesh, params=params, reshard_after_forward=reshard_after_forward,
                                mp_policy=mp_policy, offload_policy=offload_policy, module_cls=FSDPModule)

@@ -137,6 +137,10 @@ class FSDPParam:
             u = nn.Parameter(u, requires_grad=self.requires_grad)
             self.unsharded = u
             if self.spmd_view is not None:  # fully_shard(dp_mesh_dims=): a DTensor on the full mesh
+                # its gradient is partial over the dp dims (a batch-sharded input); the pieces are what
+                # the reduce-scatter (and HSDP all_reduce) sums, as torch's FSDP2: no sum before it
+                u._hp_grad_summed_over = frozenset(g.ranks for g in (self.shard_group, self.rep_group)
+                                                   if g is not None)
                 w = DTensor._wrap(u, self.spmd_view[0], self.spmd_view[1], self.gshape)
                 w._is_param = True
                 self.unsharded_view = w

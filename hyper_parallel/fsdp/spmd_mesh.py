@@ -49,8 +49,34 @@ def _one_dim(mesh, names, what):
     return mesh[tuple(names)]._flatten("_".join(names))
 
 
-def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard"):
-    """Re-express ``module``'s DTensor parameters on the non-dp dims of ``mesh``; return the dp mesh."""
+def _managed_modules(module):
+    """The modules whose parameters this ``fully_shard`` manages, each once.
+
+    As torch: the subtree of a child that ``fully_shard`` was already applied to is left out (its
+    parameters are sharded already, e.g. torchtitan's per-block and embedding ``fully_shard`` before
+    the root's).
+    """
+    out, seen = [], set()
+
+    def walk(mod):
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        out.append(mod)
+        for child in mod._modules.values():
+            if child is not None and "_hp_fsdp_state" not in child.__dict__:
+                walk(child)
+    for mod in (module if isinstance(module, (list, tuple)) else [module]):
+        walk(mod)
+    return out
+
+
+def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard", ignored_params=None):
+    """Re-express ``module``'s DTensor parameters on the non-dp dims of ``mesh``; return the dp mesh.
+
+    Only the parameters this ``fully_shard`` will manage: not those of submodules already sharded by
+    their own ``fully_shard``, nor ``ignored_params``.
+    """
     from hyper_parallel.dtensor.device_mesh import resolve_mesh
     from hyper_parallel.dtensor.dtensor import DTensor
     if not isinstance(dp_mesh_dims, DataParallelMeshDims) and not (
@@ -81,8 +107,9 @@ def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard"):
     else:
         dp_mesh = parts[0]
     tp_mesh = mesh[other] if other else None
-    seen = set()
-    for mod in module.modules() if isinstance(module, torch.nn.Module) else [x for m in module for x in m.modules()]:
+    seen = {id(p) for p in ignored_params or ()}
+    managed = _managed_modules(module)
+    for mod in managed:
         for pname, p in list(mod._parameters.items()):
             if p is None or not isinstance(p, DTensor):
                 continue
@@ -105,7 +132,7 @@ def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard"):
                 new = DTensor.from_local(local, tp_mesh, keep, shape=tuple(p.shape), stride=tuple(p.stride()))
             newp = torch.nn.Parameter(new, requires_grad=p.requires_grad)
             newp._hp_spmd_view = (mesh, p._layout)  # the unsharded parameter is seen on the full mesh, as torch
-            for m2 in (module.modules() if isinstance(module, torch.nn.Module) else [x for m in module for x in m.modules()]):
+            for m2 in managed:
                 for k, v in list(m2._parameters.items()):
                     if v is p:
                         m2._parameters[k] = newp

@@ -121,12 +121,31 @@ def load_weights(trainer, path):
     return names
 
 
+def _dump_grads_at_first_clip(trainer, path):
+    """Wrap torchtitan's ``clip_grad_norm_``: at its first call write every parameter's full gradient."""
+    import torch
+    import torch.distributed as dist
+    from torchtitan.distributed import utils as dist_utils
+    orig = dist_utils.clip_grad_norm_
+
+    def clip(*a, **k):
+        if dist_utils.clip_grad_norm_ is clip:
+            dist_utils.clip_grad_norm_ = orig
+            grads = {n: _full(p.grad.detach()).clone() for n, p in _named_params(trainer) if p.grad is not None}
+            if dist.get_rank() == 0:
+                torch.save(grads, path)
+        return orig(*a, **k)
+    dist_utils.clip_grad_norm_ = clip
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stack", choices=["torch", "hp"], required=True)
     ap.add_argument("--record", required=True)
     ap.add_argument("--save-weights")
     ap.add_argument("--load-weights")
+    ap.add_argument("--profile", help="cProfile of train_step from step 2 on (rank 0), written as pstats here")
+    ap.add_argument("--dump-grads", help="write every parameter's full gradient of step 1 (before clipping)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
@@ -143,15 +162,28 @@ def main():
     orig_train, orig_step, orig_log = T.train, T.train_step, titan_metrics.MetricsProcessor.log
 
     def train(self):
+        if args.dump_grads:
+            _dump_grads_at_first_clip(self, args.dump_grads)
         if args.save_weights:
             save_weights(self, args.save_weights)
         if args.load_weights:
             record["loaded"] = len(load_weights(self, args.load_weights))
         return orig_train(self)
 
+    prof = None
+    if args.profile and int(os.environ.get("RANK", "0")) == 0:
+        import cProfile
+        prof = cProfile.Profile()
+
     def train_step(self, *a, **k):
         t0 = time.perf_counter()
+        on = prof is not None and len(record["steps"]) >= 1
+        if on:
+            prof.enable()
         out = orig_step(self, *a, **k)
+        if on:
+            prof.disable()
+            prof.dump_stats(args.profile)
         record["steps"][-1]["time_s"] = time.perf_counter() - t0
         return out
 

@@ -60,27 +60,31 @@ def test_shrunk_cases(dist_runner, cases):
     assert dist_runner.run(4, check_cases, cases) == [len(cases)] * 4
 
 
-def _partial_leaf_grad_body(op):
-    """A leaf DTensor with Partial(op) placements: its .grad should be the full gradient on every rank."""
+def _partial_leaf_grad_body(op, use):
+    """A leaf DTensor with Partial(op) placements: its .grad is the full gradient on every rank, Replicate."""
     mesh = hp.init_device_mesh("cpu", (2,))
     r = torch.distributed.get_rank()
     full = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    piece = {"avg": full + (r - 0.5), "max": full - (torch.arange(4) % 2 != r) * 1.0}[op]
+    other = (torch.arange(4) % 2 != r) * 1.0
+    piece = {"avg": full + (r - 0.5), "max": full - other, "min": full + other}[op]
     d = hp.DTensor.from_local(piece, mesh, [Partial(op)], shape=(4,), stride=(1,)).requires_grad_()
     w = torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64)
-    (d.full_tensor() * w).sum().backward()
+    value = {"full_tensor": lambda: d.full_tensor(),
+             "via_shard": lambda: d.redistribute(mesh, [hp.Shard(0)]).full_tensor(),
+             "times_two": lambda: (d * 2).full_tensor() / 2}[use]()
+    assert value.tolist() == full.tolist()
+    (value * w).sum().backward()
     return str(d.grad.placements), d.grad.to_local().tolist(), d.grad.full_tensor().tolist()
 
 
-@pytest.mark.xfail(strict=True, reason="core/dtensor: the .grad of a *leaf* DTensor with Partial(avg/max/min) "
-                   "placements holds each rank's piece gradient (W/k, or W masked to the winning rank) "
-                   "labelled Replicate, so ranks disagree on a 'Replicate' tensor; docs/design.md "
-                   "promises the full gradient (PyTorch: Replicate W). Pieces entering through from_local "
-                   "get the right per-piece gradients. Not fixed here: the choice (Partial(sum)-labelled "
-                   "pieces, or W as torch) is the gradient convention's, outside core/shard/ops.")
-@pytest.mark.parametrize("op", ["avg", "max"])
-def test_partial_leaf_dtensor_grad_is_the_full_gradient(dist_runner, op):
+# A leaf DTensor with Partial(avg/max/min) placements: its .grad held each rank's piece gradient (W/k, or
+# W masked to the winning rank) labelled Replicate, so ranks disagreed on a 'Replicate' tensor. Now as
+# PyTorch 2.13 (checked by running torch's DTensor on the same 2 ranks): the full gradient W, Replicate
+# (dtensor/grad_state.py: is_partial_leaf; the redistribution of such a leaf reads its gradient as
+# Replicate). Pieces entering through from_local of a non-leaf tensor keep the reduction's adjoint.
+@pytest.mark.parametrize("use", ["full_tensor", "via_shard", "times_two"])
+@pytest.mark.parametrize("op", ["avg", "max", "min"])
+def test_partial_leaf_dtensor_grad_is_the_full_gradient(dist_runner, op, use):
     w = [1.0, 10.0, 100.0, 1000.0]
-    out = dist_runner.run(2, _partial_leaf_grad_body, op)
-    for placements, local, full in out:
-        assert full == w, (op, out)
+    out = dist_runner.run(2, _partial_leaf_grad_body, op, use)
+    assert out == [("(Replicate(),)", w, w)] * 2, (op, use, out)

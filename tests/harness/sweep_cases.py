@@ -101,8 +101,8 @@ def make_dtensor(full, mesh, spec, requires_grad):
     Inputs Partial with avg/max/min enter through a local leaf (``from_local`` of this rank's piece):
     the gradient that is defined for them is each piece's (``W / n`` for avg, ``W`` on the piece that
     holds the max/min), which the returned factor maps the one-process gradient to. A leaf DTensor with
-    those placements gets a gradient labelled ``Replicate`` that differs per rank (see
-    ``tests/dispatch/test_sweep_regressions.py``), so it is not used here. Every other input is a leaf DTensor.
+    those placements gets the full gradient, ``Replicate``, as in PyTorch (tested in
+    ``tests/dispatch/test_sweep_regressions.py``). Every other input is a leaf DTensor.
     """
     placements = spec_placements(spec)
     pdims, op = partial_info(spec)

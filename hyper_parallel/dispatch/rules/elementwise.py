@@ -25,6 +25,7 @@ from typing import List
 
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy, is_inplace, redistribution_cost
 from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt
+from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
 import torch
 
 NONLINEAR, ADD, MUL, DIV, UNARY_LINEAR = "nonlinear", "add", "mul", "div", "unary_linear"
@@ -51,12 +52,15 @@ class ElementwiseOp(DistributedOp):
 
     def __init__(self, op_name: str, kind: str = NONLINEAR):
         self.kind = kind
+        self.mesh_semantics_matter = op_name == "clone"   # see strategy: the dispatch cache keys on it
         super().__init__(op_name)
 
     def strategy(self, call):
         kind = self.kind
         if call.name in _CASTS and not _float_cast(call):
             kind = NONLINEAR   # rounding each Partial piece to an integer/bool is not linear: reduce first
+        elif call.name == "clone" and not uses_hp_semantics(call.mesh):
+            kind = NONLINEAR   # torch 2.13: clone() of a Partial DTensor is Replicate (contiguous() keeps it)
         return elementwise_strategy(call, kind)
 
 

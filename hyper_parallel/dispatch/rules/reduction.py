@@ -211,7 +211,9 @@ def _sharded_norm_fn(p, dims, keepdim, groups):
                 ops.sum(ax, dim=dims, keepdim=keepdim) * 0
             op = "max"
         else:
-            local = ops.sum(ax if p == 1 else ax.pow(p), dim=dims, keepdim=keepdim)
+            # the shard's norm by torch's kernel, ** p (torch's _NormPartial; see ForeachNormRule)
+            local = ops.sum(ax, dim=dims, keepdim=keepdim) if p == 1 else \
+                ops.linalg.vector_norm(x, p, dim=dims, keepdim=keepdim) ** p
             op = "sum"
         for g in groups:
             local = AllReduce.apply(local, g, op)

@@ -63,6 +63,16 @@ class Plan:
     device_memory: int = 0
     fits: bool = True
     _model_info: object = dataclasses.field(default=None, repr=False, compare=False)
+    stages_per_rank: int = 1               # pipeline stages per rank (2+ for interleaved schedules)
+    per_rank: List[dict] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    model_flops: float = 0.0               # FLOPs of one step of the model (forward + backward, no recompute)
+    peak_flops: float = 0.0                # per device (the cluster's data-sheet peak)
+
+    @property
+    def mfu(self) -> float:
+        """Model-FLOPs utilisation: model FLOPs per step / (step time x world x peak FLOP/s)."""
+        t = self.step_time.total
+        return self.model_flops / (t * self.world_size * self.peak_flops) if t > 0 and self.peak_flops else 0.0
 
     # ------------------------------------------------------------------ reading
     def summary(self) -> str:
@@ -101,6 +111,17 @@ class Plan:
         ]
         if t.comm_per_dim:
             lines.append("  exposed comm per dim  " + "  ".join(f"{k}={v * 1e3:.2f}ms" for k, v in t.comm_per_dim.items()))
+        if self.model_flops:
+            lines.append(f"  model FLOPs {self.model_flops:.4g} per step: "
+                         f"{self.model_flops / max(t.total, 1e-30) / self.world_size / 1e12:.4g} TFLOP/s per device, "
+                         f"MFU {self.mfu:.1%}")
+        if len(self.per_rank) > 1:
+            lines.append("  pipeline ranks (step time = the slowest rank's busy time + bubble; memory = the largest):")
+            lines.append("    rank  stages      blocks        in-flight   memory        compute      comm")
+            for x in self.per_rank:
+                lines.append(f"    {x['rank']:4d}  {','.join(map(str, x['stages'])):10s}  "
+                             f"{','.join(map(str, x['blocks'])):12s}  {x['in_flight']:9.2f}  "
+                             f"{x['memory'].total / div:8.2f} {unit}  " + ms(x["compute"]) + " " + ms(sum(x["comm"].values())))
         return "\n".join(lines)
 
     def __str__(self):

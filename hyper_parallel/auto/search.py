@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,9 +82,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     if acs[0] not in AC_CHOICES:
         raise ValueError(f"plan(): activation_checkpointing={activation_checkpointing!r}; expected 'auto' or one "
                          f"of {AC_CHOICES}")
-    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
-    info = infer_roles(model, trace, roles)
-    ms = _summary(info, trace, model)
+    info, ms = _analyse(model, seq_len, example_input, loss, roles)
     item = ms.act_item
     p_item = _dtype_item(param_dtype, item)
     r_item = _dtype_item(reduce_dtype, p_item)
@@ -131,11 +130,9 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                             rejections.append((_name(d, sp, ac, sched, m, cpm),
                                                f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
                             continue
-                        c = Candidate(d, sp, ac, sched, m, cpm)
-                        mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer,
-                                                param_item=p_item, reduce_item=r_item)
-                        scored.append(_make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype,
-                                                 reduce_dtype, info))
+                        c = Candidate(d, sp, ac, sched, m, cpm, STAGES_PER_RANK.get(sched, 1))
+                        scored.append(_score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len,
+                                             param_dtype, reduce_dtype, info))
     _LAST_REJECTIONS = rejections
     if not scored:
         relevant = [f"{name}: {why}" for name, why in rejections if "is not in parallelisms" not in why]
@@ -164,9 +161,12 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
 def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_batch: int, seq_len: int,
                   sequence_parallel: bool = False, activation_checkpointing: str = "none", pp_schedule: str = None,
                   microbatches: int = None, cp_method: str = None, optimizer: str = "adamw", param_dtype=None,
-                  reduce_dtype=None, roles=None, example_input=None, loss=None) -> Plan:
+                  reduce_dtype=None, roles=None, example_input=None, loss=None, stages_per_rank: int = None,
+                  stage_layers=None) -> Plan:
     """The :class:`Plan` of one given layout (``degrees``: any of dp, fsdp, tp, pp, cp, ep; missing ones are 1),
-    with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model."""
+    with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model.
+    ``stages_per_rank``: virtual stages per rank of ``interleaved1f1b`` (default 2); ``stage_layers``: the block
+    count of every stage (default: the balanced split, ``hyper_parallel.pipelining.balanced_stage_layers``)."""
     d = {k: 1 for k in ("dp", "fsdp", "tp", "pp", "cp", "ep")}
     unknown = set(degrees) - set(d)
     if unknown:
@@ -175,9 +175,7 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     prod = d["dp"] * d["fsdp"] * d["tp"] * d["pp"] * d["cp"]
     if prod != cluster.world_size:
         raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
-    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
-    info = infer_roles(model, trace, roles)
-    ms = _summary(info, trace, model)
+    info, ms = _analyse(model, seq_len, example_input, loss, roles)
     why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
     if why:
         raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
@@ -186,12 +184,60 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
         microbatches = microbatches or d["pp"]
     if d["cp"] > 1:
         cp_method = cp_method or "ring"
+    if stages_per_rank is not None and (d["pp"] == 1 or pp_schedule != "interleaved1f1b") and stages_per_rank != 1:
+        raise ValueError(f"evaluate_plan: stages_per_rank={stages_per_rank} needs pp > 1 and pp_schedule="
+                         f"'interleaved1f1b', got pp={d['pp']}, pp_schedule={pp_schedule!r}")
+    v = (stages_per_rank or STAGES_PER_RANK.get(pp_schedule, 1)) if d["pp"] > 1 else 1
+    if d["pp"] > 1 and ms.n_layers < d["pp"] * v:
+        raise ValueError(f"evaluate_plan: {ms.n_layers} blocks < pp * stages_per_rank = {d['pp'] * v} stages")
+    if stage_layers is not None and (d["pp"] == 1 or len(stage_layers) != d["pp"] * v
+                                     or sum(stage_layers) != ms.n_layers):
+        raise ValueError(f"evaluate_plan: stage_layers={stage_layers!r} must give each of the pp * stages_per_rank = "
+                         f"{d['pp'] * v} stages its block count, {ms.n_layers} in all")
     c = Candidate(d, bool(sequence_parallel and d["tp"] > 1), activation_checkpointing, pp_schedule if d["pp"] > 1
-                  else None, microbatches or 1, cp_method if d["cp"] > 1 else None)
+                  else None, microbatches or 1, cp_method if d["cp"] > 1 else None, v,
+                  tuple(stage_layers) if stage_layers is not None else None)
     p_item = _dtype_item(param_dtype, ms.act_item)
-    mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
-                            reduce_item=_dtype_item(reduce_dtype, p_item))
-    return _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+    return _score(ms, cluster, c, global_batch, optimizer, p_item, _dtype_item(reduce_dtype, p_item), seq_len,
+                  param_dtype, reduce_dtype, info)
+
+
+def _score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len, param_dtype, reduce_dtype, info):
+    mem, st, lps, rows = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
+                                  reduce_item=r_item)
+    p = _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+    p.stages_per_rank = c.stages_per_rank if c.degrees["pp"] > 1 else 1
+    p.per_rank = rows
+    p.model_flops = global_batch * ms.fwd_per_sample * (1 + ms.bwd_ratio)
+    p.peak_flops = cluster.peak_flops or cluster.flops
+    return p
+
+
+_SESSION = weakref.WeakKeyDictionary()  # model -> {(seq_len, example_input, loss, roles): (signature, info, ms)}
+
+
+def _signature(model):
+    return tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()) + tuple(
+        (n, type(m).__name__) for n, m in model.named_modules())
+
+
+def _analyse(model, seq_len, example_input, loss, roles):
+    """(ModelInfo, ModelSummary) of ``model`` at ``seq_len``: traced once per model and arguments (a session of
+    ``plan`` / ``evaluate_plan`` calls reuses it while the model's parameters and modules are unchanged)."""
+    key = (seq_len, id(example_input), id(loss), tuple(sorted((roles or {}).items())))
+    sig = _signature(model)
+    try:
+        cache = _SESSION.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: no cache
+        cache = {}
+    hit = cache.get(key)
+    if hit is not None and hit[0] == sig and hit[3] is example_input and hit[4] is loss:
+        return hit[1], hit[2]
+    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
+    info = infer_roles(model, trace, roles)
+    ms = _summary(info, trace, model)
+    cache[key] = (sig, info, ms, example_input, loss)
+    return info, ms
 
 
 def _summary(info, trace, model):
@@ -229,10 +275,6 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
             return "ep with cp is not supported"
         if pp > 1 and tp > 1:
             return "ep with both pp and tp is not supported"
-    if pp > 1 and dp > 1:
-        return "pp with dp (replication) is not supported (pp composes with fsdp and tp)"
-    if pp > 1 and cp > 1 and tp > 1:
-        return "pp with both cp and tp is not supported"
     if cp > 1 and dp > 1 and fsdp > 1:
         return "cp with HSDP (dp > 1 and fsdp > 1) is not supported"
     return None

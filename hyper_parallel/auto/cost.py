@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import torch
 
-from hyper_parallel.auto.memory import ParamGroups, group_params, shard_degrees, state_bytes_per_stage
+from hyper_parallel.auto.memory import OPT_STATES, ParamGroups, group_params, shard_degrees
 from hyper_parallel.auto.model_stats import Trace
 from hyper_parallel.auto.plan import Memory, StepTime
 from hyper_parallel.auto.roles import ModelInfo
@@ -251,6 +251,35 @@ def _stages(ms: ModelSummary, n_stage_modules: int, counts=None):
     return out
 
 
+def _rank_groups(stages, pp: int, v: int):
+    """[(first rank, [ranks])]: pipeline ranks whose stages hold the same kinds of blocks and the same ends
+    (embedding, head) cost the same time; the first of them holds the most microbatches (memory)."""
+    nsm = pp * v
+    key = lambda s: (tuple(sorted(stages[s]["kind_counts"].items())), s == 0, s == nsm - 1)
+    groups = {}
+    for r in range(pp):
+        groups.setdefault(tuple(key(r + k * pp) for k in range(v)), []).append(r)
+    return sorted((rs[0], rs) for rs in groups.values())
+
+
+def _rank_state(g, degrees, mine, first: bool, last: bool, optimizer: str):
+    """(params, grads, optimizer bytes, parameter tensors) of rank 0 of a pipeline rank holding ``mine``."""
+    tp, ep = degrees["tp"], degrees["ep"]
+    shard, expert_shard = shard_degrees(degrees)
+    b = n = 0
+    for x in mine:
+        for k, cnt in x["kind_counts"].items():
+            b += cnt * g.bytes_of(k, tp, shard, ep, expert_shard)
+            n += cnt * g.n_tensors_kind[k]
+    if first:
+        b += g.bytes_of("first", tp, shard, ep, expert_shard)
+        n += g.n_tensors_first
+    if last:
+        b += g.bytes_of("last", tp, shard, ep, expert_shard)
+        n += g.n_tensors_last
+    return b, b, OPT_STATES[optimizer] * b, n
+
+
 def in_flight(schedule: str, m: int, pp: int, v: int, rank: int) -> float:
     """Microbatches whose activations pipeline rank ``rank`` holds at its peak, in units of all its stages'
     activations of one microbatch: GPipe all ``m``; 1F1B ``pp - rank`` (the last rank 1); interleaved with
@@ -325,11 +354,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     v = (c.stages_per_rank or STAGES_PER_RANK.get(c.schedule, 1)) if pp > 1 else 1
     nsm = pp * v
     stages = _stages(ms, nsm, c.stage_layers)
-    per_stage_state = state_bytes_per_stage(g, d, [st["blocks"] for st in stages], optimizer)
     shard, expert_shard = shard_degrees(d)
-    if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
-        d1 = dict(d, fsdp=1, cp=1, pp=1)
-        unsharded = state_bytes_per_stage(g, d1, [st["blocks"] for st in stages], optimizer)
+    d1 = dict(d, fsdp=1, cp=1, pp=1)
     b_local = global_batch // (dp * fsdp)
     m = c.microbatches if pp > 1 else 1
     b_mb = b_local / m
@@ -345,14 +371,14 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     calibrated_host = bool(cluster.op_overhead)  # a CPU world measured by Cluster.measure()
     full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
     rows = []
-    for r in range(pp):
+    for r, group in _rank_groups(stages, pp, v):  # ranks alike but for their in-flight count: the first holds most
         st_ids = [r + k * pp for k in range(v)]
         mine = [stages[s] for s in st_ids]
         first, last = 0 in st_ids, (nsm - 1) in st_ids
         # ------------------------------------------------------------ memory of this rank
-        params = sum(per_stage_state[s][0] for s in st_ids)
-        opt = sum(per_stage_state[s][2] for s in st_ids)
-        ntens = sum(per_stage_state[s][3] for s in st_ids)
+        params, _, opt, ntens = _rank_state(g, d, mine, first, last, optimizer)
+        if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
+            unsharded = _rank_state(g, d1, mine, first, last, optimizer)[0]
         nblk = sum(x["n"] for x in mine)
         if c.ac == "full":
             kept = nblk * hidden_bytes / sp_div / act_scale
@@ -373,7 +399,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         blk = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1) for k in kinds),
                   default=0) / ms.act_item
         if shard > 1 and pp > 1:  # gathered once per step, kept to the last backward; unsharded gradients
-            whole = sum(unsharded[s][0] for s in st_ids) / ms.act_item
+            whole = unsharded / ms.act_item
             bufs = whole * (param_item + reduce_item)
         elif shard > 1:  # the all-gathered block, the prefetched next one, the reduce-scatter input
             bufs = blk * (2 * param_item + reduce_item)
@@ -442,7 +468,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
             rows_b = b_mb * S / cp * info.top_k * info.dim * param_item
             comm["ep"] = 4 * ct("all_to_all", rows_b, ep, intra(ep * cp * tp)) * n_moe * m
-        if shard > 1:
+        calls = {}
+        if shard > 1:  # FSDP units: a block each, and the stage's root when it holds parameters (embedding, head)
+            units = nblk + sum(1 for s in st_ids if s == 0 or s == nsm - 1 or pp == 1)
+            calls = {"all_gather": units if pp > 1 else 2 * nblk + 1, "reduce_scatter": units}
             comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
                                       compute, m, v, order, sizes, intra)
         elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
@@ -451,7 +480,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
             span = _span(order, sizes, "pp")
             comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
-        rows.append(dict(rank=r, stages=st_ids, blocks=[x["n"] for x in mine], in_flight=held, memory=mem,
+        rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=[x["n"] for x in mine], in_flight=held, memory=mem,
+                         fsdp_calls=calls,
                          flops=flops, compute=compute, comm=comm, busy=compute + sum(comm.values())))
     worst_mem = max(rows, key=lambda x: x["memory"].total)["memory"]
     slow = max(rows, key=lambda x: x["busy"])

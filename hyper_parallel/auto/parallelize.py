@@ -109,17 +109,20 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
         from hyper_parallel.auto.selective_ac import checkpoint_selective
         for b, _ in blocks:
             checkpoint_selective(mods[b])
+    # in a pipeline every microbatch would gather the parameters again: keep them gathered from the first
+    # forward to the last backward of the step, as torchtitan does (reshard_after_forward=False with pp)
+    keep = False if d["pp"] > 1 else None
     if ep > 1:
         from hyper_parallel.moe import ExpertParallel
         for f, r in roles_of.items():
             if r == "experts":
                 parallelize_module(mods[f], mesh["ep"], ExpertParallel(), src_data_rank=None)
-                hp.fully_shard(mods[f], mesh=mesh["efsdp"])
+                hp.fully_shard(mods[f], mesh=mesh["efsdp"], reshard_after_forward=keep)
                 # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
                 mods[f].set_gradient_divide_factor(d["fsdp"])
         for b, _ in blocks:
-            hp.fully_shard(mods[b], mesh=dense["fsdp"])
-        hp.fully_shard(model, mesh=dense["fsdp"])
+            hp.fully_shard(mods[b], mesh=dense["fsdp"], reshard_after_forward=keep)
+        hp.fully_shard(model, mesh=dense["fsdp"], reshard_after_forward=keep)
         return model
     fs = None
     if d["fsdp"] > 1:
@@ -129,8 +132,8 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     if fs is not None:
         fs_mesh = mesh[fs] if fs == ("dp", "fsdp") else _flat(plan, mesh, fs)
         for b, _ in blocks:
-            hp.fully_shard(mods[b], mesh=fs_mesh)
-        hp.fully_shard(model, mesh=fs_mesh)
+            hp.fully_shard(mods[b], mesh=fs_mesh, reshard_after_forward=keep)
+        hp.fully_shard(model, mesh=fs_mesh, reshard_after_forward=keep)
     elif d["dp"] > 1 or cp > 1:
         hp.replicate(model, _flat(plan, mesh, tuple(k for k in ("dp", "cp") if d[k] > 1)))
     return model

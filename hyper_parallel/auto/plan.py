@@ -116,10 +116,14 @@ class Plan:
                          f"{self.model_flops / max(t.total, 1e-30) / self.world_size / 1e12:.4g} TFLOP/s per device, "
                          f"MFU {self.mfu:.1%}")
         if len(self.per_rank) > 1:
-            lines.append("  pipeline ranks (step time = the slowest rank's busy time + bubble; memory = the largest):")
-            lines.append("    rank  stages      blocks        in-flight   memory        compute      comm")
+            lines.append("  pipeline ranks (step time = the slowest rank's busy time + bubble; memory = the largest; "
+                         "a row stands for ranks alike, its first rank holds the most microbatches):")
+            lines.append("    ranks      stages      blocks        in-flight   memory        compute      comm")
             for x in self.per_rank:
-                lines.append(f"    {x['rank']:4d}  {','.join(map(str, x['stages'])):10s}  "
+                rs = x.get("ranks", [x["rank"]])
+                who = f"{rs[0]}" if len(rs) == 1 else f"{rs[0]}-{rs[-1]}" if rs == list(range(rs[0], rs[-1] + 1)) \
+                    else ",".join(map(str, rs))
+                lines.append(f"    {who:9s}  {','.join(map(str, x['stages'])):10s}  "
                              f"{','.join(map(str, x['blocks'])):12s}  {x['in_flight']:9.2f}  "
                              f"{x['memory'].total / div:8.2f} {unit}  " + ms(x["compute"]) + " " + ms(sum(x["comm"].values())))
         return "\n".join(lines)

@@ -436,6 +436,9 @@ class PipelineStage(_TorchPipelineStage):
             m.set_is_last_backward(last_backward)
             m.set_requires_gradient_sync(last_backward)
             m.set_reshard_after_backward(last_backward)
+        if getattr(self.submod, "_hp_replicated", False):  # replicate(): average once, on the last backward
+            from hyper_parallel.fsdp.ddp import set_requires_gradient_sync
+            set_requires_gradient_sync(self.submod, last_backward)
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         # The zero-bubble weight pass (torch's stage_backward_weight) finds each parameter's gradient

@@ -136,6 +136,8 @@ PP_LAYOUTS = [  # (config, degrees, schedule, microbatches, sp, ac)
     ("moe-tiny", {"pp": 2, "fsdp": 2, "ep": 2}, "gpipe", 2, False, "none"),
     ("demo", {"pp": 4}, "gpipe", 4, False, "none"),
     ("tiny", {"pp": 2, "tp": 2}, "1f1b", 2, True, "selective"),
+    # data parallelism by replication with a pipeline (Megatron's layout): one gradient all_reduce per step
+    ("tiny", {"pp": 2, "dp": 2}, "1f1b", 4, False, "none"), ("demo", {"pp": 2, "dp": 2}, "gpipe", 2, False, "full"),
 ]
 
 

@@ -109,7 +109,7 @@ def _mem_body():
         rep = measure_step(p, _builder(cfg))
         v = torch.tensor([rep.state_bytes, rep.peak_memory], dtype=torch.float64)
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        out.append((name, p.summary(), p.memory.state, int(v[0]), p.memory.total, int(v[1])))
+        out.append((name, p.summary(), p.state_max, int(v[0]), p.memory.total, int(v[1])))
         dist.barrier()
     return out
 

@@ -95,6 +95,7 @@ class Cluster:
     attention_flops: Optional[float] = None
     hbm_bw: Optional[float] = None
     launch: float = 0.0
+    peak_known: bool = False
 
     def __init__(self, world_size, devices_per_node, device_memory, *, flops=None, intra_node_bw=None,
                  inter_node_bw=None, latency=None, comm=None, comm_by_size=None, op_overhead=0.0, ac_op=0.0, dtensor_op=0.0,
@@ -109,6 +110,8 @@ class Cluster:
         default = flops is None
         self.flops = float(flops) if flops is not None else peak * mm_eff
         self.peak_flops = float(peak_flops) if peak_flops is not None else peak if default else self.flops
+        # a data-sheet peak (a preset, or given): plans are then held to MAX_MFU of it
+        self.peak_known = peak_flops is not None or default
         self.attention_flops = (float(attention_flops) if attention_flops is not None
                                 else peak * attn_eff if default else self.flops)
         self.hbm_bw = float(hbm_bw) if hbm_bw is not None else hbm * HBM_EFFICIENCY if default else None

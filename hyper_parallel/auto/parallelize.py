@@ -127,10 +127,10 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     fs = None
     if d["fsdp"] > 1:
         fs = ("dp", "fsdp") if d["dp"] > 1 else ("fsdp", "cp") if cp > 1 else ("fsdp",)
-    elif d["pp"] > 1 and cp > 1:  # a pipeline has no replicate: the gradients reduce over cp by FSDP over cp
-        fs = ("cp",)
+    elif d["pp"] > 1 and cp > 1:  # the gradients reduce over cp by FSDP over cp (HSDP with dp replicas)
+        fs = ("dp", "cp") if d["dp"] > 1 else ("cp",)
     if fs is not None:
-        fs_mesh = mesh[fs] if fs == ("dp", "fsdp") else _flat(plan, mesh, fs)
+        fs_mesh = mesh[fs] if fs in (("dp", "fsdp"), ("dp", "cp")) else _flat(plan, mesh, fs)
         for b, _ in blocks:
             hp.fully_shard(mods[b], mesh=fs_mesh, reshard_after_forward=keep)
         hp.fully_shard(model, mesh=fs_mesh, reshard_after_forward=keep)

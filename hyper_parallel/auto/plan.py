@@ -69,6 +69,12 @@ class Plan:
     peak_flops: float = 0.0                # per device (the cluster's data-sheet peak)
 
     @property
+    def state_max(self) -> int:
+        """params + grads + optimizer bytes of the rank holding the most of them (pipeline ranks differ; ``memory``
+        is the rank with the largest total)."""
+        return max((x["memory"].state for x in self.per_rank), default=self.memory.state)
+
+    @property
     def mfu(self) -> float:
         """Model-FLOPs utilisation: model FLOPs per step / (step time x world x peak FLOP/s)."""
         t = self.step_time.total

@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hyper_parallel.auto.cluster import Cluster
+from hyper_parallel.auto.cluster import MAX_MFU, Cluster
 from hyper_parallel.auto.cost import SCHEDULES, STAGES_PER_RANK, Candidate, evaluate, summarize
 from hyper_parallel.auto.model_stats import trace_model
 from hyper_parallel.auto.plan import GiB, Plan
@@ -154,6 +154,15 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
         if not p.fits:
             rejections.append((p.summary(), f"needs {p.memory.total / GiB:.2f} GiB per rank > "
                                f"{cluster.device_memory / GiB:.2f} GiB"))
+    over = [p for p in fits if p.mfu > MAX_MFU] if cluster.peak_known else []
+    for p in over:  # beyond what any published run reaches: the cluster's rates are wrong, not the plan right
+        rejections.append((p.summary(), f"predicted {p.mfu:.0%} model-FLOPs utilisation > {MAX_MFU:.0%}: check the "
+                           "cluster's kernel rates (Cluster(flops=, attention_flops=, peak_flops=) or measure())"))
+    fits = [p for p in fits if all(p is not q for q in over)]
+    if not fits:
+        raise ValueError(f"plan(): every layout that fits is predicted above {MAX_MFU:.0%} model-FLOPs utilisation "
+                         f"(e.g. {over[0].summary()}: {over[0].mfu:.0%}); the cluster's kernel rates "
+                         f"(flops={cluster.flops:.3g}, peak_flops={cluster.peak_flops:.3g}) are not physical")
     fits.sort(key=lambda p: (p.step_time.total, p.memory.total))
     return fits[:top_k]
 

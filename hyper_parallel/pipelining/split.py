@@ -1,11 +1,13 @@
 """Split a torchtitan-shaped model into pipeline stages, keeping every parameter's name.
 
 The model has input modules (``tok_embeddings``), a dict of blocks (``layers``, a ``ModuleDict``
-keyed by the block's index) and output modules (``norm``, ``output``). By default the input modules count
-as one extra layer on the first stage and the output modules as one extra layer on the last, so
-those stages get fewer blocks; ``stage_layers=[...]`` gives every stage's block count instead (what
-``hyper_parallel.auto`` plans with :func:`balanced_stage_layers`: the embedding and the head weighted by
-their FLOPs and bytes, Megatron-style first / last stage counts). A stage is a copy of the model with the
+keyed by the block's index) and output modules (``norm``, ``output``). By default the blocks are split
+to balance the stages' cost (:func:`balanced_stage_layers` of :func:`stage_weights`: the input modules
+weigh on the first stage and the output modules on the last by their FLOPs and bytes, so those stages
+get fewer blocks when they are heavy), the split ``hyper_parallel.auto`` plans and ``Plan.apply`` builds;
+``stage_layers=[...]`` gives every stage's block count (Megatron-style first / last stage counts:
+``balanced_stage_layers(..., first_stage_layers=, last_stage_layers=)``), ``layers_per_stage=K`` K layers
+per stage with the input and output modules counting one layer each. A stage is a copy of the model with the
 modules it does not own deleted (blocks removed from ``layers``, input/output modules set to ``None``): its
 parameters keep the unsplit model's fully qualified names, and the model's ``forward`` must skip ``None``
 parts (the example Llama does).
@@ -234,6 +236,8 @@ def split_into_stages(model, pp_mesh, num_stages=None, layers_per_stage=None, sc
         num_stages = len(stage_layers) if stage_layers is not None else pp_size * (per_rank or 2)
     w_in = 1 if any(getattr(model, n, None) is not None for n in input_modules) else 0
     w_out = 1 if any(getattr(model, n, None) is not None for n in output_modules) else 0
+    stage_layers = _default_split(model, layers, input_modules, output_modules, num_stages, layers_per_stage,
+                                  stage_layers)
     plan = plan_stages(list(blocks.keys()), num_stages, layers_per_stage, input_weight=w_in, output_weight=w_out,
                        stage_layers=stage_layers)
     num_stages = len(plan)
@@ -262,6 +266,18 @@ def split_into_stages(model, pp_mesh, num_stages=None, layers_per_stage=None, sc
     return [(s, _build(model, s, plan, layers, input_modules, output_modules)) for s in mine]
 
 
+def _default_split(model, layers, input_modules, output_modules, num_stages, layers_per_stage, stage_layers):
+    """Without ``layers_per_stage`` / ``stage_layers``: the balanced split of :func:`stage_weights` (what
+    ``hyper_parallel.auto`` plans and ``Plan.apply`` builds)."""
+    if stage_layers is not None or layers_per_stage is not None or num_stages is None:
+        return stage_layers
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"split_into_stages: num_stages must be a positive int, got {num_stages!r}")
+    w, first, last = stage_weights(model, layers, input_modules, output_modules)
+    return balanced_stage_layers(w, num_stages, first_weight=first, last_weight=last,
+                                 allow_empty=len(w) < num_stages)
+
+
 def _build(model, s, plan, layers, input_modules, output_modules):
     num_stages = len(plan)
     keep_blocks = set(plan[s])
@@ -288,7 +304,9 @@ def stage_module(model, stage_index, num_stages=None, layers_per_stage=None, *, 
         raise ValueError(f"stage_module: model.{layers} must be a ModuleDict of blocks, got {type(blocks).__name__}")
     w_in = 1 if any(getattr(model, n, None) is not None for n in input_modules) else 0
     w_out = 1 if any(getattr(model, n, None) is not None for n in output_modules) else 0
-    plan = plan_stages(list(blocks.keys()), num_stages, layers_per_stage, input_weight=w_in, output_weight=w_out)
+    stage_layers = _default_split(model, layers, input_modules, output_modules, num_stages, layers_per_stage, None)
+    plan = plan_stages(list(blocks.keys()), num_stages, layers_per_stage, input_weight=w_in, output_weight=w_out,
+                       stage_layers=stage_layers)
     if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < len(plan):
         raise ValueError(f"stage_module: stage_index={stage_index!r} is out of range for {len(plan)} stages")
     return _build(model, stage_index, plan, layers, input_modules, output_modules)

@@ -107,7 +107,7 @@ def _body(case):
     l /= world
     grads = {k: _full(p.grad) for k, p in model.named_parameters()}
     params = {k: _full(p.detach()) for k, p in model.named_parameters()}
-    return dict(predicted=plan.memory.state, measured=int(measured.item()), loss=l.item(),
+    return dict(predicted=plan.state_max, measured=int(measured.item()), loss=l.item(),
                 grads=grads if rank == 0 else None, params=params if rank == 0 else None)
 
 
@@ -166,7 +166,7 @@ def _pp_body(case):
     dist.all_reduce(loss)
     out = {k: _full(p.detach()) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
     grads = {k: _full(p.grad) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
-    return dict(loss=loss.item() / (world // plan.degrees["pp"]), params=out, grads=grads, predicted=plan.memory.state,
+    return dict(loss=loss.item() / (world // plan.degrees["pp"]), params=out, grads=grads, predicted=plan.state_max,
                 measured=int(measured.item()))
 
 

@@ -141,10 +141,15 @@ PP_LAYOUTS = [  # (config, degrees, schedule, microbatches, sp, ac)
 ]
 
 
-def _pp_body(case):
+PP8_LAYOUTS = [  # on 8 ranks: tp x cp x pp (Llama 3's long-context layout)
+    ("tiny", {"pp": 2, "cp": 2, "tp": 2}, "1f1b", 2, True, "none"),
+]
+
+
+def _pp_body(case, layouts="PP_LAYOUTS"):
     from hyper_parallel.auto import Cluster, evaluate_plan
     from hyper_parallel.pipelining import clip_grad_norm_  # noqa: F401  (the schedule's companion)
-    name, degrees, sched, m, sp, ac = PP_LAYOUTS[case]
+    name, degrees, sched, m, sp, ac = globals()[layouts][case]
     cfg = _config(name)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = cfg.build()
@@ -174,8 +179,16 @@ def _pp_body(case):
                          ids=[f"{c}-{'x'.join(f'{k}{v}' for k, v in d.items())}-{s}-m{m}{'-sp' if sp else ''}-ac{ac}"
                               for c, d, s, m, sp, ac in PP_LAYOUTS])
 def test_apply_pipeline_returns_a_schedule_with_parity(dist_runner, case):
-    out = dist_runner.run(4, _pp_body, case)
-    ref_loss, ref_grads, ref_params = _reference(_config(PP_LAYOUTS[case][0]))
+    _check_pp(dist_runner.run(4, _pp_body, case), PP_LAYOUTS[case][0])
+
+
+@pytest.mark.parametrize("case", range(len(PP8_LAYOUTS)))
+def test_apply_pipeline_tp_cp_pp_on_8_ranks(dist_runner, case):
+    _check_pp(dist_runner.run(8, _pp_body, case, "PP8_LAYOUTS"), PP8_LAYOUTS[case][0])
+
+
+def _check_pp(out, name):
+    ref_loss, ref_grads, ref_params = _reference(_config(name))
     assert abs(out[0]["loss"] - ref_loss) < 1e-10, (out[0]["loss"], ref_loss)
     assert out[0]["predicted"] == out[0]["measured"]  # exact for these balanced stage splits too
     seen = set()

@@ -371,7 +371,13 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     calibrated_host = bool(cluster.op_overhead)  # a CPU world measured by Cluster.measure()
     full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
     rows = []
-    for r, group in _rank_groups(stages, pp, v):  # ranks alike but for their in-flight count: the first holds most
+    groups_cache = ms.__dict__.setdefault("_group_cache", {})
+    gkey = (id(stages), pp, v)
+    if gkey not in groups_cache:
+        groups_cache[gkey] = _rank_groups(stages, pp, v)
+    spans = {k: _span(order, sizes, k) for k in order}
+    _span_of = lambda _order, _sizes, dim: spans[dim]
+    for r, group in groups_cache[gkey]:  # ranks alike but for their in-flight count: the first holds most
         st_ids = [r + k * pp for k in range(v)]
         mine = [stages[s] for s in st_ids]
         first, last = 0 in st_ids, (nsm - 1) in st_ids
@@ -443,7 +449,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         hc = ms.host
         if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
             a = b_mb * hidden_bytes
-            span = _span(order, sizes, "tp")
+            span = _span_of(order, sizes, "tp")
             logits = b_mb * S / cp * info.vocab * param_item
             size = {"act": a, "logits": logits}
             t = sum(cnt * ct(kind, size[what], tp, intra(span))
@@ -454,7 +460,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
                 comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(hc.p_norm[i] for i in blocks) + hc.top_p_norm),
                                  tp, intra(span))
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
-            span = _span(order, sizes, "cp")
+            span = _span_of(order, sizes, "cp")
             if c.cp_method == "ring":
                 kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
                 ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
@@ -475,10 +481,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
                                       compute, m, v, order, sizes, intra)
         elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
-            span = _span(order, sizes, "dp") if dp > 1 else _span(order, sizes, "cp")
+            span = _span_of(order, sizes, "dp") if dp > 1 else _span_of(order, sizes, "cp")
             comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
         if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
-            span = _span(order, sizes, "pp")
+            span = _span_of(order, sizes, "pp")
             comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
         rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=[x["n"] for x in mine], in_flight=held, memory=mem,
                          fsdp_calls=calls,

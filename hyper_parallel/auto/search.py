@@ -1,6 +1,8 @@
 """``plan()``: enumerate layouts, reject the invalid ones with a reason, score the rest, best first."""
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import time
 import weakref
@@ -88,6 +90,8 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     r_item = _dtype_item(reduce_dtype, p_item)
     W = cluster.world_size
     allowed = set(parallelisms)
+    scoring = copy.copy(cluster)  # the same cluster, its collective times memoised for this search
+    scoring.collective_time = functools.lru_cache(maxsize=None)(cluster.collective_time)
     rejections: List[Tuple[str, str]] = []
     scored: List[Plan] = []
     E = info.num_experts
@@ -131,7 +135,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                                                f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
                             continue
                         c = Candidate(d, sp, ac, sched, m, cpm, STAGES_PER_RANK.get(sched, 1))
-                        scored.append(_score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len,
+                        scored.append(_score(ms, scoring, c, global_batch, optimizer, p_item, r_item, seq_len,
                                              param_dtype, reduce_dtype, info))
     _LAST_REJECTIONS = rejections
     if not scored:

@@ -397,9 +397,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             working = 0.0
         if first:
             kept += ms.first_saved / sp_div / cp
-        if last or pp == 1:
-            kept += ms.last_saved / cp
         held = in_flight(c.schedule, m, pp, v, r)
+        if last or pp == 1:  # the head's activations (logits): the last stage runs each microbatch's backward
+            # right after its forward (1F1B, interleaved), GPipe keeps all m
+            working += ms.last_saved / cp * (m if c.schedule == "gpipe" else 1)
         acts = act_scale * b_mb * (held * kept + working)  # the recompute working set lives once
         kinds = {k for x in mine for k in x["kind_counts"]}
         blk = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1) for k in kinds),

@@ -175,11 +175,12 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
                   sequence_parallel: bool = False, activation_checkpointing: str = "none", pp_schedule: str = None,
                   microbatches: int = None, cp_method: str = None, optimizer: str = "adamw", param_dtype=None,
                   reduce_dtype=None, roles=None, example_input=None, loss=None, stages_per_rank: int = None,
-                  stage_layers=None) -> Plan:
+                  stage_layers=None, first_stage_layers: int = None, last_stage_layers: int = None) -> Plan:
     """The :class:`Plan` of one given layout (``degrees``: any of dp, fsdp, tp, pp, cp, ep; missing ones are 1),
     with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model.
     ``stages_per_rank``: virtual stages per rank of ``interleaved1f1b`` (default 2); ``stage_layers``: the block
-    count of every stage (default: the balanced split, ``hyper_parallel.pipelining.balanced_stage_layers``)."""
+    count of every stage (default: the balanced split, ``hyper_parallel.pipelining.balanced_stage_layers``), or
+    ``first_stage_layers`` / ``last_stage_layers`` (Megatron's control; the other stages balanced)."""
     d = {k: 1 for k in ("dp", "fsdp", "tp", "pp", "cp", "ep")}
     unknown = set(degrees) - set(d)
     if unknown:
@@ -203,6 +204,13 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     v = (stages_per_rank or STAGES_PER_RANK.get(pp_schedule, 1)) if d["pp"] > 1 else 1
     if d["pp"] > 1 and ms.n_layers < d["pp"] * v:
         raise ValueError(f"evaluate_plan: {ms.n_layers} blocks < pp * stages_per_rank = {d['pp'] * v} stages")
+    if first_stage_layers is not None or last_stage_layers is not None:  # Megatron-style: the rest balanced
+        if stage_layers is not None or d["pp"] == 1:
+            raise ValueError("evaluate_plan: first_stage_layers / last_stage_layers need pp > 1 and no stage_layers")
+        from hyper_parallel.pipelining.split import balanced_stage_layers
+        w, first, last = ms.weights
+        stage_layers = balanced_stage_layers(w, d["pp"] * v, first_weight=first, last_weight=last,
+                                             first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     if stage_layers is not None and (d["pp"] == 1 or len(stage_layers) != d["pp"] * v
                                      or sum(stage_layers) != ms.n_layers):
         raise ValueError(f"evaluate_plan: stage_layers={stage_layers!r} must give each of the pp * stages_per_rank = "

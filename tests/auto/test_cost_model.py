@@ -75,6 +75,10 @@ def test_balanced_split_weights_embedding_and_head_by_cost():
     p = evaluate_plan(meta, Cluster(2, 2, "1GiB"), degrees={"pp": 2}, global_batch=4, seq_len=32,
                       pp_schedule="1f1b", microbatches=2)
     assert p.layers_per_stage == balanced_stage_layers(w, 2, first_weight=first, last_weight=last)
+    big = _llama(layers=8)
+    q = evaluate_plan(big, Cluster(4, 4, "1GiB"), degrees={"pp": 4}, global_batch=4, seq_len=64, pp_schedule="1f1b",
+                      microbatches=4, first_stage_layers=1, last_stage_layers=1)
+    assert q.layers_per_stage == [1, 3, 3, 1]
 
 
 def test_in_flight_per_rank_and_schedule():

@@ -286,6 +286,10 @@ def bench_ranking(configs=("tiny", "demo"), rounds=7, steps=2, warmup=2):
 
 
 # ------------------------------------------------------------------ paper
+# activation checkpointing from the lightest: none, selective, full on the first k blocks of every stage, full
+LIGHTEST_FIRST = [("none", None), ("selective", None), ("full", 1), ("full", 2), ("full", 3), ("full", None)]
+
+
 def _paper_layouts():
     """(name, model factory, cluster, evaluate_plan kwargs, paper FLOPs per step, published TFLOP/s per GPU,
     AC choices in order) for every published row (benchmarks/paper_runs.py)."""
@@ -298,14 +302,14 @@ def _paper_layouts():
         if pp > 1:  # PipeDream-Flush (1F1B), microbatches of one sequence
             kw.update(pp_schedule="1f1b", microbatches=batch // dp)
         out.append((f"Megatron {P:g}B", lambda h=h, heads=heads, layers=layers: pr.gpt(h, heads, layers),
-                    Cluster.preset("a100", n), kw, pr.megatron_flops(batch, 2048, layers, h), pub, ("full",)))
+                    Cluster.preset("a100", n), kw, pr.megatron_flops(batch, 2048, layers, h), pub, [("full", None)]))
     for n, tp, cp, pp, dp, seq, pub in pr.LLAMA3_TABLE4:
         batch = pr.LLAMA3_TOKENS // seq
         kw = dict(degrees=dict(fsdp=dp, tp=tp, pp=pp, cp=cp), global_batch=batch, seq_len=seq, sequence_parallel=True,
                   pp_schedule="interleaved1f1b", stages_per_rank=4, microbatches=batch // dp,
                   cp_method="ring" if cp > 1 else None)
         # 8K: trained without activation checkpointing (the paper); 128K: not published, the lightest that fits
-        acs = ("none",) if seq <= 8192 else ("none", "selective", "full")
+        acs = [("none", None)] if seq <= 8192 else LIGHTEST_FIRST
         out.append((f"Llama 3 405B {seq // 1024}K", lambda seq=seq: pr.llama_405b(seq), Cluster.preset("h100", n), kw,
                     None, pub, acs))
     return out
@@ -322,24 +326,26 @@ def bench_paper(with_plan=False):
         if flops is None:
             flops = pr.llama3_flops(pr.LLAMA3_TOKENS, kw["seq_len"], pr.n_params(model))
         t0 = time.perf_counter()
-        for ac in acs:  # the paper's AC (or, not published, the lightest that fits)
-            p = evaluate_plan(model, cluster, activation_checkpointing=ac, param_dtype=torch.bfloat16,
-                              reduce_dtype=torch.float32, **kw)
+        ev = lambda ac, k: evaluate_plan(model, cluster, activation_checkpointing=ac, recompute_layers=k,
+                                         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+        for ac, k in acs:  # the paper's AC (or, not published, the lightest that fits)
+            p = ev(ac, k)
             if p.fits:
                 break
         took = time.perf_counter() - t0
         here = p
-        for ac in ("none", "selective", "full")[("none", "selective", "full").index(ac):]:
-            here = evaluate_plan(model, cluster, activation_checkpointing=ac, param_dtype=torch.bfloat16,
-                                 reduce_dtype=torch.float32, **kw)
+        for ac, k in LIGHTEST_FIRST[LIGHTEST_FIRST.index((p.activation_checkpointing, p.recompute_layers)):]:
+            here = ev(ac, k)
             if here.fits:
                 break
         pred = flops / p.step_time.total / cluster.world_size / 1e12
         t = p.step_time
-        rows.append((name, cluster.world_size, p.summary(), p.activation_checkpointing, pub, f"{pred:.0f}",
+        rows.append((name, cluster.world_size, p.summary(), p.summary().split("ac:")[-1] if "ac:" in p.summary()
+                     else "none", pub, f"{pred:.0f}",
                      f"{pred / pub:.2f}", "yes" if abs(pred / pub - 1) <= 0.15 else "NO",
                      f"{p.memory.total / 2**30:.1f}", "yes" if p.fits else "NO",
-                     f"{here.activation_checkpointing}: {here.memory.total / 2**30:.1f}" if here.fits else "none fits",
+                     f"{here.summary().split('ac:')[-1] if 'ac:' in here.summary() else 'none'}: "
+                     f"{here.memory.total / 2**30:.1f}" if here.fits else "none fits",
                      f"{t.compute:.2f}", f"{t.comm:.2f}", f"{t.bubble:.2f}", f"{p.mfu:.1%}", f"{took:.2f}"))
         if with_plan:
             t0 = time.perf_counter()

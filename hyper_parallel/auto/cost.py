@@ -200,6 +200,7 @@ class Candidate:
     cp_method: str = None
     stages_per_rank: int = 1          # virtual stages per pipeline rank (interleaved schedules)
     stage_layers: tuple = None        # blocks per stage module (None: the balanced split)
+    recompute_layers: int = None      # AC "full" on the first k blocks of every stage only (None: all)
 
 
 def _span(order, sizes, dim):
@@ -386,7 +387,13 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
             unsharded = _rank_state(g, d1, mine, first, last, optimizer)[0]
         nblk = sum(x["n"] for x in mine)
-        if c.ac == "full":
+        if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
+            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+            rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
+            full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
+            kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
+            working = max((full_acts(i) for i in ck), default=0.0)
+        elif c.ac == "full":
             kept = nblk * hidden_bytes / sp_div / act_scale
             working = max(((i / tp + o / sp_div + gg) for x in mine for i, o, gg in x["reps"]), default=0) / cp
         elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
@@ -425,9 +432,16 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         re_attn = attn
         if c.ac != "full":  # selective AC recomputes no matmul and no attention
             re_mm = re_attn = 0.0
+        elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
+            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+            re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+            re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                     + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
         flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
         ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
         re_ops = sum(x["ops"] for x in mine) if full_ac else 0
+        if c.ac == "full" and c.recompute_layers is not None:
+            re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
         if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
             compute = flops / cluster.flops
             compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead

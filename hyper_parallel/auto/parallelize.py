@@ -102,7 +102,8 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     if cp > 1:
         _apply_cp(plan, model, info, mesh, mods)
     if plan.activation_checkpointing == "full":
-        for b, _ in blocks:
+        k = getattr(plan, "recompute_layers", None)
+        for b, _ in (blocks if k is None else blocks[:k]):  # Megatron's block method: the stage's first k
             blk = mods[b]
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     elif plan.activation_checkpointing == "selective":

@@ -67,6 +67,7 @@ class Plan:
     per_rank: List[dict] = dataclasses.field(default_factory=list, repr=False, compare=False)
     model_flops: float = 0.0               # FLOPs of one step of the model (forward + backward, no recompute)
     peak_flops: float = 0.0                # per device (the cluster's data-sheet peak)
+    recompute_layers: Optional[int] = None  # AC "full" on the first k blocks of every stage only (None: all)
 
     @property
     def state_max(self) -> int:
@@ -93,6 +94,8 @@ class Plan:
             s += f" cp:{self.cp_method}"
         if self.activation_checkpointing != "none":
             s += f" ac:{self.activation_checkpointing}"
+            if self.activation_checkpointing == "full" and self.recompute_layers is not None:
+                s += f"[{self.recompute_layers}/stage]"
         return s
 
     def explain(self) -> str:

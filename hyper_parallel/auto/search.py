@@ -175,12 +175,15 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
                   sequence_parallel: bool = False, activation_checkpointing: str = "none", pp_schedule: str = None,
                   microbatches: int = None, cp_method: str = None, optimizer: str = "adamw", param_dtype=None,
                   reduce_dtype=None, roles=None, example_input=None, loss=None, stages_per_rank: int = None,
-                  stage_layers=None, first_stage_layers: int = None, last_stage_layers: int = None) -> Plan:
+                  stage_layers=None, first_stage_layers: int = None, last_stage_layers: int = None,
+                  recompute_layers: int = None) -> Plan:
     """The :class:`Plan` of one given layout (``degrees``: any of dp, fsdp, tp, pp, cp, ep; missing ones are 1),
     with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model.
     ``stages_per_rank``: virtual stages per rank of ``interleaved1f1b`` (default 2); ``stage_layers``: the block
     count of every stage (default: the balanced split, ``hyper_parallel.pipelining.balanced_stage_layers``), or
-    ``first_stage_layers`` / ``last_stage_layers`` (Megatron's control; the other stages balanced)."""
+    ``first_stage_layers`` / ``last_stage_layers`` (Megatron's control; the other stages balanced).
+    ``recompute_layers=k`` with ``activation_checkpointing="full"``: only the first k blocks of every stage (of
+    the model without pp) are checkpointed (Megatron's ``--recompute-method block --recompute-num-layers k``)."""
     d = {k: 1 for k in ("dp", "fsdp", "tp", "pp", "cp", "ep")}
     unknown = set(degrees) - set(d)
     if unknown:
@@ -215,9 +218,13 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
                                      or sum(stage_layers) != ms.n_layers):
         raise ValueError(f"evaluate_plan: stage_layers={stage_layers!r} must give each of the pp * stages_per_rank = "
                          f"{d['pp'] * v} stages its block count, {ms.n_layers} in all")
+    if recompute_layers is not None and (activation_checkpointing != "full" or isinstance(recompute_layers, bool)
+                                         or not isinstance(recompute_layers, int) or recompute_layers < 0):
+        raise ValueError(f"evaluate_plan: recompute_layers={recompute_layers!r} needs activation_checkpointing='full' "
+                         f"(got {activation_checkpointing!r}) and an int >= 0")
     c = Candidate(d, bool(sequence_parallel and d["tp"] > 1), activation_checkpointing, pp_schedule if d["pp"] > 1
                   else None, microbatches or 1, cp_method if d["cp"] > 1 else None, v,
-                  tuple(stage_layers) if stage_layers is not None else None)
+                  tuple(stage_layers) if stage_layers is not None else None, recompute_layers)
     p_item = _dtype_item(param_dtype, ms.act_item)
     return _score(ms, cluster, c, global_batch, optimizer, p_item, _dtype_item(reduce_dtype, p_item), seq_len,
                   param_dtype, reduce_dtype, info)
@@ -228,6 +235,7 @@ def _score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len, par
                                   reduce_item=r_item)
     p = _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
     p.stages_per_rank = c.stages_per_rank if c.degrees["pp"] > 1 else 1
+    p.recompute_layers = c.recompute_layers
     p.per_rank = rows
     p.model_flops = global_batch * ms.fwd_per_sample * (1 + ms.bwd_ratio)
     p.peak_flops = cluster.peak_flops or cluster.flops

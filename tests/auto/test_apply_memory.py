@@ -138,6 +138,8 @@ PP_LAYOUTS = [  # (config, degrees, schedule, microbatches, sp, ac)
     ("tiny", {"pp": 2, "tp": 2}, "1f1b", 2, True, "selective"),
     # data parallelism by replication with a pipeline (Megatron's layout): one gradient all_reduce per step
     ("tiny", {"pp": 2, "dp": 2}, "1f1b", 4, False, "none"), ("demo", {"pp": 2, "dp": 2}, "gpipe", 2, False, "full"),
+    # Megatron's block recompute: only the first block of every stage checkpointed
+    ("demo", {"pp": 2, "fsdp": 2}, "1f1b", 2, False, "full:1"),
 ]
 
 
@@ -155,7 +157,8 @@ def _pp_body(case, layouts="PP_LAYOUTS"):
     model = cfg.build()
     plan = evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=cfg.global_batch,
                          seq_len=cfg.seq_len, pp_schedule=sched, microbatches=m, sequence_parallel=sp,
-                         activation_checkpointing=ac)
+                         activation_checkpointing=ac.split(":")[0],
+                         recompute_layers=int(ac.split(":")[1]) if ":" in ac else None)
     schedule = plan.apply(model)
     x, y = plan.shard_batch(*_batch(cfg))
     losses = []

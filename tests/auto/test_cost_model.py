@@ -164,3 +164,18 @@ def test_published_runs_are_predicted_within_15_percent():
         assert abs(pred / pub - 1) <= 0.15, (name, pred, pub)
         if name.startswith("Megatron"):
             assert p.fits, (name, p.memory.total / 2**30)
+
+
+def test_replicated_pipeline_stage_all_reduces_once_per_step():
+    """dp (replicate) with pp: the stage averages its gradients once per step (on the last microbatch's
+    backward), not once per microbatch, as the cost model's "dp" term counts."""
+    cfg = get_config("tiny")
+    with torch.device("meta"):
+        meta = Transformer(cfg.model, init_seed=None)
+    p = evaluate_plan(meta, Cluster(4, 4, "1GiB"), degrees={"pp": 2, "dp": 2}, global_batch=cfg.global_batch,
+                      seq_len=cfg.seq_len, pp_schedule="1f1b", microbatches=4)
+    assert all("dp" in x["comm"] for x in p.per_rank)
+    rep = dry_run(p, lambda: build_model(cfg.model, cfg.seed), world_size=4)
+    for r in (0, 2):
+        ar = [ev for ev in rep.ranks[r].collectives if ev[0] == "all_reduce" and ev[2] == 2]
+        assert len(ar) == 1, (r, ar)  # one flat buffer (one dtype) per step

@@ -9,7 +9,9 @@ per-parameter steps, ``fully_shard`` units, and each collective's measured per-c
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from typing import Dict, List
 
 import torch
@@ -203,6 +205,13 @@ class Candidate:
     recompute_layers: int = None      # AC "full" on the first k blocks of every stage only (None: all)
 
 
+@functools.lru_cache(maxsize=4096)
+def _spans(pp, dp, fsdp, cp, tp):
+    """{dim: contiguous ranks one group of dim spans} for the mesh order (pp, dp, fsdp, cp, tp)."""
+    order, sizes = ["pp", "dp", "fsdp", "cp", "tp"], {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+    return {k: _span(order, sizes, k) for k in order}
+
+
 def _span(order, sizes, dim):
     """Contiguous ranks one group of ``dim`` spans (mesh order row-major): its size x the inner dims' sizes."""
     i = order.index(dim)
@@ -247,6 +256,8 @@ def _stages(ms: ModelSummary, n_stage_modules: int, counts=None):
             reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]], ms.blk_gathered[rep[k]]) for k in kinds],
             kind_counts={k: sum(1 for i in idx if g.block_kind[i] == k) for k in kinds},
             n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]), ops=sum(ms.blk_ops[i] for i in idx),
+            sites=sum(ms.host.sites[i] for i in idx), re_sites=sum(max(ms.host.sites[i] - 1, 0) for i in idx),
+            p_norm=sum(ms.host.p_norm[i] for i in idx),
         ))
     cache[key] = out
     return out
@@ -281,6 +292,16 @@ def _rank_state(g, degrees, mine, first: bool, last: bool, optimizer: str):
     return b, b, OPT_STATES[optimizer] * b, n
 
 
+def state_floor(ms: ModelSummary, degrees, optimizer: str) -> float:
+    """A lower bound of any pipeline rank's parameter + gradient + optimizer bytes under ``degrees``, whatever the
+    schedule and split: the whole model's sharded state over ``pp`` ranks (the fullest rank holds at least the
+    mean)."""
+    g = ms.groups
+    whole = [dict(kind_counts=dict(collections.Counter(g.block_kind)))]
+    params, grads, opt, _ = _rank_state(g, degrees, whole, True, True, optimizer)
+    return (params + grads + opt) / degrees["pp"]
+
+
 def in_flight(schedule: str, m: int, pp: int, v: int, rank: int) -> float:
     """Microbatches whose activations pipeline rank ``rank`` holds at its peak, in units of all its stages'
     activations of one microbatch: GPipe all ``m``; 1F1B ``pp - rank`` (the last rank 1); interleaved with
@@ -304,8 +325,13 @@ def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool,
     (RowwiseParallel) reduces its output (SP: reduce_scatter, gradient all_gather); the head
     (ColwiseParallel, replicated logits) all_gathers the logits and reduces its input gradient (SP: it also
     gathers its sequence-sharded input)."""
-    sites = sum(hc.sites[i] for i in blocks)
-    re_sites = sum(max(hc.sites[i] - 1, 0) for i in blocks) if full_ac else 0
+    return _tp_counts(sum(hc.sites[i] for i in blocks), sum(max(hc.sites[i] - 1, 0) for i in blocks), sp, full_ac,
+                      first, last)
+
+
+def _tp_counts(sites: int, re_sites: int, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
+    """:func:`tp_collectives` from the stage's site counts (``re_sites``: sum of ``sites_block - 1``)."""
+    re_sites = re_sites if full_ac else 0
     out = {}
     if sp:
         out[("all_gather", "act")] = 2 * sites + (sites if full_ac else 0) + int(first) + int(last)
@@ -376,7 +402,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     gkey = (id(stages), pp, v)
     if gkey not in groups_cache:
         groups_cache[gkey] = _rank_groups(stages, pp, v)
-    spans = {k: _span(order, sizes, k) for k in order}
+    spans = _spans(pp, dp, fsdp, cp, tp)
     _span_of = lambda _order, _sizes, dim: spans[dim]
     for r, group in groups_cache[gkey]:  # ranks alike but for their in-flight count: the first holds most
         st_ids = [r + k * pp for k in range(v)]
@@ -460,19 +486,18 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             compute = max(kernel + hbm, host)
         # ------------------------------------------------------------ communication of this rank
         comm: Dict[str, float] = {}
-        blocks = blocks_of(mine)
         hc = ms.host
         if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
             a = b_mb * hidden_bytes
             span = _span_of(order, sizes, "tp")
             logits = b_mb * S / cp * info.vocab * param_item
             size = {"act": a, "logits": logits}
-            t = sum(cnt * ct(kind, size[what], tp, intra(span))
-                    for (kind, what), cnt in tp_collectives(hc, blocks, c.sp, full_ac, first or pp == 1,
-                                                            last or pp == 1).items())
+            counts = _tp_counts(sum(x["sites"] for x in mine), sum(x["re_sites"] for x in mine), c.sp, full_ac,
+                                first or pp == 1, last or pp == 1)
+            t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
             comm["tp"] = t * m
             if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
-                comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(hc.p_norm[i] for i in blocks) + hc.top_p_norm),
+                comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(x["p_norm"] for x in mine) + hc.top_p_norm),
                                  tp, intra(span))
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
             span = _span_of(order, sizes, "cp")
@@ -528,7 +553,8 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
     g = ms.groups
     dp = d["dp"]
     pp = d["pp"]
-    span = _span(order, sizes, "fsdp")
+    spans = _spans(*(sizes[k] for k in ("pp", "dp", "fsdp", "cp", "tp")))
+    span = spans["fsdp"]
     ct = cluster.collective_time
     gathers = 1 if pp > 1 else 2
     if shard in cluster.fsdp_unit:  # measured per-unit cost (hooks + latencies) + bandwidth
@@ -544,9 +570,9 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
                             + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
                 if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
                     t += cnt * ct("all_reduce", (dense + expert) / shard * reduce_item, dp,
-                                  intra(_span(order, sizes, "dp")))
+                                  intra(spans["dp"]))
         if dp > 1:  # and the stage roots' gradients
-            t += v * ct("all_reduce", 1.0, dp, intra(_span(order, sizes, "dp")))
+            t += v * ct("all_reduce", 1.0, dp, intra(spans["dp"]))
         return t
     ag = rs = first = 0.0
     for x in mine:
@@ -558,7 +584,7 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
             one_rs = (ct("reduce_scatter", dense * reduce_item, shard, intra(span))
                       + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
             if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
-                one_rs += ct("all_reduce", (dense + expert) / shard * reduce_item, dp, intra(_span(order, sizes, "dp")))
+                one_rs += ct("all_reduce", (dense + expert) / shard * reduce_item, dp, intra(spans["dp"]))
             ag += cnt * gathers * one_ag
             rs += cnt * one_rs
             first = first or one_ag

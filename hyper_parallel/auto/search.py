@@ -11,7 +11,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from hyper_parallel.auto.cluster import MAX_MFU, Cluster
-from hyper_parallel.auto.cost import SCHEDULES, STAGES_PER_RANK, Candidate, evaluate, summarize
+from hyper_parallel.auto.cost import SCHEDULES, STAGES_PER_RANK, Candidate, evaluate, state_floor, summarize
 from hyper_parallel.auto.model_stats import trace_model
 from hyper_parallel.auto.plan import GiB, Plan
 from hyper_parallel.auto.roles import infer_roles
@@ -97,46 +97,56 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     E = info.num_experts
     L = ms.n_layers
     divs = _divisors(W)
-    for tp, pp, cp in itertools.product(divs, divs, divs):
-        if W % (tp * pp * cp):
-            continue
-        rest = W // (tp * pp * cp)
-        for fsdp in _divisors(rest):
-            dp = rest // fsdp
-            for ep in (_divisors(fsdp) if (E and "ep" in allowed) else [1]):
-                d = {"dp": dp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
-                why = _check(d, info, cluster, global_batch, seq_len, allowed, L, E)
-                if why:
-                    rejections.append((_name(d), why))
-                    continue
-                sps = (False, True) if tp > 1 and "sp" in allowed else (False,)
-                scheds = SCHEDULES if pp > 1 else (None,)
-                cpms = ("ring", "ulysses") if cp > 1 else (None,)
-                b_local = global_batch // (dp * fsdp)
-                for sched in scheds:
-                    if sched and L < pp * STAGES_PER_RANK[sched]:
-                        rejections.append((_name(d, sched=sched, m="*"),
-                                           f"{L} layers < {pp * STAGES_PER_RANK[sched]} stages of schedule {sched}"))
+    for prune in (True, False):  # again without pruning only when nothing fits (to name the closest plan)
+        rejections, scored, pruned = [], [], 0
+        for tp, pp, cp in itertools.product(divs, divs, divs):
+            if W % (tp * pp * cp):
+                continue
+            rest = W // (tp * pp * cp)
+            for fsdp in _divisors(rest):
+                dp = rest // fsdp
+                for ep in (_divisors(fsdp) if (E and "ep" in allowed) else [1]):
+                    d = {"dp": dp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+                    why = _check(d, info, cluster, global_batch, seq_len, allowed, L, E)
+                    if why:
+                        rejections.append((_name(d), why))
                         continue
-                    mbs = sorted({k for k in (pp, 2 * pp, 4 * pp, 8 * pp, b_local)
-                                  if k <= b_local and b_local % k == 0 and k >= pp}) if sched else [1]
-                    if sched and not mbs:
-                        rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
-                                           f"into >= pp={pp} microbatches"))
+                    floor = state_floor(ms, d, optimizer)
+                    if prune and floor > cluster.device_memory:  # none of these degrees' variants fits: skip them
+                        rejections.append((_name(d) + " (all variants)", f"parameters + gradients + optimizer alone need "
+                                           f">= {floor / GiB:.2f} GiB per rank > {cluster.device_memory / GiB:.2f} GiB"))
+                        pruned += 1
                         continue
-                    if sched == "interleaved1f1b":
-                        mbs = [k for k in mbs if k % pp == 0]
-                    for m, sp, ac, cpm in itertools.product(mbs, sps, acs, cpms):
-                        if cpm == "ulysses" and pp > 1:
-                            rejections.append((_name(d, sp, ac, sched, m, cpm), "cp with pp runs the ring method only"))
+                    sps = (False, True) if tp > 1 and "sp" in allowed else (False,)
+                    scheds = SCHEDULES if pp > 1 else (None,)
+                    cpms = ("ring", "ulysses") if cp > 1 else (None,)
+                    b_local = global_batch // (dp * fsdp)
+                    for sched in scheds:
+                        if sched and L < pp * STAGES_PER_RANK[sched]:
+                            rejections.append((_name(d, sched=sched, m="*"),
+                                               f"{L} layers < {pp * STAGES_PER_RANK[sched]} stages of schedule {sched}"))
                             continue
-                        if cpm == "ulysses" and info.n_heads % (tp * cp):
-                            rejections.append((_name(d, sp, ac, sched, m, cpm),
-                                               f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
+                        mbs = sorted({k for k in (pp, 2 * pp, 4 * pp, 8 * pp, b_local)
+                                      if k <= b_local and b_local % k == 0 and k >= pp}) if sched else [1]
+                        if sched and not mbs:
+                            rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
+                                               f"into >= pp={pp} microbatches"))
                             continue
-                        c = Candidate(d, sp, ac, sched, m, cpm, STAGES_PER_RANK.get(sched, 1))
-                        scored.append(_score(ms, scoring, c, global_batch, optimizer, p_item, r_item, seq_len,
-                                             param_dtype, reduce_dtype, info))
+                        if sched == "interleaved1f1b":
+                            mbs = [k for k in mbs if k % pp == 0]
+                        for m, sp, ac, cpm in itertools.product(mbs, sps, acs, cpms):
+                            if cpm == "ulysses" and pp > 1:
+                                rejections.append((_name(d, sp, ac, sched, m, cpm), "cp with pp runs the ring method only"))
+                                continue
+                            if cpm == "ulysses" and info.n_heads % (tp * cp):
+                                rejections.append((_name(d, sp, ac, sched, m, cpm),
+                                                   f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
+                                continue
+                            c = Candidate(d, sp, ac, sched, m, cpm, STAGES_PER_RANK.get(sched, 1))
+                            scored.append(_score(ms, scoring, c, global_batch, optimizer, p_item, r_item, seq_len,
+                                                 param_dtype, reduce_dtype, info))
+        if not pruned or any(p.fits for p in scored):
+            break
     _LAST_REJECTIONS = rejections
     if not scored:
         relevant = [f"{name}: {why}" for name, why in rejections if "is not in parallelisms" not in why]

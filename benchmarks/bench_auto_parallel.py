@@ -1,7 +1,7 @@
 """hyper_parallel.auto: is the planner right, and fast?  (docs/auto_parallel.md, docs/performance.md)
 
     .venv/bin/python benchmarks/bench_auto_parallel.py            # everything (~10 min on 2 busy cores)
-    .venv/bin/python benchmarks/bench_auto_parallel.py speed memory dryrun ranking   # a subset
+    .venv/bin/python benchmarks/bench_auto_parallel.py paper speed memory dryrun ranking   # a subset
 
 * speed:   plan() for a 70B-class dense Llama and a DeepSeek-V3-class MoE on the meta device at world 1024
            (8 per node, 80 GiB): seconds, and the top plan's predicted memory.
@@ -368,7 +368,7 @@ def bench_paper(with_plan=False):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    which = [a for a in sys.argv[1:] if "=" not in a] or ["speed", "memory", "dryrun", "ranking"]
+    which = [a for a in sys.argv[1:] if "=" not in a] or ["paper", "speed", "memory", "dryrun", "ranking"]
     opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)  # ranking: rounds=7 steps=2 configs=tiny,demo
     rank_kw = {k: int(v) for k, v in opts.items() if k in ("rounds", "steps", "warmup")}
     if "configs" in opts:

@@ -1,7 +1,7 @@
 """hyper_parallel.auto: is the planner right, and fast?  (docs/auto_parallel.md, docs/performance.md)
 
     .venv/bin/python benchmarks/bench_auto_parallel.py            # everything (~10 min on 2 busy cores)
-    .venv/bin/python benchmarks/bench_auto_parallel.py speed memory dryrun ranking   # a subset
+    .venv/bin/python benchmarks/bench_auto_parallel.py paper speed memory dryrun ranking   # a subset
 
 * speed:   plan() for a 70B-class dense Llama and a DeepSeek-V3-class MoE on the meta device at world 1024
            (8 per node, 80 GiB): seconds, and the top plan's predicted memory.
@@ -10,6 +10,9 @@
            the predicted per-rank peak vs the measured one (parameters + buffers + the step's peak of new storages).
 * dryrun:  dry_run at world 8 vs the same step on 8 real gloo ranks (peak, collective list with bytes), and
            dry_run at world 256 (tiny config) wall time.
+* paper:   one process, meta device: every row of Megatron-LM's Table 1 and Llama 3's Table 4 (benchmarks/paper_runs.py):
+           the published layout's predicted TFLOP/s per GPU (FLOPs counted the paper's way) vs the published figure,
+           its per-rank memory and whether it fits 80 GB. `paper plan=1` also runs plan() on each model and cluster.
 * ranking: on 4 ranks, calibrated with Cluster.measure(), every plan that Plan.apply runs for the tiny and demo
            configs is timed (warm-up steps, then rounds of steps interleaved over the plans); table of predicted
            vs measured (median, min, spread) step time and ranks, Spearman rho, top pick vs fastest.
@@ -106,7 +109,7 @@ def _mem_body():
         rep = measure_step(p, _builder(cfg))
         v = torch.tensor([rep.state_bytes, rep.peak_memory], dtype=torch.float64)
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        out.append((name, p.summary(), p.memory.state, int(v[0]), p.memory.total, int(v[1])))
+        out.append((name, p.summary(), p.state_max, int(v[0]), p.memory.total, int(v[1])))
         dist.barrier()
     return out
 
@@ -282,9 +285,90 @@ def bench_ranking(configs=("tiny", "demo"), rounds=7, steps=2, warmup=2):
                  "median spread", "wall s"], summary))
 
 
+# ------------------------------------------------------------------ paper
+# activation checkpointing from the lightest: none, selective, full on the first k blocks of every stage, full
+LIGHTEST_FIRST = [("none", None), ("selective", None), ("full", 1), ("full", 2), ("full", 3), ("full", None)]
+
+
+def _paper_layouts():
+    """(name, model factory, cluster, evaluate_plan kwargs, paper FLOPs per step, published TFLOP/s per GPU,
+    AC choices in order) for every published row (benchmarks/paper_runs.py)."""
+    import paper_runs as pr
+    from hyper_parallel.auto import Cluster
+    out = []
+    for P, heads, h, layers, tp, pp, n, batch, pub in pr.MEGATRON_TABLE1:
+        dp = n // (tp * pp)
+        kw = dict(degrees=dict(dp=dp, tp=tp, pp=pp), global_batch=batch, seq_len=2048)
+        if pp > 1:  # PipeDream-Flush (1F1B), microbatches of one sequence
+            kw.update(pp_schedule="1f1b", microbatches=batch // dp)
+        out.append((f"Megatron {P:g}B", lambda h=h, heads=heads, layers=layers: pr.gpt(h, heads, layers),
+                    Cluster.preset("a100", n), kw, pr.megatron_flops(batch, 2048, layers, h), pub, [("full", None)]))
+    for n, tp, cp, pp, dp, seq, pub in pr.LLAMA3_TABLE4:
+        batch = pr.LLAMA3_TOKENS // seq
+        kw = dict(degrees=dict(fsdp=dp, tp=tp, pp=pp, cp=cp), global_batch=batch, seq_len=seq, sequence_parallel=True,
+                  pp_schedule="interleaved1f1b", stages_per_rank=4, microbatches=batch // dp,
+                  cp_method="ring" if cp > 1 else None)
+        # 8K: trained without activation checkpointing (the paper); 128K: not published, the lightest that fits
+        acs = [("none", None)] if seq <= 8192 else LIGHTEST_FIRST
+        out.append((f"Llama 3 405B {seq // 1024}K", lambda seq=seq: pr.llama_405b(seq), Cluster.preset("h100", n), kw,
+                    None, pub, acs))
+    return out
+
+
+def bench_paper(with_plan=False):
+    """Published training runs: the predicted TFLOP/s per GPU of the published layout (FLOPs counted the
+    paper's way) against the published figure, and the per-rank memory (fits 80 GB?)."""
+    import paper_runs as pr
+    from hyper_parallel.auto import evaluate_plan, plan
+    rows, plan_rows = [], []
+    for name, make, cluster, kw, flops, pub, acs in _paper_layouts():
+        model = make()
+        if flops is None:
+            flops = pr.llama3_flops(pr.LLAMA3_TOKENS, kw["seq_len"], pr.n_params(model))
+        t0 = time.perf_counter()
+        ev = lambda ac, k: evaluate_plan(model, cluster, activation_checkpointing=ac, recompute_layers=k,
+                                         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **kw)
+        for ac, k in acs:  # the paper's AC (or, not published, the lightest that fits)
+            p = ev(ac, k)
+            if p.fits:
+                break
+        took = time.perf_counter() - t0
+        here = p
+        for ac, k in LIGHTEST_FIRST[LIGHTEST_FIRST.index((p.activation_checkpointing, p.recompute_layers)):]:
+            here = ev(ac, k)
+            if here.fits:
+                break
+        pred = flops / p.step_time.total / cluster.world_size / 1e12
+        t = p.step_time
+        rows.append((name, cluster.world_size, p.summary(), p.summary().split("ac:")[-1] if "ac:" in p.summary()
+                     else "none", pub, f"{pred:.0f}",
+                     f"{pred / pub:.2f}", "yes" if abs(pred / pub - 1) <= 0.15 else "NO",
+                     f"{p.memory.total / 2**30:.1f}", "yes" if p.fits else "NO",
+                     f"{here.summary().split('ac:')[-1] if 'ac:' in here.summary() else 'none'}: "
+                     f"{here.memory.total / 2**30:.1f}" if here.fits else "none fits",
+                     f"{t.compute:.2f}", f"{t.comm:.2f}", f"{t.bubble:.2f}", f"{p.mfu:.1%}", f"{took:.2f}"))
+        if with_plan:
+            t0 = time.perf_counter()
+            best = plan(model, cluster, global_batch=kw["global_batch"], seq_len=kw["seq_len"],
+                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, top_k=50)
+            took = time.perf_counter() - t0
+            mx = max(x.mfu for x in best)
+            plan_rows.append((name, best[0].summary(), f"{best[0].step_time.total:.2f}", f"{t.total:.2f}",
+                              "yes" if best[0].step_time.total <= t.total * (1 + 1e-9) else "NO", f"{best[0].mfu:.1%}",
+                              f"{mx:.1%}", f"{took:.1f}"))
+    print("\n## published runs: predicted vs published TFLOP/s per GPU (paper's FLOP count), memory per rank\n")
+    print(table(["run", "GPUs", "layout (as evaluated)", "AC", "published", "predicted", "ratio", "within 15%",
+                 "GiB/rank", "fits 80 GiB", "lightest AC that fits here: GiB", "compute s", "comm s", "bubble s",
+                 "MFU (model)", "eval s"], rows))
+    if with_plan:
+        print("\n## the planner on the same models and clusters: top plan vs the published layout\n")
+        print(table(["run", "top plan", "pred. step s", "published layout s", "top <= published", "top MFU",
+                     "max MFU returned", "plan() s"], plan_rows))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    which = [a for a in sys.argv[1:] if "=" not in a] or ["speed", "memory", "dryrun", "ranking"]
+    which = [a for a in sys.argv[1:] if "=" not in a] or ["paper", "speed", "memory", "dryrun", "ranking"]
     opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)  # ranking: rounds=7 steps=2 configs=tiny,demo
     rank_kw = {k: int(v) for k, v in opts.items() if k in ("rounds", "steps", "warmup")}
     if "configs" in opts:
@@ -292,5 +376,7 @@ if __name__ == "__main__":
     for w in which:
         if w == "ranking":
             bench_ranking(**rank_kw)
+        elif w == "paper":
+            bench_paper(with_plan=opts.get("plan", "0") == "1")
         else:
             {"speed": bench_speed, "memory": bench_memory, "dryrun": bench_dryrun}[w]()

@@ -39,26 +39,38 @@ def parse_bytes(value, name="device_memory") -> int:
     raise TypeError(f"{name} must be bytes (int) or a string like '80GiB', got {type(value).__name__}")
 
 
-# name: (memory bytes, dense bf16 FLOP/s peak, intra-node bytes/s, inter-node bytes/s, latency s)
-# Peak figures from the vendors' data sheets; the planner uses MFU_DEFAULT of the FLOP/s peak and
-# BW_EFFICIENCY of the link bandwidths (docs/auto_parallel.md).
+# name: (memory bytes, dense bf16 FLOP/s peak, intra-node bytes/s, inter-node bytes/s, latency s, HBM bytes/s)
+# Peak figures from the vendors' data sheets. The planner's kernel rates are KERNEL_EFFICIENCY of the peak
+# (matmul, fused attention), its links run at BW_EFFICIENCY of the data-sheet bandwidth, its memory-bound ops
+# at HBM_EFFICIENCY of the HBM bandwidth (docs/auto_parallel.md "Cost model" cites the sources).
 PRESETS: Dict[str, tuple] = {
-    "h100": (80 * 2**30, 989e12, 450e9, 50e9, 10e-6),    # H100 SXM, NVLink4 900 GB/s bidir, 400 Gb/s IB per GPU
-    "h200": (141 * 10**9, 989e12, 450e9, 50e9, 10e-6),   # H200 SXM: H100 compute, 141 GB HBM3e
-    "a100": (80 * 2**30, 312e12, 300e9, 25e9, 10e-6),    # A100 SXM 80GB, NVLink3 600 GB/s bidir, 200 Gb/s IB
-    "a100-40gb": (40 * 2**30, 312e12, 300e9, 25e9, 10e-6),
-    "b200": (180 * 10**9, 2250e12, 900e9, 50e9, 10e-6),  # B200: NVLink5 1.8 TB/s bidir
+    "h100": (80 * 2**30, 989e12, 450e9, 50e9, 10e-6, 3.35e12),    # H100 SXM, NVLink4 900 GB/s bidir, 400 Gb/s IB
+    "h200": (141 * 10**9, 989e12, 450e9, 50e9, 10e-6, 4.8e12),    # H200 SXM: H100 compute, 141 GB HBM3e
+    "a100": (80 * 2**30, 312e12, 300e9, 25e9, 10e-6, 2.039e12),   # A100 SXM 80GB, NVLink3 600 GB/s bidir, 200 Gb/s IB
+    "a100-40gb": (40 * 2**30, 312e12, 300e9, 25e9, 10e-6, 1.555e12),
+    "b200": (180 * 10**9, 2250e12, 900e9, 50e9, 10e-6, 8.0e12),   # B200: NVLink5 1.8 TB/s bidir
 }
-MFU_DEFAULT = 0.45
+# sustained fraction of the dense peak reached by large bf16 GEMMs and by causal fused (flash) attention,
+# forward + backward, per generation (published kernel benchmarks: docs/auto_parallel.md)
+KERNEL_EFFICIENCY: Dict[str, tuple] = {
+    "h100": (0.70, 0.45), "h200": (0.70, 0.45), "a100": (0.65, 0.55), "a100-40gb": (0.65, 0.55),
+    "b200": (0.70, 0.45),
+}
+HBM_EFFICIENCY = 0.8
 BW_EFFICIENCY = 0.8
+LAUNCH_OVERHEAD = 5e-6   # seconds of host time per eager kernel launch (hidden unless kernels are shorter)
+MAX_MFU = 0.6            # no plan is predicted above this model-FLOPs utilisation (a prediction that is, is a bug)
 
 
 @dataclasses.dataclass
 class Cluster:
     """``world_size`` devices, ``devices_per_node`` per node, ``device_memory`` each (bytes or "80GiB").
 
-    ``flops`` (sustained FLOP/s per device), ``intra_node_bw`` / ``inter_node_bw`` (bytes/s per rank
-    on the wire) and ``latency`` (s per message step) default to the H100 preset's effective values.
+    ``flops`` (the matmul kernel rate: sustained FLOP/s per device), ``peak_flops`` (the data sheet's dense
+    peak; MFU and the physics floor of every prediction use it; default ``flops``), ``attention_flops`` (the
+    fused attention kernel rate; default ``flops``), ``hbm_bw`` (bytes/s of the memory-bound ops; None: not
+    modelled), ``launch`` (host seconds per kernel launch on a device), ``intra_node_bw`` / ``inter_node_bw``
+    (bytes/s per rank on the wire) and ``latency`` (s per message step) default to the H100 preset's values.
     ``comm_by_size`` (filled by :meth:`measure`) holds the measured fits ``(kind, n)`` -> (seconds per call,
     bytes/s on the wire) for each calibrated group size ``n``; ``comm`` ``kind`` -> (seconds per message
     step, bytes/s) for other sizes (from the largest measured group). ``op_overhead``, ``ac_op``, ``dtensor_op``, ``optim`` and ``fsdp_unit`` are the host
@@ -79,21 +91,38 @@ class Cluster:
     dtensor_op: float = 0.0
     optim: tuple = (0.0, 0.0)
     fsdp_unit: Dict[int, float] = dataclasses.field(default_factory=dict)
+    peak_flops: Optional[float] = None
+    attention_flops: Optional[float] = None
+    hbm_bw: Optional[float] = None
+    launch: float = 0.0
+    peak_known: bool = False
 
     def __init__(self, world_size, devices_per_node, device_memory, *, flops=None, intra_node_bw=None,
                  inter_node_bw=None, latency=None, comm=None, comm_by_size=None, op_overhead=0.0, ac_op=0.0, dtensor_op=0.0,
-                 optim=(0.0, 0.0), fsdp_unit=None):
+                 optim=(0.0, 0.0), fsdp_unit=None, peak_flops=None, attention_flops=None, hbm_bw=None, launch=None):
         for name, v in (("world_size", world_size), ("devices_per_node", devices_per_node)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Cluster: {name} must be a positive int, got {v!r}")
         self.world_size, self.devices_per_node = world_size, devices_per_node
         self.device_memory = parse_bytes(device_memory)
-        _, peak, intra, inter, lat = PRESETS["h100"]
-        self.flops = float(flops) if flops is not None else peak * MFU_DEFAULT
+        _, peak, intra, inter, lat, hbm = PRESETS["h100"]
+        mm_eff, attn_eff = KERNEL_EFFICIENCY["h100"]
+        default = flops is None
+        self.flops = float(flops) if flops is not None else peak * mm_eff
+        self.peak_flops = float(peak_flops) if peak_flops is not None else peak if default else self.flops
+        # a data-sheet peak (a preset, or given): plans are then held to MAX_MFU of it
+        self.peak_known = peak_flops is not None or default
+        self.attention_flops = (float(attention_flops) if attention_flops is not None
+                                else peak * attn_eff if default else self.flops)
+        self.hbm_bw = float(hbm_bw) if hbm_bw is not None else hbm * HBM_EFFICIENCY if default else None
+        self.launch = float(launch) if launch is not None else LAUNCH_OVERHEAD if default else 0.0
         self.intra_node_bw = float(intra_node_bw) if intra_node_bw is not None else intra * BW_EFFICIENCY
         self.inter_node_bw = float(inter_node_bw) if inter_node_bw is not None else inter * BW_EFFICIENCY
         self.latency = float(latency) if latency is not None else lat
-        for name in ("flops", "intra_node_bw", "inter_node_bw"):
+        if self.peak_flops < self.flops or self.peak_flops < self.attention_flops:
+            raise ValueError(f"Cluster: peak_flops={self.peak_flops!r} is below the kernel rate flops={self.flops!r} "
+                             f"/ attention_flops={self.attention_flops!r}; the peak bounds every kernel")
+        for name in ("flops", "intra_node_bw", "inter_node_bw", "attention_flops"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Cluster: {name} must be > 0, got {getattr(self, name)!r}")
         if self.latency < 0:
@@ -110,12 +139,15 @@ class Cluster:
     @classmethod
     def preset(cls, name: str, world_size: int, devices_per_node: int = 8, **overrides) -> "Cluster":
         """A cluster of ``name`` GPUs (``h100``, ``h200``, ``a100``, ``a100-40gb``, ``b200``): memory, peak
-        FLOP/s x ``MFU_DEFAULT``, NVLink / InfiniBand bandwidth x ``BW_EFFICIENCY``."""
+        FLOP/s, kernel rates (``KERNEL_EFFICIENCY`` x peak), HBM bandwidth x ``HBM_EFFICIENCY``, NVLink /
+        InfiniBand bandwidth x ``BW_EFFICIENCY``, ``LAUNCH_OVERHEAD`` per kernel."""
         key = name.lower()
         if key not in PRESETS:
             raise ValueError(f"Cluster.preset: unknown name {name!r}; choose from {sorted(PRESETS)}")
-        mem, peak, intra, inter, lat = PRESETS[key]
-        kw = dict(device_memory=mem, flops=peak * MFU_DEFAULT, intra_node_bw=intra * BW_EFFICIENCY,
+        mem, peak, intra, inter, lat, hbm = PRESETS[key]
+        mm_eff, attn_eff = KERNEL_EFFICIENCY[key]
+        kw = dict(device_memory=mem, flops=peak * mm_eff, peak_flops=peak, attention_flops=peak * attn_eff,
+                  hbm_bw=hbm * HBM_EFFICIENCY, launch=LAUNCH_OVERHEAD, intra_node_bw=intra * BW_EFFICIENCY,
                   inter_node_bw=inter * BW_EFFICIENCY, latency=lat)
         kw.update(overrides)
         mem = kw.pop("device_memory")
@@ -163,7 +195,8 @@ class Cluster:
     def describe(self) -> str:
         nodes = -(-self.world_size // self.devices_per_node)
         return (f"{self.world_size} devices ({nodes} node(s) x {self.devices_per_node}), "
-                f"{self.device_memory / 2**30:.1f} GiB each, {self.flops / 1e12:.3g} TFLOP/s, "
+                f"{self.device_memory / 2**30:.1f} GiB each, {self.flops / 1e12:.3g} TFLOP/s matmul "
+                f"(peak {self.peak_flops / 1e12:.3g}), "
                 f"intra {self.intra_node_bw / 1e9:.3g} GB/s, inter {self.inter_node_bw / 1e9:.3g} GB/s, "
                 f"latency {self.latency * 1e6:.3g} us")
 

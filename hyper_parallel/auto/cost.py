@@ -9,12 +9,14 @@ per-parameter steps, ``fully_shard`` units, and each collective's measured per-c
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from typing import Dict, List
 
 import torch
 
-from hyper_parallel.auto.memory import ParamGroups, group_params, shard_degrees, split_layers, state_bytes_per_stage
+from hyper_parallel.auto.memory import OPT_STATES, ParamGroups, group_params, shard_degrees
 from hyper_parallel.auto.model_stats import Trace
 from hyper_parallel.auto.plan import Memory, StepTime
 from hyper_parallel.auto.roles import ModelInfo
@@ -45,10 +47,19 @@ class ModelSummary:
     head_ops: int = 0
     bwd_op_ratio: float = 2.0
     host: "HostCounts" = None         # what the library dispatches per block under TP / FSDP (host costs)
+    blk_ew_inner: List[float] = None  # bytes written per sample by memory-bound ops inside attention / MLP
+    blk_ew_outer: List[float] = None  # ... elsewhere in the block (norms, residual adds)
+    top_ew: float = 0.0               # ... outside the blocks (embedding, final norm, head, loss)
+    weights: tuple = None             # (block weights, first, last) of the stage split (pipelining.weights_of)
 
     @property
     def n_layers(self):
         return len(self.blk_fwd)
+
+    @property
+    def fwd_per_sample(self) -> float:
+        """The model's forward FLOPs per sample (causal attention counted as the kernel runs it)."""
+        return sum(self.blk_fwd) + self.head_fwd
 
 
 TP_ROLES = {"attention_q", "attention_k", "attention_v", "attention_o", "mlp_gate", "mlp_up", "mlp_down",
@@ -119,15 +130,20 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     b = trace.batch
     inner_kinds = set(info.attention_modules) | set(info.mlp_modules) | set(info.moe_modules)
     blk_fwd, blk_exp, blk_attn, blk_in, blk_out, blk_gat, blk_ops = [], [], [], [], [], [], []
+    ew_in, ew_out = [], []
     for name in info.block_names:
         blk_fwd.append(mods[name].fwd_flops / b if name in mods else 0.0)
         exp = sum(t.fwd_flops for f, t in mods.items() if f.startswith(name + ".")
                   and info.module_roles.get(f) == "experts")
         blk_exp.append(exp / b)
         blk_attn.append(sum(mods[a].sdpa_flops for a in info.attention_modules if a.startswith(name + ".")) / b)
-        inner = outer = gathered = 0
+        inner = outer = gathered = e_in = e_out = 0
         for f, t in mods.items():
             if f == name or f.startswith(name + "."):
+                if any(f == k or f.startswith(k + ".") for k in inner_kinds):
+                    e_in += t.ew_bytes
+                else:
+                    e_out += t.ew_bytes
                 role = info.module_roles.get(f)
                 in_moe = any(f == k or f.startswith(k + ".") for k in info.moe_modules)
                 if role in GATHERED or (in_moe and role not in ("attention_o", "mlp_down")):
@@ -139,6 +155,8 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
         blk_in.append(inner / b)
         blk_out.append(outer / b)
         blk_gat.append(gathered / b)
+        ew_in.append(e_in / b)
+        ew_out.append(e_out / b)
         blk_ops.append(sum(t.ops for f, t in mods.items() if f == name or f.startswith(name + ".")))
     in_blocks = lambda f: any(f == n or f.startswith(n + ".") for n in info.block_names)
     emb = {k for k, v in info.module_roles.items() if v == "embedding"}
@@ -147,10 +165,31 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
     head = max(trace.fwd_flops / b - sum(blk_fwd), 0.0)
     item = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     bufs = sum(x.numel() * x.element_size() for x in model.buffers())
+    top_ew = sum(t.ew_bytes for f, t in mods.items() if not in_blocks(f)) / b
     return ModelSummary(info, group_params(info), trace.seq_len, item, blk_fwd, blk_exp, blk_attn, head,
                         trace.bwd_flops / max(trace.fwd_flops, 1), blk_in, blk_out, first, last, bufs, blk_gat,
                         blk_ops, max(trace.fwd_ops - sum(blk_ops), 0), trace.bwd_ops / max(trace.fwd_ops, 1),
-                        host_counts(info, trace))
+                        host_counts(info, trace), ew_in, ew_out, top_ew, split_weights(info))
+
+
+def split_weights(info: ModelInfo):
+    """The stage split's weights (``hyper_parallel.pipelining.weights_of``): matmul FLOPs per token (2 x the
+    parameters, an embedding 0) and parameter bytes of each block, of the embedding and of the rest outside
+    the blocks, as ``pipelining.stage_weights`` reads them from a model (so ``Plan.apply`` and
+    ``split_into_stages`` agree)."""
+    from hyper_parallel.pipelining.split import weights_of
+    nb = len(info.block_names)
+    blocks = [[0.0, 0.0] for _ in range(nb)]
+    first, last = [0.0, 0.0], [0.0, 0.0]
+    for p in info.params:
+        n = 1
+        for v in p.shape:
+            n *= v
+        item = torch.empty((), dtype=p.dtype).element_size()
+        dst = blocks[p.block] if p.block is not None else first if p.role == "embedding" else last
+        dst[0] += 0.0 if p.role == "embedding" else 2.0 * n
+        dst[1] += n * item
+    return weights_of([tuple(x) for x in blocks], tuple(first), tuple(last))
 
 
 @dataclasses.dataclass
@@ -161,6 +200,16 @@ class Candidate:
     schedule: str = None
     microbatches: int = 1
     cp_method: str = None
+    stages_per_rank: int = 1          # virtual stages per pipeline rank (interleaved schedules)
+    stage_layers: tuple = None        # blocks per stage module (None: the balanced split)
+    recompute_layers: int = None      # AC "full" on the first k blocks of every stage only (None: all)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans(pp, dp, fsdp, cp, tp):
+    """{dim: contiguous ranks one group of dim spans} for the mesh order (pp, dp, fsdp, cp, tp)."""
+    order, sizes = ["pp", "dp", "fsdp", "cp", "tp"], {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+    return {k: _span(order, sizes, k) for k in order}
 
 
 def _span(order, sizes, dim):
@@ -172,14 +221,30 @@ def _span(order, sizes, dim):
     return span
 
 
-def _stages(ms: ModelSummary, n_stage_modules: int):
+def stage_layers(ms: ModelSummary, n_stage_modules: int) -> List[int]:
+    """Blocks per stage module: the split that balances FLOPs and bytes (``pipelining.balanced_stage_layers``)."""
+    from hyper_parallel.pipelining.split import balanced_stage_layers
+    w, first, last = ms.weights
+    return balanced_stage_layers(w, n_stage_modules, first_weight=first, last_weight=last,
+                                 allow_empty=ms.n_layers < n_stage_modules)
+
+
+def _stages(ms: ModelSummary, n_stage_modules: int, counts=None):
     """Per stage module: aggregates of its blocks (cached per split)."""
     cache = ms.__dict__.setdefault("_stage_cache", {})
-    if n_stage_modules in cache:
-        return cache[n_stage_modules]
+    key = (n_stage_modules, tuple(counts) if counts else None)
+    if key in cache:
+        return cache[key]
     g = ms.groups
+    counts = list(counts) if counts else stage_layers(ms, n_stage_modules)
+    if len(counts) != n_stage_modules or sum(counts) != ms.n_layers:
+        raise ValueError(f"stage_layers={counts} must give {n_stage_modules} stages {ms.n_layers} blocks in all")
+    split, pos = [], 0
+    for k in counts:
+        split.append(list(range(pos, pos + k)))
+        pos += k
     out = []
-    for idx in split_layers(ms.n_layers, n_stage_modules):
+    for idx in split:
         kinds = sorted({g.block_kind[i] for i in idx})
         rep = {k: next(i for i in idx if g.block_kind[i] == k) for k in kinds}
         out.append(dict(
@@ -187,12 +252,68 @@ def _stages(ms: ModelSummary, n_stage_modules: int):
             fwd=sum(ms.blk_fwd[i] for i in idx), exp=sum(ms.blk_expert_fwd[i] for i in idx),
             attn=sum(ms.blk_attn_fwd[i] for i in idx), inner=sum(ms.blk_inner[i] for i in idx),
             outer=sum(ms.blk_outer[i] for i in idx), gathered=sum(ms.blk_gathered[i] for i in idx),
+            ew_in=sum(ms.blk_ew_inner[i] for i in idx), ew_out=sum(ms.blk_ew_outer[i] for i in idx),
             reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]], ms.blk_gathered[rep[k]]) for k in kinds],
             kind_counts={k: sum(1 for i in idx if g.block_kind[i] == k) for k in kinds},
             n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]), ops=sum(ms.blk_ops[i] for i in idx),
+            sites=sum(ms.host.sites[i] for i in idx), re_sites=sum(max(ms.host.sites[i] - 1, 0) for i in idx),
+            p_norm=sum(ms.host.p_norm[i] for i in idx),
         ))
-    cache[n_stage_modules] = out
+    cache[key] = out
     return out
+
+
+def _rank_groups(stages, pp: int, v: int):
+    """[(first rank, [ranks])]: pipeline ranks whose stages hold the same kinds of blocks and the same ends
+    (embedding, head) cost the same time; the first of them holds the most microbatches (memory)."""
+    nsm = pp * v
+    key = lambda s: (tuple(sorted(stages[s]["kind_counts"].items())), s == 0, s == nsm - 1)
+    groups = {}
+    for r in range(pp):
+        groups.setdefault(tuple(key(r + k * pp) for k in range(v)), []).append(r)
+    return sorted((rs[0], rs) for rs in groups.values())
+
+
+def _rank_state(g, degrees, mine, first: bool, last: bool, optimizer: str):
+    """(params, grads, optimizer bytes, parameter tensors) of rank 0 of a pipeline rank holding ``mine``."""
+    tp, ep = degrees["tp"], degrees["ep"]
+    shard, expert_shard = shard_degrees(degrees)
+    b = n = 0
+    for x in mine:
+        for k, cnt in x["kind_counts"].items():
+            b += cnt * g.bytes_of(k, tp, shard, ep, expert_shard)
+            n += cnt * g.n_tensors_kind[k]
+    if first:
+        b += g.bytes_of("first", tp, shard, ep, expert_shard)
+        n += g.n_tensors_first
+    if last:
+        b += g.bytes_of("last", tp, shard, ep, expert_shard)
+        n += g.n_tensors_last
+    return b, b, OPT_STATES[optimizer] * b, n
+
+
+def state_floor(ms: ModelSummary, degrees, optimizer: str) -> float:
+    """A lower bound of any pipeline rank's parameter + gradient + optimizer bytes under ``degrees``, whatever the
+    schedule and split: the whole model's sharded state over ``pp`` ranks (the fullest rank holds at least the
+    mean)."""
+    g = ms.groups
+    whole = [dict(kind_counts=dict(collections.Counter(g.block_kind)))]
+    params, grads, opt, _ = _rank_state(g, degrees, whole, True, True, optimizer)
+    return (params + grads + opt) / degrees["pp"]
+
+
+def in_flight(schedule: str, m: int, pp: int, v: int, rank: int) -> float:
+    """Microbatches whose activations pipeline rank ``rank`` holds at its peak, in units of all its stages'
+    activations of one microbatch: GPipe all ``m``; 1F1B ``pp - rank`` (the last rank 1); interleaved with
+    ``v`` stages per rank the warm-up of torch's / Megatron's schedule, ``2 (pp - 1 - rank) + (v - 1) pp + 1``
+    stage-microbatches, over ``v``."""
+    if pp <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, pp - rank))
+    return min(m * v, 2 * (pp - 1 - rank) + (v - 1) * pp + 1) / v
 
 
 def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
@@ -204,8 +325,13 @@ def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool,
     (RowwiseParallel) reduces its output (SP: reduce_scatter, gradient all_gather); the head
     (ColwiseParallel, replicated logits) all_gathers the logits and reduces its input gradient (SP: it also
     gathers its sequence-sharded input)."""
-    sites = sum(hc.sites[i] for i in blocks)
-    re_sites = sum(max(hc.sites[i] - 1, 0) for i in blocks) if full_ac else 0
+    return _tp_counts(sum(hc.sites[i] for i in blocks), sum(max(hc.sites[i] - 1, 0) for i in blocks), sp, full_ac,
+                      first, last)
+
+
+def _tp_counts(sites: int, re_sites: int, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
+    """:func:`tp_collectives` from the stage's site counts (``re_sites``: sum of ``sites_block - 1``)."""
+    re_sites = re_sites if full_ac else 0
     out = {}
     if sp:
         out[("all_gather", "act")] = 2 * sites + (sites if full_ac else 0) + int(first) + int(last)
@@ -246,14 +372,17 @@ def _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard):
 
 def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
              reduce_item: int):
-    """-> (Memory, StepTime, layers per stage module) of candidate ``c``."""
+    """-> (Memory, StepTime, layers per stage module, per-rank rows) of candidate ``c``: every pipeline rank is
+    modelled (its blocks, in-flight activations, collectives); the memory is the largest rank's, the step the
+    slowest rank's plus the bubble (docs/auto_parallel.md "Cost model")."""
     d = c.degrees
     dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
     info, g = ms.info, ms.groups
-    v = STAGES_PER_RANK.get(c.schedule, 1) if pp > 1 else 1
+    v = (c.stages_per_rank or STAGES_PER_RANK.get(c.schedule, 1)) if pp > 1 else 1
     nsm = pp * v
-    stages = _stages(ms, nsm)
-    per_stage_state = state_bytes_per_stage(g, d, [st["blocks"] for st in stages], optimizer)
+    stages = _stages(ms, nsm, c.stage_layers)
+    shard, expert_shard = shard_degrees(d)
+    d1 = dict(d, fsdp=1, cp=1, pp=1)
     b_local = global_batch // (dp * fsdp)
     m = c.microbatches if pp > 1 else 1
     b_mb = b_local / m
@@ -261,39 +390,58 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     act_scale = param_item / ms.act_item  # activations in the compute dtype
     S = ms.seq_len
     hidden_bytes = S / cp * info.dim * param_item  # one sample's hidden state [S/cp, dim]
-    shard, expert_shard = shard_degrees(d)
-    if pp > 1:
-        in_flight = {"gpipe": m, "1f1b": min(m, pp), "interleaved1f1b": min(m * v, pp * v + pp - 1) / v}[c.schedule]
-    else:
-        in_flight = 1
-    worst_mem, worst = None, 0
-    for r in range(pp):
+    order = ["pp", "dp", "fsdp", "cp", "tp"]
+    sizes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+    dpn = cluster.devices_per_node
+    intra = lambda span: span <= dpn
+    ct = cluster.collective_time
+    calibrated_host = bool(cluster.op_overhead)  # a CPU world measured by Cluster.measure()
+    full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
+    rows = []
+    groups_cache = ms.__dict__.setdefault("_group_cache", {})
+    gkey = (id(stages), pp, v)
+    if gkey not in groups_cache:
+        groups_cache[gkey] = _rank_groups(stages, pp, v)
+    spans = _spans(pp, dp, fsdp, cp, tp)
+    _span_of = lambda _order, _sizes, dim: spans[dim]
+    for r, group in groups_cache[gkey]:  # ranks alike but for their in-flight count: the first holds most
         st_ids = [r + k * pp for k in range(v)]
-        params = sum(per_stage_state[s][0] for s in st_ids)
-        opt = sum(per_stage_state[s][2] for s in st_ids)
-        ntens = sum(per_stage_state[s][3] for s in st_ids)
-        nblk = sum(stages[s]["n"] for s in st_ids)
-        if c.ac == "full":
-            biggest = max(((i / tp + o / sp_div + gg) for s in st_ids for i, o, gg in stages[s]["reps"]), default=0)
-            per_sample = nblk * hidden_bytes / sp_div / act_scale + biggest / cp
+        mine = [stages[s] for s in st_ids]
+        first, last = 0 in st_ids, (nsm - 1) in st_ids
+        # ------------------------------------------------------------ memory of this rank
+        params, _, opt, ntens = _rank_state(g, d, mine, first, last, optimizer)
+        if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
+            unsharded = _rank_state(g, d1, mine, first, last, optimizer)[0]
+        nblk = sum(x["n"] for x in mine)
+        if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
+            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+            rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
+            full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
+            kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
+            working = max((full_acts(i) for i in ck), default=0.0)
+        elif c.ac == "full":
+            kept = nblk * hidden_bytes / sp_div / act_scale
+            working = max(((i / tp + o / sp_div + gg) for x in mine for i, o, gg in x["reps"]), default=0) / cp
         elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
-            from hyper_parallel.auto.selective_ac import selective_per_sample
-            per_sample = selective_per_sample(ms, [stages[s] for s in st_ids], tp, sp_div, cp,
-                                              hidden_bytes / act_scale)
+            from hyper_parallel.auto.selective_ac import selective_parts
+            kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
         else:
-            per_sample = sum(stages[s]["inner"] / tp + stages[s]["outer"] / sp_div + stages[s]["gathered"]
-                             for s in st_ids) / cp
-        if 0 in st_ids:
-            per_sample += ms.first_saved / sp_div / cp
-        if nsm - 1 in st_ids:
-            per_sample += ms.last_saved / cp
-        acts = per_sample * act_scale * b_mb * in_flight
-        # communication buffers: FSDP all-gather (this block + the prefetched next) and reduce-scatter input,
-        # or a replicated model's flat gradient all_reduce buffer; the optimizer's 4-byte step scalars
-        kinds = {k for s in st_ids for k in stages[s]["kind_counts"]}
+            kept = sum(x["inner"] / tp + x["outer"] / sp_div + x["gathered"] for x in mine) / cp
+            working = 0.0
+        if first:
+            kept += ms.first_saved / sp_div / cp
+        held = in_flight(c.schedule, m, pp, v, r)
+        if last or pp == 1:  # the head's activations (logits): the last stage runs each microbatch's backward
+            # right after its forward (1F1B, interleaved), GPipe keeps all m
+            working += ms.last_saved / cp * (m if c.schedule == "gpipe" else 1)
+        acts = act_scale * b_mb * (held * kept + working)  # the recompute working set lives once
+        kinds = {k for x in mine for k in x["kind_counts"]}
         blk = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1) for k in kinds),
                   default=0) / ms.act_item
-        if shard > 1:
+        if shard > 1 and pp > 1:  # gathered once per step, kept to the last backward; unsharded gradients
+            whole = unsharded / ms.act_item
+            bufs = whole * (param_item + reduce_item)
+        elif shard > 1:  # the all-gathered block, the prefetched next one, the reduce-scatter input
             bufs = blk * (2 * param_item + reduce_item)
         elif dp * cp > 1:  # the flat gradient all_reduce runs after backward, when the activations are gone
             bufs = max(0.0, params * reduce_item / ms.act_item - acts)
@@ -301,64 +449,117 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             bufs = 0
         bufs += 4 * ntens + ms.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
-        if worst_mem is None or mem.total > worst_mem.total:
-            worst_mem, worst = mem, r
-    # ---------------------------------------------------------------- time (the slowest stage's rank)
-    order = ["pp", "dp", "fsdp", "cp", "tp"]
-    sizes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
-    dpn = cluster.devices_per_node
-    intra = lambda span: span <= dpn
-    ct = cluster.collective_time
-    st_ids = [worst + k * pp for k in range(v)]
-    mine = [stages[s] for s in st_ids]
-    nblk = sum(x["n"] for x in mine)
-    n_moe = sum(x["n_moe"] for x in mine)
-    fwd = sum(x["fwd"] - x["exp"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
-    last = (nsm - 1) in st_ids
-    if last or pp == 1:
-        fwd += ms.head_fwd / (tp * cp)
-    recompute = sum(x["fwd"] for x in mine) / (tp * cp) if c.ac == "full" else 0.0
-    compute = b_local * (fwd * (1 + ms.bwd_ratio) + recompute) / cluster.flops
-    if cluster.op_overhead:  # host time per operator (eager CPU runs): forward, backward and recomputed ops
+        # ------------------------------------------------------------ compute of this rank
+        mm = sum(x["fwd"] - x["exp"] - x["attn"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
+        attn = sum(x["attn"] for x in mine) / (tp * cp)
+        if last or pp == 1:
+            mm += ms.head_fwd / (tp * cp)
+        re_mm = sum(x["fwd"] - x["exp"] - x["attn"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
+        re_attn = attn
+        if c.ac != "full":  # selective AC recomputes no matmul and no attention
+            re_mm = re_attn = 0.0
+        elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
+            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+            re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+            re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                     + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
+        flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
         ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
-        re_ops = sum(x["ops"] for x in mine) if c.ac in ("full", "selective") else 0
-        compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
-                        + re_ops * (cluster.ac_op or cluster.op_overhead))
-    comm: Dict[str, float] = {}
-    hc = ms.host
-    blocks = blocks_of(mine)
-    if cluster.op_overhead:  # CPU world: the library's host work (calibrated by Cluster.measure())
-        compute += _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard)
-    first = 0 in st_ids
-    full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
-    if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue (docs/auto_parallel.md)
-        a = b_mb * hidden_bytes
-        span = _span(order, sizes, "tp")
-        logits = b_mb * S / cp * info.vocab * param_item
-        size = {"act": a, "logits": logits}
-        t = sum(cnt * ct(kind, size[what], tp, intra(span))
-                for (kind, what), cnt in tp_collectives(hc, blocks, c.sp, full_ac, first, last).items())
-        comm["tp"] = t * m
-        if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
-            comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(hc.p_norm[i] for i in blocks) + hc.top_p_norm), tp,
-                             intra(span))
-    if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
-        span = _span(order, sizes, "cp")
-        if c.cp_method == "ring":
-            kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
-            ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
-            attn = sum(x["attn"] for x in mine) / (tp * cp) * 3 * b_local / cluster.flops
-            comm["cp"] = max(0.0, ring - attn)
-        else:
-            a = b_mb * S / cp * info.dim / tp * param_item
-            comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * nblk * m
-    if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
-        rows = b_mb * S / cp * info.top_k * info.dim * param_item
-        comm["ep"] = 4 * ct("all_to_all", rows, ep, intra(ep * cp * tp)) * n_moe * m
-    if shard > 1 and shard in cluster.fsdp_unit:  # measured per-unit cost (hooks + latencies) + bandwidth
-        span = _span(order, sizes, "fsdp")
+        re_ops = sum(x["ops"] for x in mine) if full_ac else 0
+        if c.ac == "full" and c.recompute_layers is not None:
+            re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
+        if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
+            compute = flops / cluster.flops
+            compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
+                            + re_ops * (cluster.ac_op or cluster.op_overhead))
+            compute += _host_time(ms, cluster, c, st_ids, blocks_of(mine), nsm, m, tp, shard)
+        else:  # a device: kernels (matmul, attention, memory-bound ops); the host launches ahead of them
+            kernel = b_local * ((mm * (1 + ms.bwd_ratio) + re_mm) / cluster.flops
+                                + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
+            hbm = 0.0
+            if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
+                ew = sum(x["ew_in"] / tp + x["ew_out"] / sp_div for x in mine) / cp
+                ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
+                ew_re = ew if full_ac else 0.0
+                hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
+            host = m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.launch
+            compute = max(kernel + hbm, host)
+        # ------------------------------------------------------------ communication of this rank
+        comm: Dict[str, float] = {}
+        hc = ms.host
+        if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
+            a = b_mb * hidden_bytes
+            span = _span_of(order, sizes, "tp")
+            logits = b_mb * S / cp * info.vocab * param_item
+            size = {"act": a, "logits": logits}
+            counts = _tp_counts(sum(x["sites"] for x in mine), sum(x["re_sites"] for x in mine), c.sp, full_ac,
+                                first or pp == 1, last or pp == 1)
+            t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
+            comm["tp"] = t * m
+            if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
+                comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(x["p_norm"] for x in mine) + hc.top_p_norm),
+                                 tp, intra(span))
+        if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
+            span = _span_of(order, sizes, "cp")
+            if c.cp_method == "ring":
+                kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
+                ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
+                attn_t = b_local * attn * (1 + ms.bwd_ratio) / (cluster.flops if calibrated_host
+                                                                  else cluster.attention_flops)
+                comm["cp"] = max(0.0, ring - attn_t)
+            else:
+                a = b_mb * S / cp * info.dim / tp * param_item
+                comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * nblk * m
+        n_moe = sum(x["n_moe"] for x in mine)
+        if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
+            rows_b = b_mb * S / cp * info.top_k * info.dim * param_item
+            comm["ep"] = 4 * ct("all_to_all", rows_b, ep, intra(ep * cp * tp)) * n_moe * m
+        calls = {}
+        if shard > 1:  # FSDP units: a block each, and the stage's root when it holds parameters (embedding, head)
+            units = nblk + sum(1 for s in st_ids if s == 0 or s == nsm - 1 or pp == 1)
+            calls = {"all_gather": units if pp > 1 else 2 * nblk + 1, "reduce_scatter": units}
+            comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
+                                      compute, m, v, order, sizes, intra)
+        elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
+            span = _span_of(order, sizes, "dp") if dp > 1 else _span_of(order, sizes, "cp")
+            comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
+        if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
+            span = _span_of(order, sizes, "pp")
+            comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
+        rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=[x["n"] for x in mine], in_flight=held, memory=mem,
+                         fsdp_calls=calls,
+                         flops=flops, compute=compute, comm=comm, busy=compute + sum(comm.values())))
+    worst_mem = max(rows, key=lambda x: x["memory"].total)["memory"]
+    slow = max(rows, key=lambda x: x["busy"])
+    bubble = slow["busy"] * (pp - 1) / (m * v) if pp > 1 else 0.0
+    st = StepTime(slow["compute"], sum(slow["comm"].values()), bubble, dict(slow["comm"]))
+    peak = cluster.peak_flops or cluster.flops
+    busiest = max(x["flops"] for x in rows)
+    if st.total < busiest / peak * (1 - 1e-9):  # never a prediction below physics
+        raise RuntimeError(f"cost model: predicted step {st.total:.6g} s is shorter than the busiest rank's "
+                           f"{busiest:.4g} FLOPs at the peak {peak:.4g} FLOP/s ({busiest / peak:.6g} s); "
+                           "this is a bug in hyper_parallel.auto.cost, please report it with the plan")
+    return worst_mem, st, [x["n"] for x in stages], rows
+
+
+def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, order,
+               sizes, intra):
+    """Exposed seconds of FSDP's collectives on one rank. Without pp: all_gather (forward and again in
+    backward) and reduce_scatter per block, prefetch hiding all but the first behind compute. With pp: the
+    stage is gathered once per step and its gradients reduce-scattered once (no reshard after forward, as
+    torchtitan): the gathers beyond the first hide behind the first microbatch's forward, the reduce-scatters
+    behind the last one's backward. A calibrated CPU world (gloo on the cores that compute) overlaps nothing
+    and pays the measured per-unit host cost."""
+    g = ms.groups
+    dp = d["dp"]
+    pp = d["pp"]
+    spans = _spans(*(sizes[k] for k in ("pp", "dp", "fsdp", "cp", "tp")))
+    span = spans["fsdp"]
+    ct = cluster.collective_time
+    gathers = 1 if pp > 1 else 2
+    if shard in cluster.fsdp_unit:  # measured per-unit cost (hooks + latencies) + bandwidth
         bw_only = lambda kind, nb, n: ct(kind, nb, n, intra(span)) - cluster.comm_by_size.get((kind, n), (0.0,))[0]
-        t = (nblk + v) * cluster.fsdp_unit[shard]  # a fully_shard unit per block and per stage root
+        t = (sum(x["n"] for x in mine) + v) * cluster.fsdp_unit[shard]  # a unit per block and per stage root
         for x in mine:
             for k, cnt in x["kind_counts"].items():
                 dense = g.kind_dense_bytes[k] / tp / ms.act_item
@@ -369,35 +570,25 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
                             + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
                 if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
                     t += cnt * ct("all_reduce", (dense + expert) / shard * reduce_item, dp,
-                                  intra(_span(order, sizes, "dp")))
+                                  intra(spans["dp"]))
         if dp > 1:  # and the stage roots' gradients
-            t += v * ct("all_reduce", 1.0, dp, intra(_span(order, sizes, "dp")))
-        comm["fsdp"] = t  # gloo on the cores that compute: nothing overlaps
-    elif shard > 1:  # FSDP: all_gather fwd + bwd, reduce_scatter per block; prefetch hides all but the first
-        span = _span(order, sizes, "fsdp")
-        total = first = 0.0
-        for x in mine:
-            for k, cnt in x["kind_counts"].items():
-                dense = g.kind_dense_bytes[k] / tp / ms.act_item
-                expert = g.kind_expert_bytes[k] / (ep if ep > 1 else 1) / ms.act_item
-                one = (2 * ct("all_gather", dense * param_item, shard, intra(span))
-                       + ct("reduce_scatter", dense * reduce_item, shard, intra(span))
-                       + 2 * ct("all_gather", expert * param_item, expert_shard, intra(span))
-                       + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
-                total += cnt * one
-                first = first or one / 3
-                if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
-                    total += cnt * ct("all_reduce", (dense + expert) / shard * reduce_item, dp,
-                                      intra(_span(order, sizes, "dp")))
-        comm["fsdp"] = first + max(0.0, total - first - compute)
-    elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
-        span = _span(order, sizes, "dp") if dp > 1 else _span(order, sizes, "cp")
-        comm["dp"] = ct("all_reduce", worst_mem.params * reduce_item / ms.act_item, dp * cp, intra(span))
-    bubble = 0.0
+            t += v * ct("all_reduce", 1.0, dp, intra(spans["dp"]))
+        return t
+    ag = rs = first = 0.0
+    for x in mine:
+        for k, cnt in x["kind_counts"].items():
+            dense = g.kind_dense_bytes[k] / tp / ms.act_item
+            expert = g.kind_expert_bytes[k] / (ep if ep > 1 else 1) / ms.act_item
+            one_ag = (ct("all_gather", dense * param_item, shard, intra(span))
+                      + ct("all_gather", expert * param_item, expert_shard, intra(span)))
+            one_rs = (ct("reduce_scatter", dense * reduce_item, shard, intra(span))
+                      + ct("reduce_scatter", expert * reduce_item, expert_shard, intra(span)))
+            if dp > 1:  # HSDP: the sharded gradients all_reduce over the replicas
+                one_rs += ct("all_reduce", (dense + expert) / shard * reduce_item, dp, intra(spans["dp"]))
+            ag += cnt * gathers * one_ag
+            rs += cnt * one_rs
+            first = first or one_ag
     if pp > 1:
-        span = _span(order, sizes, "pp")
-        p2p = ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
-        comm["pp"] = 2 * (pp - 1) * p2p
-        bubble = (compute + sum(comm.values())) * (pp - 1) / (m * v)
-    st = StepTime(compute, sum(comm.values()), bubble, comm)
-    return worst_mem, st, [x["n"] for x in stages]
+        fwd_mb = compute / m / 3  # one microbatch's forward (about a third of its forward + backward)
+        return first + max(0.0, ag - first - fwd_mb) + max(0.0, rs - 2 * fwd_mb)
+    return first + max(0.0, ag + rs - first - compute)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -148,26 +148,4 @@ def state_bytes_per_stage(groups: ParamGroups, degrees: Dict[str, int], stages: 
             b += groups.bytes_of("last", tp, shard, ep, expert_shard)
             n += groups.n_tensors_last
         out.append((b, b, n_opt * b, n))
-    return out
-
-
-def split_layers(n_layers: int, pp: int, per_stage: Optional[List[int]] = None, *, input_weight: int = 1,
-                 output_weight: int = 1) -> List[List[int]]:
-    """Contiguous split of block indices over ``pp`` stages, as ``hyper_parallel.pipelining.plan_stages``
-    deals them (what ``Plan.apply`` runs): the embedding counts as ``input_weight`` layers of the first
-    stage and the head as ``output_weight`` of the last, the ``n_layers + weights`` layers are dealt out as
-    evenly as possible, earlier stages taking one more."""
-    if per_stage is None:
-        total = n_layers + input_weight + output_weight
-        base, extra = divmod(total, pp)
-        per_stage = [base + (1 if s < extra else 0) for s in range(pp)]
-        per_stage[0] -= input_weight
-        per_stage[-1] -= output_weight
-        if min(per_stage) < 0:  # fewer layers than stages can take: plain even split of the blocks
-            base, extra = divmod(n_layers, pp)
-            per_stage = [base + (1 if s < extra else 0) for s in range(pp)]
-    out, i = [], 0
-    for k in per_stage:
-        out.append(list(range(i, i + k)))
-        i += k
     return out

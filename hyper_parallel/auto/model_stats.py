@@ -104,6 +104,8 @@ class ModuleTrace:
     ops: int = 0                   # aten ops run while this module was the innermost one (forward)
     sac_bytes: int = 0             # outputs of matmuls and attention (what selective AC saves), forward
     tf_ops: int = 0                # torch-function calls (what a DTensor dispatches) in it, innermost (forward)
+    ew_bytes: int = 0              # bytes written by its non-matmul, non-view ops, innermost (forward)
+    sdpa_skipped: int = 0          # attention FLOPs a causal / sliding-window kernel skips (subtracted), innermost
 
 
 @dataclasses.dataclass
@@ -224,6 +226,7 @@ _METADATA = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "data
 
 def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     names = {m: n for n, m in meta.named_modules()}
+    mods_obj = {n: m for m, n in names.items()}
     for m in meta.modules():
         if is_grouped_experts(m):
             m.forward = _balanced_experts_forward(m)
@@ -251,11 +254,15 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     from hyper_parallel.auto.selective_ac import SAVE_OPS
 
     def on_out(func, out):  # what selective AC keeps: matmul outputs (attention's own are added by the spy)
-        if phase["bwd"] or phase["sdpa"] or func not in SAVE_OPS or not isinstance(out, torch.Tensor):
+        if phase["bwd"] or phase["sdpa"] or not isinstance(out, torch.Tensor):
             return
         owner = stack[-1] if stack else ""
-        if owner in mods:
+        if owner not in mods:
+            return
+        if func in SAVE_OPS:
             mods[owner].sac_bytes += out.numel() * out.element_size()
+        elif not getattr(func, "is_view", False):  # memory-bound op: writes its output (the cost model's HBM term)
+            mods[owner].ew_bytes += out.numel() * out.element_size()
 
     def pre(mod, args):
         n = names.get(mod)
@@ -308,18 +315,22 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
             if func is F.scaled_dot_product_attention and not phase["bwd"]:
                 q, k = args[0], args[1]
                 sdpa_shapes.append((tuple(q.shape), tuple(k.shape)))
+                # a causal / sliding-window kernel (flash) computes only the (query, key) pairs the mask keeps
+                b, h, s, d = q.shape
+                full = 4 * b * h * s * k.shape[-2] * d
+                done = int(full * _mask_fraction(s, k.shape[-2], kwargs, args, [mods_obj.get(n) for n in stack]))
+                if stack:
+                    mods[stack[-1]].sdpa_skipped += full - done
                 for anc in reversed(stack):
                     t = mods[anc]
                     if t.linear_order:
                         if t.sdpa_at is None:
                             t.sdpa_at = len(t.linear_order)
-                        b, h, s, d = q.shape
-                        t.sdpa_flops += 4 * b * h * s * k.shape[-2] * d
+                        t.sdpa_flops += done
                         break
                 # fused (flash / memory-efficient) attention, as real CPU and GPU runs use: it keeps q, k, v,
                 # the output and a float32 log-sum-exp [B, H, S] for backward, never the [S, S] scores
-                b, h, s, d = q.shape
-                extra_bwd[0] += 2 * 4 * b * h * s * k.shape[-2] * d  # dq, dk, dv (+ recomputed scores)
+                extra_bwd[0] += 2 * done  # dq, dk, dv (+ recomputed scores)
                 phase["sdpa"] = True
                 try:
                     with torch.no_grad():
@@ -361,10 +372,47 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     bwd_total = bwd_counter.get_total_flops() + extra_bwd[0]
     _assign_flops(mods, fwd_counter, "fwd_flops", meta)
     _assign_flops(mods, bwd_counter, "bwd_flops", meta)
+    skipped = 0
+    for f, t in list(mods.items()):  # the masked-out attention pairs: off the module and all its ancestors
+        if t.sdpa_skipped:
+            skipped += t.sdpa_skipped
+            for anc in list(_ancestors(f)) + [f]:
+                if anc in mods:
+                    mods[anc].fwd_flops -= t.sdpa_skipped
     saved = sum(t.saved_bytes for t in mods.values())
-    return Trace(batch, seq_len, mods, fwd_counter.get_total_flops(), bwd_total, saved,
+    return Trace(batch, seq_len, mods, fwd_counter.get_total_flops() - skipped, bwd_total, saved,
                  sdpa_shapes, {n: t.n_args for n, t in mods.items()}, linear_inputs, module_input_id,
                  n_ops["fwd"], n_ops["bwd"])
+
+
+def _mask_fraction(s_q: int, s_k: int, kwargs, args, stack_modules) -> float:
+    """Fraction of the ``s_q x s_k`` (query, key) pairs a fused kernel computes: 1 for full attention,
+    about 1/2 causal (``is_causal=True``, or a mask tensor in a module whose ``is_causal`` is True, as Hugging
+    Face's attention modules say), ``w / s_k`` for a sliding window of ``w`` (a ``sliding_window`` int on the
+    attention module, Hugging Face's convention)."""
+    causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+    window = None
+    for m in reversed(stack_modules):
+        if m is None:
+            continue
+        w = getattr(m, "sliding_window", None)
+        if isinstance(w, int) and not isinstance(w, bool) and w > 0:
+            window = w
+        if not causal and getattr(m, "is_causal", False) is True and (kwargs.get("attn_mask") is not None
+                                                                       or (len(args) > 3 and args[3] is not None)):
+            causal = True
+        if window or causal:
+            break
+    if not causal and window is None:
+        return 1.0
+    off = s_k - s_q  # queries are the last s_q positions of the keys
+    pairs = 0
+    w = window or s_k
+    # query i (0-based) sees keys max(0, i + off - w + 1) .. i + off: min(i + off + 1, w) of them
+    full_rows = max(0, min(s_q, w - off - 1))   # rows before the window is full: i + off + 1 < w
+    pairs += full_rows * (2 * (off + 1) + full_rows - 1) // 2  # off+1, off+2, ... keys
+    pairs += (s_q - full_rows) * w
+    return min(1.0, pairs / float(s_q * s_k))
 
 
 def _ancestors(fqn: str):

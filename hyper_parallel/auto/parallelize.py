@@ -102,35 +102,39 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     if cp > 1:
         _apply_cp(plan, model, info, mesh, mods)
     if plan.activation_checkpointing == "full":
-        for b, _ in blocks:
+        k = getattr(plan, "recompute_layers", None)
+        for b, _ in (blocks if k is None else blocks[:k]):  # Megatron's block method: the stage's first k
             blk = mods[b]
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     elif plan.activation_checkpointing == "selective":
         from hyper_parallel.auto.selective_ac import checkpoint_selective
         for b, _ in blocks:
             checkpoint_selective(mods[b])
+    # in a pipeline every microbatch would gather the parameters again: keep them gathered from the first
+    # forward to the last backward of the step, as torchtitan does (reshard_after_forward=False with pp)
+    keep = False if d["pp"] > 1 else None
     if ep > 1:
         from hyper_parallel.moe import ExpertParallel
         for f, r in roles_of.items():
             if r == "experts":
                 parallelize_module(mods[f], mesh["ep"], ExpertParallel(), src_data_rank=None)
-                hp.fully_shard(mods[f], mesh=mesh["efsdp"])
+                hp.fully_shard(mods[f], mesh=mesh["efsdp"], reshard_after_forward=keep)
                 # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
                 mods[f].set_gradient_divide_factor(d["fsdp"])
         for b, _ in blocks:
-            hp.fully_shard(mods[b], mesh=dense["fsdp"])
-        hp.fully_shard(model, mesh=dense["fsdp"])
+            hp.fully_shard(mods[b], mesh=dense["fsdp"], reshard_after_forward=keep)
+        hp.fully_shard(model, mesh=dense["fsdp"], reshard_after_forward=keep)
         return model
     fs = None
     if d["fsdp"] > 1:
         fs = ("dp", "fsdp") if d["dp"] > 1 else ("fsdp", "cp") if cp > 1 else ("fsdp",)
-    elif d["pp"] > 1 and cp > 1:  # a pipeline has no replicate: the gradients reduce over cp by FSDP over cp
-        fs = ("cp",)
+    elif d["pp"] > 1 and cp > 1:  # the gradients reduce over cp by FSDP over cp (HSDP with dp replicas)
+        fs = ("dp", "cp") if d["dp"] > 1 else ("cp",)
     if fs is not None:
-        fs_mesh = mesh[fs] if fs == ("dp", "fsdp") else _flat(plan, mesh, fs)
+        fs_mesh = mesh[fs] if fs in (("dp", "fsdp"), ("dp", "cp")) else _flat(plan, mesh, fs)
         for b, _ in blocks:
-            hp.fully_shard(mods[b], mesh=fs_mesh)
-        hp.fully_shard(model, mesh=fs_mesh)
+            hp.fully_shard(mods[b], mesh=fs_mesh, reshard_after_forward=keep)
+        hp.fully_shard(model, mesh=fs_mesh, reshard_after_forward=keep)
     elif d["dp"] > 1 or cp > 1:
         hp.replicate(model, _flat(plan, mesh, tuple(k for k in ("dp", "cp") if d[k] > 1)))
     return model

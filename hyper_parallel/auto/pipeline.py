@@ -57,7 +57,8 @@ def apply_pipeline(plan, model, info, mesh, *, loss_fn=None, stage_cls=None):
     tokens, hidden, logits = boundary_args(plan, info, model, plan.coordinates(torch.distributed.get_rank()),
                                            mesh["tp"] if plan.degrees["tp"] > 1 else None)
     parts = pp.split_into_stages(model, mesh["pp"], num_stages=n_stages, schedule=name, layers=info.blocks_path,
-                                 input_modules=inputs, output_modules=outputs)
+                                 input_modules=inputs, output_modules=outputs,
+                                 stage_layers=list(plan.layers_per_stage))  # the split the planner costed
     for _, m in parts:
         parallelize_part(plan, m, info, mesh)
     dev = torch.device(mesh.device_type)

@@ -63,6 +63,23 @@ class Plan:
     device_memory: int = 0
     fits: bool = True
     _model_info: object = dataclasses.field(default=None, repr=False, compare=False)
+    stages_per_rank: int = 1               # pipeline stages per rank (2+ for interleaved schedules)
+    per_rank: List[dict] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    model_flops: float = 0.0               # FLOPs of one step of the model (forward + backward, no recompute)
+    peak_flops: float = 0.0                # per device (the cluster's data-sheet peak)
+    recompute_layers: Optional[int] = None  # AC "full" on the first k blocks of every stage only (None: all)
+
+    @property
+    def state_max(self) -> int:
+        """params + grads + optimizer bytes of the rank holding the most of them (pipeline ranks differ; ``memory``
+        is the rank with the largest total)."""
+        return max((x["memory"].state for x in self.per_rank), default=self.memory.state)
+
+    @property
+    def mfu(self) -> float:
+        """Model-FLOPs utilisation: model FLOPs per step / (step time x world x peak FLOP/s)."""
+        t = self.step_time.total
+        return self.model_flops / (t * self.world_size * self.peak_flops) if t > 0 and self.peak_flops else 0.0
 
     # ------------------------------------------------------------------ reading
     def summary(self) -> str:
@@ -77,6 +94,8 @@ class Plan:
             s += f" cp:{self.cp_method}"
         if self.activation_checkpointing != "none":
             s += f" ac:{self.activation_checkpointing}"
+            if self.activation_checkpointing == "full" and self.recompute_layers is not None:
+                s += f"[{self.recompute_layers}/stage]"
         return s
 
     def explain(self) -> str:
@@ -101,6 +120,21 @@ class Plan:
         ]
         if t.comm_per_dim:
             lines.append("  exposed comm per dim  " + "  ".join(f"{k}={v * 1e3:.2f}ms" for k, v in t.comm_per_dim.items()))
+        if self.model_flops:
+            lines.append(f"  model FLOPs {self.model_flops:.4g} per step: "
+                         f"{self.model_flops / max(t.total, 1e-30) / self.world_size / 1e12:.4g} TFLOP/s per device, "
+                         f"MFU {self.mfu:.1%}")
+        if len(self.per_rank) > 1:
+            lines.append("  pipeline ranks (step time = the slowest rank's busy time + bubble; memory = the largest; "
+                         "a row stands for ranks alike, its first rank holds the most microbatches):")
+            lines.append("    ranks      stages      blocks        in-flight   memory        compute      comm")
+            for x in self.per_rank:
+                rs = x.get("ranks", [x["rank"]])
+                who = f"{rs[0]}" if len(rs) == 1 else f"{rs[0]}-{rs[-1]}" if rs == list(range(rs[0], rs[-1] + 1)) \
+                    else ",".join(map(str, rs))
+                lines.append(f"    {who:9s}  {','.join(map(str, x['stages'])):10s}  "
+                             f"{','.join(map(str, x['blocks'])):12s}  {x['in_flight']:9.2f}  "
+                             f"{x['memory'].total / div:8.2f} {unit}  " + ms(x["compute"]) + " " + ms(sum(x["comm"].values())))
         return "\n".join(lines)
 
     def __str__(self):

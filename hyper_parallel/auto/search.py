@@ -1,14 +1,17 @@
 """``plan()``: enumerate layouts, reject the invalid ones with a reason, score the rest, best first."""
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import time
+import weakref
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hyper_parallel.auto.cluster import Cluster
-from hyper_parallel.auto.cost import SCHEDULES, STAGES_PER_RANK, Candidate, evaluate, summarize
+from hyper_parallel.auto.cluster import MAX_MFU, Cluster
+from hyper_parallel.auto.cost import SCHEDULES, STAGES_PER_RANK, Candidate, evaluate, state_floor, summarize
 from hyper_parallel.auto.model_stats import trace_model
 from hyper_parallel.auto.plan import GiB, Plan
 from hyper_parallel.auto.roles import infer_roles
@@ -81,61 +84,69 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     if acs[0] not in AC_CHOICES:
         raise ValueError(f"plan(): activation_checkpointing={activation_checkpointing!r}; expected 'auto' or one "
                          f"of {AC_CHOICES}")
-    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
-    info = infer_roles(model, trace, roles)
-    ms = _summary(info, trace, model)
+    info, ms = _analyse(model, seq_len, example_input, loss, roles)
     item = ms.act_item
     p_item = _dtype_item(param_dtype, item)
     r_item = _dtype_item(reduce_dtype, p_item)
     W = cluster.world_size
     allowed = set(parallelisms)
+    scoring = copy.copy(cluster)  # the same cluster, its collective times memoised for this search
+    scoring.collective_time = functools.lru_cache(maxsize=None)(cluster.collective_time)
     rejections: List[Tuple[str, str]] = []
     scored: List[Plan] = []
     E = info.num_experts
     L = ms.n_layers
     divs = _divisors(W)
-    for tp, pp, cp in itertools.product(divs, divs, divs):
-        if W % (tp * pp * cp):
-            continue
-        rest = W // (tp * pp * cp)
-        for fsdp in _divisors(rest):
-            dp = rest // fsdp
-            for ep in (_divisors(fsdp) if (E and "ep" in allowed) else [1]):
-                d = {"dp": dp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
-                why = _check(d, info, cluster, global_batch, seq_len, allowed, L, E)
-                if why:
-                    rejections.append((_name(d), why))
-                    continue
-                sps = (False, True) if tp > 1 and "sp" in allowed else (False,)
-                scheds = SCHEDULES if pp > 1 else (None,)
-                cpms = ("ring", "ulysses") if cp > 1 else (None,)
-                b_local = global_batch // (dp * fsdp)
-                for sched in scheds:
-                    if sched and L < pp * STAGES_PER_RANK[sched]:
-                        rejections.append((_name(d, sched=sched, m="*"),
-                                           f"{L} layers < {pp * STAGES_PER_RANK[sched]} stages of schedule {sched}"))
+    for prune in (True, False):  # again without pruning only when nothing fits (to name the closest plan)
+        rejections, scored, pruned = [], [], 0
+        for tp, pp, cp in itertools.product(divs, divs, divs):
+            if W % (tp * pp * cp):
+                continue
+            rest = W // (tp * pp * cp)
+            for fsdp in _divisors(rest):
+                dp = rest // fsdp
+                for ep in (_divisors(fsdp) if (E and "ep" in allowed) else [1]):
+                    d = {"dp": dp, "fsdp": fsdp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+                    why = _check(d, info, cluster, global_batch, seq_len, allowed, L, E)
+                    if why:
+                        rejections.append((_name(d), why))
                         continue
-                    mbs = sorted({k for k in (pp, 2 * pp, 4 * pp, 8 * pp, b_local)
-                                  if k <= b_local and b_local % k == 0 and k >= pp}) if sched else [1]
-                    if sched and not mbs:
-                        rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
-                                           f"into >= pp={pp} microbatches"))
+                    floor = state_floor(ms, d, optimizer)
+                    if prune and floor > cluster.device_memory:  # none of these degrees' variants fits: skip them
+                        rejections.append((_name(d) + " (all variants)", f"parameters + gradients + optimizer alone need "
+                                           f">= {floor / GiB:.2f} GiB per rank > {cluster.device_memory / GiB:.2f} GiB"))
+                        pruned += 1
                         continue
-                    if sched == "interleaved1f1b":
-                        mbs = [k for k in mbs if k % pp == 0]
-                    for m, sp, ac, cpm in itertools.product(mbs, sps, acs, cpms):
-                        if cpm == "ulysses" and pp > 1:
-                            rejections.append((_name(d, sp, ac, sched, m, cpm), "cp with pp runs the ring method only"))
+                    sps = (False, True) if tp > 1 and "sp" in allowed else (False,)
+                    scheds = SCHEDULES if pp > 1 else (None,)
+                    cpms = ("ring", "ulysses") if cp > 1 else (None,)
+                    b_local = global_batch // (dp * fsdp)
+                    for sched in scheds:
+                        if sched and L < pp * STAGES_PER_RANK[sched]:
+                            rejections.append((_name(d, sched=sched, m="*"),
+                                               f"{L} layers < {pp * STAGES_PER_RANK[sched]} stages of schedule {sched}"))
                             continue
-                        if cpm == "ulysses" and info.n_heads % (tp * cp):
-                            rejections.append((_name(d, sp, ac, sched, m, cpm),
-                                               f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
+                        mbs = sorted({k for k in (pp, 2 * pp, 4 * pp, 8 * pp, b_local)
+                                      if k <= b_local and b_local % k == 0 and k >= pp}) if sched else [1]
+                        if sched and not mbs:
+                            rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
+                                               f"into >= pp={pp} microbatches"))
                             continue
-                        c = Candidate(d, sp, ac, sched, m, cpm)
-                        mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer,
-                                                param_item=p_item, reduce_item=r_item)
-                        scored.append(_make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype,
-                                                 reduce_dtype, info))
+                        if sched == "interleaved1f1b":
+                            mbs = [k for k in mbs if k % pp == 0]
+                        for m, sp, ac, cpm in itertools.product(mbs, sps, acs, cpms):
+                            if cpm == "ulysses" and pp > 1:
+                                rejections.append((_name(d, sp, ac, sched, m, cpm), "cp with pp runs the ring method only"))
+                                continue
+                            if cpm == "ulysses" and info.n_heads % (tp * cp):
+                                rejections.append((_name(d, sp, ac, sched, m, cpm),
+                                                   f"ulysses needs tp*cp={tp * cp} to divide n_heads={info.n_heads}"))
+                                continue
+                            c = Candidate(d, sp, ac, sched, m, cpm, STAGES_PER_RANK.get(sched, 1))
+                            scored.append(_score(ms, scoring, c, global_batch, optimizer, p_item, r_item, seq_len,
+                                                 param_dtype, reduce_dtype, info))
+        if not pruned or any(p.fits for p in scored):
+            break
     _LAST_REJECTIONS = rejections
     if not scored:
         relevant = [f"{name}: {why}" for name, why in rejections if "is not in parallelisms" not in why]
@@ -157,6 +168,15 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
         if not p.fits:
             rejections.append((p.summary(), f"needs {p.memory.total / GiB:.2f} GiB per rank > "
                                f"{cluster.device_memory / GiB:.2f} GiB"))
+    over = [p for p in fits if p.mfu > MAX_MFU] if cluster.peak_known else []
+    for p in over:  # beyond what any published run reaches: the cluster's rates are wrong, not the plan right
+        rejections.append((p.summary(), f"predicted {p.mfu:.0%} model-FLOPs utilisation > {MAX_MFU:.0%}: check the "
+                           "cluster's kernel rates (Cluster(flops=, attention_flops=, peak_flops=) or measure())"))
+    fits = [p for p in fits if all(p is not q for q in over)]
+    if not fits:
+        raise ValueError(f"plan(): every layout that fits is predicted above {MAX_MFU:.0%} model-FLOPs utilisation "
+                         f"(e.g. {over[0].summary()}: {over[0].mfu:.0%}); the cluster's kernel rates "
+                         f"(flops={cluster.flops:.3g}, peak_flops={cluster.peak_flops:.3g}) are not physical")
     fits.sort(key=lambda p: (p.step_time.total, p.memory.total))
     return fits[:top_k]
 
@@ -164,9 +184,16 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
 def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_batch: int, seq_len: int,
                   sequence_parallel: bool = False, activation_checkpointing: str = "none", pp_schedule: str = None,
                   microbatches: int = None, cp_method: str = None, optimizer: str = "adamw", param_dtype=None,
-                  reduce_dtype=None, roles=None, example_input=None, loss=None) -> Plan:
+                  reduce_dtype=None, roles=None, example_input=None, loss=None, stages_per_rank: int = None,
+                  stage_layers=None, first_stage_layers: int = None, last_stage_layers: int = None,
+                  recompute_layers: int = None) -> Plan:
     """The :class:`Plan` of one given layout (``degrees``: any of dp, fsdp, tp, pp, cp, ep; missing ones are 1),
-    with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model."""
+    with its predicted memory and step time; ``ValueError`` if the layout is invalid for the model.
+    ``stages_per_rank``: virtual stages per rank of ``interleaved1f1b`` (default 2); ``stage_layers``: the block
+    count of every stage (default: the balanced split, ``hyper_parallel.pipelining.balanced_stage_layers``), or
+    ``first_stage_layers`` / ``last_stage_layers`` (Megatron's control; the other stages balanced).
+    ``recompute_layers=k`` with ``activation_checkpointing="full"``: only the first k blocks of every stage (of
+    the model without pp) are checkpointed (Megatron's ``--recompute-method block --recompute-num-layers k``)."""
     d = {k: 1 for k in ("dp", "fsdp", "tp", "pp", "cp", "ep")}
     unknown = set(degrees) - set(d)
     if unknown:
@@ -175,9 +202,7 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     prod = d["dp"] * d["fsdp"] * d["tp"] * d["pp"] * d["cp"]
     if prod != cluster.world_size:
         raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
-    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
-    info = infer_roles(model, trace, roles)
-    ms = _summary(info, trace, model)
+    info, ms = _analyse(model, seq_len, example_input, loss, roles)
     why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
     if why:
         raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
@@ -186,12 +211,72 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
         microbatches = microbatches or d["pp"]
     if d["cp"] > 1:
         cp_method = cp_method or "ring"
+    if stages_per_rank is not None and (d["pp"] == 1 or pp_schedule != "interleaved1f1b") and stages_per_rank != 1:
+        raise ValueError(f"evaluate_plan: stages_per_rank={stages_per_rank} needs pp > 1 and pp_schedule="
+                         f"'interleaved1f1b', got pp={d['pp']}, pp_schedule={pp_schedule!r}")
+    v = (stages_per_rank or STAGES_PER_RANK.get(pp_schedule, 1)) if d["pp"] > 1 else 1
+    if d["pp"] > 1 and ms.n_layers < d["pp"] * v:
+        raise ValueError(f"evaluate_plan: {ms.n_layers} blocks < pp * stages_per_rank = {d['pp'] * v} stages")
+    if first_stage_layers is not None or last_stage_layers is not None:  # Megatron-style: the rest balanced
+        if stage_layers is not None or d["pp"] == 1:
+            raise ValueError("evaluate_plan: first_stage_layers / last_stage_layers need pp > 1 and no stage_layers")
+        from hyper_parallel.pipelining.split import balanced_stage_layers
+        w, first, last = ms.weights
+        stage_layers = balanced_stage_layers(w, d["pp"] * v, first_weight=first, last_weight=last,
+                                             first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+    if stage_layers is not None and (d["pp"] == 1 or len(stage_layers) != d["pp"] * v
+                                     or sum(stage_layers) != ms.n_layers):
+        raise ValueError(f"evaluate_plan: stage_layers={stage_layers!r} must give each of the pp * stages_per_rank = "
+                         f"{d['pp'] * v} stages its block count, {ms.n_layers} in all")
+    if recompute_layers is not None and (activation_checkpointing != "full" or isinstance(recompute_layers, bool)
+                                         or not isinstance(recompute_layers, int) or recompute_layers < 0):
+        raise ValueError(f"evaluate_plan: recompute_layers={recompute_layers!r} needs activation_checkpointing='full' "
+                         f"(got {activation_checkpointing!r}) and an int >= 0")
     c = Candidate(d, bool(sequence_parallel and d["tp"] > 1), activation_checkpointing, pp_schedule if d["pp"] > 1
-                  else None, microbatches or 1, cp_method if d["cp"] > 1 else None)
+                  else None, microbatches or 1, cp_method if d["cp"] > 1 else None, v,
+                  tuple(stage_layers) if stage_layers is not None else None, recompute_layers)
     p_item = _dtype_item(param_dtype, ms.act_item)
-    mem, st, lps = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
-                            reduce_item=_dtype_item(reduce_dtype, p_item))
-    return _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+    return _score(ms, cluster, c, global_batch, optimizer, p_item, _dtype_item(reduce_dtype, p_item), seq_len,
+                  param_dtype, reduce_dtype, info)
+
+
+def _score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len, param_dtype, reduce_dtype, info):
+    mem, st, lps, rows = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
+                                  reduce_item=r_item)
+    p = _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+    p.stages_per_rank = c.stages_per_rank if c.degrees["pp"] > 1 else 1
+    p.recompute_layers = c.recompute_layers
+    p.per_rank = rows
+    p.model_flops = global_batch * ms.fwd_per_sample * (1 + ms.bwd_ratio)
+    p.peak_flops = cluster.peak_flops or cluster.flops
+    return p
+
+
+_SESSION = weakref.WeakKeyDictionary()  # model -> {(seq_len, example_input, loss, roles): (signature, info, ms)}
+
+
+def _signature(model):
+    return tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()) + tuple(
+        (n, type(m).__name__) for n, m in model.named_modules())
+
+
+def _analyse(model, seq_len, example_input, loss, roles):
+    """(ModelInfo, ModelSummary) of ``model`` at ``seq_len``: traced once per model and arguments (a session of
+    ``plan`` / ``evaluate_plan`` calls reuses it while the model's parameters and modules are unchanged)."""
+    key = (seq_len, id(example_input), id(loss), tuple(sorted((roles or {}).items())))
+    sig = _signature(model)
+    try:
+        cache = _SESSION.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: no cache
+        cache = {}
+    hit = cache.get(key)
+    if hit is not None and hit[0] == sig and hit[3] is example_input and hit[4] is loss:
+        return hit[1], hit[2]
+    trace = trace_model(model, seq_len, example_input=example_input, loss=loss)
+    info = infer_roles(model, trace, roles)
+    ms = _summary(info, trace, model)
+    cache[key] = (sig, info, ms, example_input, loss)
+    return info, ms
 
 
 def _summary(info, trace, model):
@@ -229,10 +314,6 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
             return "ep with cp is not supported"
         if pp > 1 and tp > 1:
             return "ep with both pp and tp is not supported"
-    if pp > 1 and dp > 1:
-        return "pp with dp (replication) is not supported (pp composes with fsdp and tp)"
-    if pp > 1 and cp > 1 and tp > 1:
-        return "pp with both cp and tp is not supported"
     if cp > 1 and dp > 1 and fsdp > 1:
         return "cp with HSDP (dp > 1 and fsdp > 1) is not supported"
     return None

@@ -64,6 +64,13 @@ def selective_per_sample(ms, stages, tp, sp_div, cp, hidden):
     """Activation bytes per sample of a rank's ``stages`` (``cost._stages`` entries) under selective AC: each
     block keeps its input (``hidden`` bytes per sample, already divided by cp; split by sp) and the saved op
     outputs; backward re-materializes one block at a time (the largest block's activations less what it saved)."""
+    kept, working = selective_parts(ms, stages, tp, sp_div, cp, hidden)
+    return kept + working
+
+
+def selective_parts(ms, stages, tp, sp_div, cp, hidden):
+    """(bytes per sample kept per in-flight microbatch, bytes per sample of the one block backward
+    re-materializes at a time) under selective AC (see :func:`selective_per_sample`)."""
     sac = ms.__dict__.get("blk_sac")
     if sac is None:
         raise ValueError("selective activation checkpointing: the model summary has no selective-AC trace "
@@ -77,4 +84,4 @@ def selective_per_sample(ms, stages, tp, sp_div, cp, hidden):
             # backward re-materializes block i's other activations next to its saved outputs (reused, not copied)
             full = (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
             biggest = max(biggest, full - saved)
-    return total + biggest
+    return total, biggest

@@ -17,6 +17,7 @@ carry the plan out are ``param.py``, ``param_group.py`` and ``state.py`` of this
 from __future__ import annotations
 
 from hyper_parallel.fsdp import state
+from hyper_parallel.fsdp.ddp import set_requires_gradient_sync as set_replicate_gradient_sync  # noqa: F401
 from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.distributed import groups
 import torch

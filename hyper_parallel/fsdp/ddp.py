@@ -41,11 +41,21 @@ def replicate(module, device_mesh: DeviceMesh):
         seen.add(id(p))
         local = p._local_tensor if isinstance(p, DTensor) else p
 
-        def hook(t, group=group):
-            deferred.defer_average(t, group)
+        def hook(t, group=group, module=module):
+            if module.__dict__.get("_hp_grad_sync", True):  # off: accumulate locally (pipeline microbatches)
+                deferred.defer_average(t, group)
         local.register_post_accumulate_grad_hook(hook)
     module._hp_replicated = True
     return module
+
+
+def set_requires_gradient_sync(module, requires_gradient_sync: bool) -> None:
+    """Whether the next backward averages ``module``'s gradients over its ``replicate`` mesh (default True).
+    Off, gradients accumulate locally (gradient accumulation; a pipeline stage's microbatches before the
+    last): the backward that runs with it on averages the accumulated sum once, like DDP's ``no_sync``."""
+    if not getattr(module, "_hp_replicated", False):
+        raise ValueError(f"set_requires_gradient_sync: {type(module).__name__} was not given to replicate()")
+    module.__dict__["_hp_grad_sync"] = bool(requires_gradient_sync)
 
 
 data_parallel = replicate

@@ -37,7 +37,8 @@ Design (one screen)
 
 Status and what is left: ``docs/pipelining.md``.
 """
-from hyper_parallel.pipelining.split import plan_stages, split_into_stages, stage_ids_on_rank, stage_module
+from hyper_parallel.pipelining.split import (balanced_stage_layers, plan_stages, split_into_stages,
+                                             stage_ids_on_rank, stage_module, stage_weights)
 from hyper_parallel.pipelining.clip import clip_grad_norm_, get_total_norm
 from hyper_parallel.pipelining.stage import HeteroPipelineStage, PipelineStage
 from hyper_parallel.pipelining.schedules import (
@@ -49,7 +50,7 @@ from torch.distributed.pipelining import microbatch
 __all__ = [
     "PipelineStage", "HeteroPipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-    "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages", "stage_module",
+    "ScheduleDualPipeV", "get_schedule_class", "microbatch", "split_into_stages", "plan_stages", "balanced_stage_layers", "stage_weights", "stage_module",
     "stage_ids_on_rank",
 ]
 __all__ += ["clip_grad_norm_", "get_total_norm"]

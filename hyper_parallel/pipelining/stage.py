@@ -34,7 +34,7 @@ from torch.distributed.pipelining._utils import InferenceMode, _StageForwardMeta
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dtensor.dtensor import DTensor
-from hyper_parallel.fsdp.api import FSDPModule
+from hyper_parallel.fsdp.api import FSDPModule, set_replicate_gradient_sync
 
 __all__ = ["PipelineStage", "HeteroPipelineStage", "BoundaryLayout"]
 
@@ -436,6 +436,8 @@ class PipelineStage(_TorchPipelineStage):
             m.set_is_last_backward(last_backward)
             m.set_requires_gradient_sync(last_backward)
             m.set_reshard_after_backward(last_backward)
+        if getattr(self.submod, "_hp_replicated", False):  # replicate(): average once, on the last backward
+            set_replicate_gradient_sync(self.submod, last_backward)
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         # The zero-bubble weight pass (torch's stage_backward_weight) finds each parameter's gradient

@@ -107,7 +107,7 @@ def _body(case):
     l /= world
     grads = {k: _full(p.grad) for k, p in model.named_parameters()}
     params = {k: _full(p.detach()) for k, p in model.named_parameters()}
-    return dict(predicted=plan.memory.state, measured=int(measured.item()), loss=l.item(),
+    return dict(predicted=plan.state_max, measured=int(measured.item()), loss=l.item(),
                 grads=grads if rank == 0 else None, params=params if rank == 0 else None)
 
 
@@ -136,19 +136,29 @@ PP_LAYOUTS = [  # (config, degrees, schedule, microbatches, sp, ac)
     ("moe-tiny", {"pp": 2, "fsdp": 2, "ep": 2}, "gpipe", 2, False, "none"),
     ("demo", {"pp": 4}, "gpipe", 4, False, "none"),
     ("tiny", {"pp": 2, "tp": 2}, "1f1b", 2, True, "selective"),
+    # data parallelism by replication with a pipeline (Megatron's layout): one gradient all_reduce per step
+    ("tiny", {"pp": 2, "dp": 2}, "1f1b", 4, False, "none"), ("demo", {"pp": 2, "dp": 2}, "gpipe", 2, False, "full"),
+    # Megatron's block recompute: only the first block of every stage checkpointed
+    ("demo", {"pp": 2, "fsdp": 2}, "1f1b", 2, False, "full:1"),
 ]
 
 
-def _pp_body(case):
+PP8_LAYOUTS = [  # on 8 ranks: tp x cp x pp (Llama 3's long-context layout)
+    ("tiny", {"pp": 2, "cp": 2, "tp": 2}, "1f1b", 2, True, "none"),
+]
+
+
+def _pp_body(case, layouts="PP_LAYOUTS"):
     from hyper_parallel.auto import Cluster, evaluate_plan
     from hyper_parallel.pipelining import clip_grad_norm_  # noqa: F401  (the schedule's companion)
-    name, degrees, sched, m, sp, ac = PP_LAYOUTS[case]
+    name, degrees, sched, m, sp, ac = globals()[layouts][case]
     cfg = _config(name)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = cfg.build()
     plan = evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=cfg.global_batch,
                          seq_len=cfg.seq_len, pp_schedule=sched, microbatches=m, sequence_parallel=sp,
-                         activation_checkpointing=ac)
+                         activation_checkpointing=ac.split(":")[0],
+                         recompute_layers=int(ac.split(":")[1]) if ":" in ac else None)
     schedule = plan.apply(model)
     x, y = plan.shard_batch(*_batch(cfg))
     losses = []
@@ -164,7 +174,7 @@ def _pp_body(case):
     dist.all_reduce(loss)
     out = {k: _full(p.detach()) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
     grads = {k: _full(p.grad) for mod in schedule.stage_modules for k, p in mod.named_parameters()}
-    return dict(loss=loss.item() / (world // plan.degrees["pp"]), params=out, grads=grads, predicted=plan.memory.state,
+    return dict(loss=loss.item() / (world // plan.degrees["pp"]), params=out, grads=grads, predicted=plan.state_max,
                 measured=int(measured.item()))
 
 
@@ -172,8 +182,16 @@ def _pp_body(case):
                          ids=[f"{c}-{'x'.join(f'{k}{v}' for k, v in d.items())}-{s}-m{m}{'-sp' if sp else ''}-ac{ac}"
                               for c, d, s, m, sp, ac in PP_LAYOUTS])
 def test_apply_pipeline_returns_a_schedule_with_parity(dist_runner, case):
-    out = dist_runner.run(4, _pp_body, case)
-    ref_loss, ref_grads, ref_params = _reference(_config(PP_LAYOUTS[case][0]))
+    _check_pp(dist_runner.run(4, _pp_body, case), PP_LAYOUTS[case][0])
+
+
+@pytest.mark.parametrize("case", range(len(PP8_LAYOUTS)))
+def test_apply_pipeline_tp_cp_pp_on_8_ranks(dist_runner, case):
+    _check_pp(dist_runner.run(8, _pp_body, case, "PP8_LAYOUTS"), PP8_LAYOUTS[case][0])
+
+
+def _check_pp(out, name):
+    ref_loss, ref_grads, ref_params = _reference(_config(name))
     assert abs(out[0]["loss"] - ref_loss) < 1e-10, (out[0]["loss"], ref_loss)
     assert out[0]["predicted"] == out[0]["measured"]  # exact for these balanced stage splits too
     seen = set()

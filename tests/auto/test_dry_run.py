@@ -69,7 +69,7 @@ def test_dry_run_matches_real_ranks(dist_runner, case):
             assert rep.collectives == got.collectives  # same kinds, bytes and group sizes, in issue order
         assert rep.state_bytes == got.state_bytes
         assert abs(rep.peak_memory - got.peak_memory) <= 0.05 * got.peak_memory, (rep.peak_memory, got.peak_memory)
-    assert max(r.state_bytes for r in fake.ranks.values()) == plan.memory.state
+    assert max(r.state_bytes for r in fake.ranks.values()) == plan.state_max
 
 
 def test_dry_run_bad_arguments():

@@ -44,7 +44,8 @@ def test_cluster_memory_strings_and_presets():
     assert Cluster(8, 8, "512 MiB").device_memory == 512 * 2**20
     h = Cluster.preset("h100", 16)
     assert h.world_size == 16 and h.devices_per_node == 8 and h.device_memory == 80 * GiB
-    assert h.flops == pytest.approx(989e12 * 0.45) and h.intra_node_bw > h.inter_node_bw
+    assert h.peak_flops == 989e12 and h.flops == pytest.approx(989e12 * 0.70) and h.intra_node_bw > h.inter_node_bw
+    assert h.attention_flops < h.flops and h.hbm_bw > 0
     with pytest.raises(ValueError, match="device_memory='80 parsecs'"):
         Cluster(8, 8, "80 parsecs")
     with pytest.raises(ValueError, match="world_size"):

@@ -7,8 +7,8 @@ Hugging Face ``transformers`` models alike (no import of transformers: duck typi
   Face's ``*ForCausalLM``) also gets ``labels=`` (the token ids), so it computes its own loss as in training,
   and ``use_cache=False`` where ``forward`` takes it (training keeps no KV cache).
 * **Output.** ``loss(output)`` when given. Otherwise: an output with a tensor ``.loss`` / ``["loss"]``
-  (Hugging Face ``ModelOutput``) is the loss; else ``.logits`` / ``["logits"]``, a tuple's first element or
-  the output itself is the logits: next-token cross-entropy for ``[batch, seq, vocab]`` floats, the mean
+  (Hugging Face ``ModelOutput``) is the loss; else ``.logits`` / ``["logits"]``, a dict's first tensor, a
+  tuple's first element or the output itself is the logits: next-token cross-entropy for ``[batch, seq, vocab]`` floats, the mean
   otherwise.
 * **Attention kernel.** A Hugging Face model traced with another attention implementation ("eager", flash,
   flex) is switched to "sdpa" on the meta copy: the planner reads attention from
@@ -71,11 +71,18 @@ def _field(out: Any, name: str):
 def loss_of(out: Any, loss: Optional[Callable] = None) -> torch.Tensor:
     """The scalar to differentiate in the trace (see the module docstring)."""
     if loss is not None:
-        return loss(out[0] if isinstance(out, (tuple, list)) else out)
+        val = loss(out[0] if isinstance(out, (tuple, list)) else out)
+        if not isinstance(val, torch.Tensor) or val.numel() != 1:
+            raise TypeError(f"plan(): loss(output) returned {type(val).__name__}"
+                            + (f" of shape {tuple(val.shape)}" if isinstance(val, torch.Tensor) else "")
+                            + "; expected a scalar tensor (pass loss=callable(output) -> scalar tensor)")
+        return val
     given = _field(out, "loss")
     if given is not None:
         return given
     logits = _field(out, "logits")
+    if logits is None and isinstance(out, dict):  # another ModelOutput (e.g. last_hidden_state): its first tensor
+        logits = next((v for v in out.values() if isinstance(v, torch.Tensor)), None)
     if logits is None:
         logits = out[0] if isinstance(out, (tuple, list)) and out else out
     if not isinstance(logits, torch.Tensor):

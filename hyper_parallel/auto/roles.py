@@ -134,6 +134,11 @@ def _user_roles(roles: Optional[Dict[str, str]], mods: Dict[str, nn.Module]) -> 
     return out
 
 
+def _holds_experts(m: nn.Module) -> bool:
+    own = list(m.parameters(recurse=False))
+    return bool(own) and all(p.dim() >= 2 for p in own) and len({p.shape[0] for p in own}) == 1
+
+
 def _pattern(name: str, block_names: List[str]) -> str:
     """``name`` with its block index as ``*`` (the override then covers every block)."""
     for b in block_names:
@@ -160,6 +165,10 @@ def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] 
     for name, m in mods.items():
         if not name or not (user.get(name) == "experts" or (name not in covered and is_grouped_experts(m))):
             continue
+        if name in user and not _holds_experts(m):
+            raise ValueError(f"roles: {name!r} ({type(m).__name__}) tagged 'experts' must hold every expert's weights "
+                             "as direct [E, ...] parameters with one leading E (the grouped-experts layout); tag its "
+                             "parts with other roles instead")
         mrole[name] = "experts"
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         moes.append(parent)
@@ -285,8 +294,9 @@ def _sizes(mods, mrole, trace):
     vocab = emb[0].num_embeddings if emb else (out[0].out_features if out else 1)
     first = (wq or qkv or by_role("attention_q_a"))
     dim = emb[0].embedding_dim if emb else (first[0].in_features if first else 1)
+    # 0 without a dense MLP (every block MoE): grouped experts stay whole over tp, nothing for tp to divide
     ffn = max([lin.out_features for lin in by_role("mlp_up") + by_role("mlp_gate")]
-              + [lin.out_features // 2 for lin in by_role("mlp_gate_up")], default=1)
+              + [lin.out_features // 2 for lin in by_role("mlp_gate_up")], default=0)
     return n_heads, n_kv, head_dim, dim, vocab, ffn
 
 

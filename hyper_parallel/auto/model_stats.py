@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from hyper_parallel.auto.expert_modules import balanced_experts_forward, is_grouped_experts  # noqa: F401 (re-export)
+from hyper_parallel.auto.expert_modules import balanced_experts_forward, is_grouped_experts
 from hyper_parallel.auto.model_call import call_model, loss_of, use_sdpa
 
 

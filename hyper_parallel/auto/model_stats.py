@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from hyper_parallel.auto.eager_attention import EagerAttentionSpy
 from hyper_parallel.auto.expert_modules import balanced_experts_forward, is_grouped_experts
 from hyper_parallel.auto.model_call import call_model, loss_of, use_sdpa
 
@@ -313,12 +314,23 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
                 return _FusedAttention.apply(out, args[0], args[1], args[2])
             return func(*args, **kwargs)
 
+    def on_eager_scores(q_shape, k_shape):  # eager attention (eager_attention): the first q @ k^T of a module
+        for anc in reversed(stack):
+            t = mods[anc]
+            if t.linear_order:
+                if t.sdpa_at is None:
+                    t.sdpa_at = len(t.linear_order)
+                    sdpa_shapes.append((q_shape, k_shape))
+                    b, h, s, d = q_shape
+                    t.sdpa_flops += 4 * b * h * s * k_shape[-2] * d
+                return
+
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
         fwd_counter = FlopCounterMode(display=False)
         with _MetaDataDependent(on_op, on_out), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                _SdpaSpy():
+                _SdpaSpy(), EagerAttentionSpy(on_eager_scores, lambda: not phase["bwd"] and not phase["sdpa"]):
             lval = loss_of(call_model(meta, batch, seq_len, example_input), loss)
         phase["bwd"] = True
         bwd_counter = FlopCounterMode(display=False)

@@ -115,23 +115,28 @@ def _ancestors(fqn: str):
         yield fqn
 
 
-def _user_roles(roles: Optional[Dict[str, str]], mods: Dict[str, nn.Module]) -> Dict[str, str]:
-    """``roles=`` with patterns expanded to module names; bad keys and roles raise ``ValueError``."""
-    out: Dict[str, str] = {}
+def _user_roles(roles: Optional[Dict[str, str]], mods: Dict[str, nn.Module], param_names: List[str]):
+    """``roles=`` with patterns expanded: ({module: role}, {parameter: role}); bad keys and roles raise."""
+    by_module: Dict[str, str] = {}
+    by_param: Dict[str, str] = {}
     for key, role in (roles or {}).items():
         if role not in ROLES:
             raise ValueError(f"roles={{{key!r}: {role!r}}}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
         if "*" in key:
             rx = re.compile("".join("[^.]*" if ch == "*" else re.escape(ch) for ch in key) + r"\Z")
             hits = [n for n in mods if n and rx.match(n)]
+            target = by_module
+            if not hits:
+                hits, target = [n for n in param_names if rx.match(n)], by_param
         else:
-            hits = [key] if key in mods else []
+            hits, target = ([key], by_module) if key in mods else ([key], by_param) if key in param_names else ([], None)
         if not hits:
-            raise ValueError(f"roles: the model has no module {key!r} (expected a name from model.named_modules(), "
-                             "or a pattern with '*' for one dotted name component, e.g. 'model.layers.*.mlp')")
-        for n in hits:
-            out.setdefault(n, role) if "*" in key else out.__setitem__(n, role)
-    return out
+            raise ValueError(f"roles: the model has no module {key!r} (expected a name from model.named_modules() or "
+                             "model.named_parameters(), or a pattern with '*' for one dotted name component, e.g. "
+                             "'model.layers.*.mlp')")
+        for n in hits:  # an exact name beats a pattern
+            target.setdefault(n, role) if "*" in key else target.__setitem__(n, role)
+    return by_module, by_param
 
 
 def _holds_experts(m: nn.Module) -> bool:
@@ -150,7 +155,7 @@ def _pattern(name: str, block_names: List[str]) -> str:
 
 def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] = None) -> ModelInfo:
     mods = dict(model.named_modules())
-    user = _user_roles(roles, mods)
+    user, user_params = _user_roles(roles, mods, [n for n, _ in model.named_parameters(remove_duplicate=False)])
     covered = {n for n in mods if n in user or any(a in user for a in _ancestors(n))}
     blocks = find_blocks(model)
     if blocks is None:
@@ -224,6 +229,8 @@ def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] 
             continue
         if any(a in mrole for a in _ancestors(name)):
             continue  # inside a tagged module (the experts' activation, a router's parts)
+        if all((f"{name}.{a}" if name else a) in user_params for a, _ in m.named_parameters(recurse=False)):
+            continue  # the user tagged each of its own parameters
         if isinstance(m, nn.Embedding):
             mrole[name] = "embedding"
         elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or (not list(m.children()) and all(p.dim() == 1 for p in own)):
@@ -232,25 +239,33 @@ def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] 
         elif isinstance(m, nn.Linear) and not in_block(name):
             mrole[name] = "output"
         else:
-            raise ValueError(
-                f"plan(): cannot tell the role of module {name!r} ({type(m).__name__}, parameters "
-                f"{[n for n, _ in m.named_parameters(recurse=False)]}); pass roles={{{name!r}: ROLE}}"
-                + (f" (roles={{{_pattern(name, block_names)!r}: ROLE}} for every block)"
-                   if _pattern(name, block_names) != name else "")
-                + f" with ROLE one of {', '.join(ROLES)} (e.g. 'replicate': replicated over tp, sharded by fsdp)")
+            raise ValueError(_unknown_module_message(name, m, block_names))
     mrole.update(user)
     norms = sorted(set(norms) | {k for k, v in user.items() if v == "norm"})
     attention = sorted(set(attention) | {a for lin, r in user.items() if r in ATTENTION_ROLES
                                          for a in [lin.rsplit(".", 1)[0]] if a in trace.modules
                                          and trace.modules[a].sdpa_at is not None})
-    params = _params(mods, mrole, block_names, moes)
+    params = _params(mods, mrole, block_names, moes, user_params)
     return ModelInfo(params, blocks_path, block_names,
                      [any(m == b or m.startswith(b + ".") for m in moes) for b in block_names], mrole, attention, mlps,
                      sorted(set(moes)), norms, *_sizes(mods, mrole, trace), n_exp, top_k or 1, hidden,
                      dict(trace.input_arg_counts))
 
 
-def _params(mods, mrole, block_names, moes) -> List[ParamInfo]:
+def _unknown_module_message(name: str, m: nn.Module, block_names: List[str]) -> str:
+    own = [a for a, _ in m.named_parameters(recurse=False)]
+    head = f"plan(): cannot tell the role of module {name!r} ({type(m).__name__}, parameters {own}); "
+    tail = f" with ROLE one of {', '.join(ROLES)} (e.g. 'replicate': replicated over tp, sharded by fsdp)"
+    if any(True for c in m.children() for _ in c.parameters()):  # its children have roles: tag its own parameters
+        keys = ", ".join(f"{_pattern(f'{name}.{a}' if name else a, block_names)!r}: ROLE" for a in own)
+        return (head + f"pass roles={{{keys}}} for its own parameters (a key naming the module would set the "
+                "role of its whole subtree)" + tail)
+    pattern = _pattern(name, block_names)
+    return (head + f"pass roles={{{name!r}: ROLE}}"
+            + (f" (roles={{{pattern!r}: ROLE}} for every block)" if pattern != name else "") + tail)
+
+
+def _params(mods, mrole, block_names, moes, user_params) -> List[ParamInfo]:
     block_index = {b: i for i, b in enumerate(block_names)}
     moe_set = set(moes)
     params, seen = [], set()
@@ -267,10 +282,11 @@ def _params(mods, mrole, block_names, moes) -> List[ParamInfo]:
                 continue  # tied: counted once, under its first owner
             seen.add(id(p))
             fqn = f"{mname}.{attr}" if mname else attr
-            if role is None:
-                raise ValueError(f"plan(): parameter {fqn!r} has no role; pass roles={{{mname!r}: ROLE}}")
-            params.append(ParamInfo(fqn, mname, attr, tuple(p.shape), p.dtype, role, blk,
-                                    in_moe and role in MLP_ROLES))
+            p_role = user_params.get(fqn, role)
+            if p_role is None:
+                raise ValueError(f"plan(): parameter {fqn!r} has no role; pass roles={{{fqn!r}: ROLE}}")
+            params.append(ParamInfo(fqn, mname, attr, tuple(p.shape), p.dtype, p_role, blk,
+                                    in_moe and p_role in MLP_ROLES))
     return params
 
 

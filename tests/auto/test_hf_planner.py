@@ -249,7 +249,46 @@ def test_fused_qkv_and_gate_up_projections_recognised():
     assert qkv.role == "attention_qkv" and p.memory.params > 0
 
 
+def _hf_tiny(cls_name, **kw):
+    import transformers
+    base = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, num_hidden_layers=2, intermediate_size=96, pad_token_id=0)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**dict(base, **kw)))
+
+
+def test_hf_fused_qkv_and_gate_up_phi3():
+    r = _in_last_block(_info(_hf_tiny("Phi3Config")))
+    assert (r["self_attn.qkv_proj"], r["mlp.gate_up_proj"], r["mlp.down_proj"]) == ("attention_qkv", "mlp_gate_up",
+                                                                                    "mlp_down")
+
+
+def test_eager_attention_recognised():
+    """Gemma-2 has no sdpa path in transformers (soft-capping): its attention is found from q @ k^T."""
+    model = _hf_tiny("Gemma2Config")
+    assert model.config._attn_implementation == "eager"
+    info = _info(model)
+    r = _in_last_block(info)
+    assert [r[f"self_attn.{p}_proj"] for p in "qkvo"] == ["attention_q", "attention_k", "attention_v", "attention_o"]
+    assert (info.n_heads, info.n_kv_heads, info.head_dim) == (4, 2, 16)
+    assert any(p.degrees["tp"] > 1 for p in _small_plan(model, top_k=10_000))
+
+
 # ------------------------------------------------------------------ roles= overrides and error advice
+
+def test_parameter_owned_by_attention_error_advice_works_when_followed():
+    """GPT-OSS's attention owns its sinks directly (its children are the recognised projections)."""
+    model = _hf_tiny("GptOssConfig", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' \(GptOssAttention") as err:
+        _small_plan(model)
+    roles = _advised_roles(str(err.value), lambda k: "replicate")
+    assert roles == {"model.layers.*.self_attn.sinks": "replicate"}
+    info = _info(model, roles)
+    role = {p.fqn: p.role for p in info.params}
+    assert role["model.layers.1.self_attn.sinks"] == "replicate"
+    assert role["model.layers.1.self_attn.q_proj.weight"] == "attention_q" and info.num_experts == 4
+    assert any(p.degrees["ep"] > 1 for p in _small_plan(model, roles=roles, top_k=10_000))
+
 
 def _advised_roles(message: str, role_for) -> dict:
     """The ``roles={...}`` dict an error message advises, with each ROLE placeholder filled by ``role_for(key)``."""

@@ -76,13 +76,15 @@ def build(name: str, tiny: bool = False, device: str = "meta", dtype=torch.bfloa
 def main():
     from hyper_parallel.auto import Cluster, plan
     for name in REAL:
-        t0 = time.perf_counter()
         model = build(name)
-        t1 = time.perf_counter()
-        plans = plan(model, Cluster.preset("h100", 256),
-                     global_batch=512, seq_len=4096)
-        t2 = time.perf_counter()
-        print(f"{name:14s} build {t1 - t0:5.2f} s  plan {t2 - t1:5.2f} s  top: {plans[0].summary()}")
+        t0 = time.perf_counter()
+        plans = plan(model, Cluster.preset("h100", 256), global_batch=512, seq_len=4096, top_k=10**6)
+        took = time.perf_counter() - t0
+        info = plans[0]._model_info
+        n_ep = sum(1 for p in plans if p.degrees["ep"] > 1)
+        print(f"{name:14s} plan() {took:5.2f} s  {sum(p.numel() for p in model.parameters()) / 1e9:6.1f} B params  "
+              f"experts {info.num_experts:3d} top-{info.top_k}  fitting plans {len(plans):5d} (ep > 1: {n_ep:4d})  "
+              f"top: {plans[0].summary()}")
 
 
 if __name__ == "__main__":

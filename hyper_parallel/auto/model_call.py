@@ -45,6 +45,7 @@ def use_sdpa(meta: nn.Module) -> None:
 
 def call_model(meta: nn.Module, batch: int, seq_len: int, example_input: Optional[Callable] = None) -> Any:
     """Run ``meta``'s forward on the trace's input (see the module docstring)."""
+    use_sdpa(meta)
     if example_input is not None:
         x = example_input(batch, seq_len)
         if isinstance(x, dict):

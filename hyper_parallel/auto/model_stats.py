@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hyper_parallel.auto.eager_attention import EagerAttentionSpy
-from hyper_parallel.auto.expert_modules import balanced_experts_forward, is_grouped_experts
-from hyper_parallel.auto.model_call import call_model, loss_of, use_sdpa
+from hyper_parallel.auto.expert_modules import balanced_experts_forward as _balanced_experts_forward
+from hyper_parallel.auto.expert_modules import is_grouped_experts
+from hyper_parallel.auto.model_call import call_model, loss_of
 
 
 class _MetaDataDependent(TorchDispatchMode):
@@ -208,8 +209,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     names = {m: n for n, m in meta.named_modules()}
     for m in meta.modules():
         if is_grouped_experts(m):
-            m.forward = balanced_experts_forward(m)
-    use_sdpa(meta)
+            m.forward = _balanced_experts_forward(m)
     mods = {n: ModuleTrace(n, type(m).__name__) for m, n in names.items()}
     stack: List[str] = []
     param_storages = {p.untyped_storage()._cdata for p in meta.parameters()}

@@ -117,6 +117,7 @@ def _ancestors(fqn: str):
 
 def _user_roles(roles: Optional[Dict[str, str]], mods: Dict[str, nn.Module], param_names: List[str]):
     """``roles=`` with patterns expanded: ({module: role}, {parameter: role}); bad keys and roles raise."""
+    param_set = set(param_names)
     by_module: Dict[str, str] = {}
     by_param: Dict[str, str] = {}
     for key, role in (roles or {}).items():
@@ -129,7 +130,7 @@ def _user_roles(roles: Optional[Dict[str, str]], mods: Dict[str, nn.Module], par
             if not hits:
                 hits, target = [n for n in param_names if rx.match(n)], by_param
         else:
-            hits, target = ([key], by_module) if key in mods else ([key], by_param) if key in param_names else ([], None)
+            hits, target = ([key], by_module) if key in mods else ([key], by_param) if key in param_set else ([], None)
         if not hits:
             raise ValueError(f"roles: the model has no module {key!r} (expected a name from model.named_modules() or "
                              "model.named_parameters(), or a pattern with '*' for one dotted name component, e.g. "
@@ -148,7 +149,7 @@ def _pattern(name: str, block_names: List[str]) -> str:
     """``name`` with its block index as ``*`` (the override then covers every block)."""
     for b in block_names:
         if name == b or name.startswith(b + "."):
-            head, _, idx = b.rpartition(".")
+            head = b.rpartition(".")[0]
             return (f"{head}.*" if head else "*") + name[len(b):]
     return name
 

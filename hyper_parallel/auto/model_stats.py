@@ -149,12 +149,13 @@ def find_blocks(model: nn.Module):
 
 def _reduced_meta_copy(model, path, keep):
     container = model.get_submodule(path)
+    memo = {}  # one memo: objects the blocks share with the rest (a Hugging Face config) stay shared in the copy
     if isinstance(container, nn.ModuleDict):
-        reduced = nn.ModuleDict({n: c for n, c in container.named_children() if n in keep})
+        reduced = nn.ModuleDict({n: copy.deepcopy(c, memo) for n, c in container.named_children() if n in keep})
     else:
-        reduced = nn.ModuleList([c for n, c in container.named_children() if n in keep])
-    reduced = copy.deepcopy(reduced).to("meta")
-    return copy.deepcopy(model, memo={id(container): reduced}).to("meta")
+        reduced = nn.ModuleList([copy.deepcopy(c, memo) for n, c in container.named_children() if n in keep])
+    memo[id(container)] = reduced
+    return copy.deepcopy(model, memo).to("meta")
 
 
 def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, str]) -> "Trace":

@@ -263,6 +263,26 @@ def test_hf_fused_qkv_and_gate_up_phi3():
                                                                                     "mlp_down")
 
 
+def test_other_attention_implementation_traced_as_sdpa_on_the_copy_only():
+    import transformers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_configs.config("llama", tiny=True),
+                                                              attn_implementation="eager")
+    calls = []
+
+    class CountSdpa(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with CountSdpa():
+        trace = trace_model(model, SEQ)
+    assert model.config._attn_implementation == "eager"  # the user's model is left as it was
+    assert calls and trace.modules["model.layers.0.self_attn"].sdpa_at == 3
+    assert _in_last_block(infer_roles(model, trace))["self_attn.o_proj"] == "attention_o"
+
+
 def test_eager_attention_recognised():
     """Gemma-2 has no sdpa path in transformers (soft-capping): its attention is found from q @ k^T."""
     model = _hf_tiny("Gemma2Config")

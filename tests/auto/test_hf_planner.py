@@ -34,6 +34,14 @@ def _small_plan(model, **kw):
     return plan(model, Cluster(4, 4, "1GiB"), global_batch=8, seq_len=SEQ, **kw)
 
 
+def _hf_tiny(cls_name, **kw):
+    import transformers
+    base = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, num_hidden_layers=2, intermediate_size=96, pad_token_id=0)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**dict(base, **kw)))
+
+
 # ------------------------------------------------------------------ dense models, outputs, labels
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -137,6 +145,30 @@ def test_hf_moe_blocks_recognised_with_expert_flops_and_ep(name):
     ep_bytes = p.memory.params
     p1 = evaluate_plan(model, Cluster(4, 4, "1GiB"), degrees={"fsdp": 4}, global_batch=8, seq_len=SEQ)
     assert p.step_time.comm_per_dim.get("ep", 0) > 0 and ep_bytes > 0 and p1.step_time.compute > 0
+
+
+@pytest.mark.parametrize("cls_name,kw,router,shared", [
+    ("Qwen2MoeConfig", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                            num_experts_per_tok=2), "mlp.gate", "mlp.shared_expert.down_proj"),
+    ("Llama4TextConfig", dict(intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                              interleave_moe_layer_step=1), "feed_forward.router", "feed_forward.shared_expert.down_proj"),
+    ("Glm4MoeConfig", dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                           first_k_dense_replace=1, n_group=1, topk_group=1), "mlp.gate", "mlp.shared_experts.down_proj"),
+    ("HunYuanMoEV1Config", dict(num_experts=4, moe_topk=2), "mlp.gate.wg", "mlp.shared_mlp.down_proj"),
+])
+def test_other_hf_moe_families(cls_name, kw, router, shared):
+    """Other layouts of the same parts: transposed expert weights called on pre-routed rows (Llama-4), a shared
+    expert's scalar gate (Qwen2-MoE), a router that is an nn.Linear inside a module (HunYuan)."""
+    model = _hf_tiny(cls_name, **kw)
+    trace = trace_model(model, SEQ)
+    info = infer_roles(model, trace)
+    r = _in_last_block(info)
+    assert r[router] == "router" and r[shared] == "mlp_down" and info.num_experts in (4, 8)
+    if cls_name == "Qwen2MoeConfig":
+        assert r["mlp.shared_expert_gate"] == "router"
+    experts = [k for k, v in info.module_roles.items() if v == "experts"]
+    assert experts and all(trace.modules[e].fwd_flops > 0 for e in experts)
+    assert any(p.degrees["ep"] > 1 for p in _small_plan(model, top_k=10_000))
 
 
 def test_moe_trace_does_not_depend_on_dtype():
@@ -247,14 +279,6 @@ def test_fused_qkv_and_gate_up_projections_recognised():
     p = evaluate_plan(model, Cluster(4, 4, "1GiB"), degrees={"tp": 2, "dp": 2}, global_batch=8, seq_len=SEQ)
     qkv = next(x for x in info.params if x.fqn == "decoder.0.attn.qkv.weight")
     assert qkv.role == "attention_qkv" and p.memory.params > 0
-
-
-def _hf_tiny(cls_name, **kw):
-    import transformers
-    base = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=256, num_hidden_layers=2, intermediate_size=96, pad_token_id=0)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**dict(base, **kw)))
 
 
 def test_hf_fused_qkv_and_gate_up_phi3():

@@ -4,8 +4,9 @@ Hugging Face ``transformers`` models alike (no import of transformers: duck typi
 * **Input.** ``example_input(batch, seq_len)`` may return a tensor (one positional argument), a tuple
   (positional arguments) or a dict (keyword arguments, e.g. ``{"input_ids": ..., "labels": ...}``). Without it
   the model gets ``[batch, seq_len]`` int64 token ids; a model whose ``forward`` takes ``labels`` (Hugging
-  Face's ``*ForCausalLM``) also gets ``labels=`` (the token ids), so it computes its own loss as in training,
-  and ``use_cache=False`` where ``forward`` takes it (training keeps no KV cache).
+  Face's ``*ForCausalLM``; not its sequence-classification / QA / multiple-choice heads, whose labels are not
+  one per token) also gets ``labels=`` (the token ids), so it computes its own loss as in training, and
+  ``use_cache=False`` where ``forward`` takes it (training keeps no KV cache).
 * **Output.** ``loss(output)`` when given. Otherwise: an output with a tensor ``.loss`` / ``["loss"]``
   (Hugging Face ``ModelOutput``) is the loss; else ``.logits`` / ``["logits"]``, a dict's first tensor, a
   tuple's first element or the output itself is the logits: next-token cross-entropy for ``[batch, seq, vocab]`` floats, the mean
@@ -22,6 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+# heads whose labels are not one per token: the trace feeds them no labels (``example_input`` may)
+_NOT_TOKEN_LABELS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
 
 
 def _forward_params(model: nn.Module):
@@ -54,7 +59,7 @@ def call_model(meta: nn.Module, batch: int, seq_len: int, example_input: Optiona
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     params = _forward_params(meta)
     kwargs = {}
-    if "labels" in params:
+    if "labels" in params and not type(meta).__name__.endswith(_NOT_TOKEN_LABELS):
         kwargs["labels"] = ids
     if "use_cache" in params:
         kwargs["use_cache"] = False

@@ -91,6 +91,16 @@ def test_trace_passes_labels_and_differentiates_the_models_own_loss():
                     loss=lambda out: "not a tensor").bwd_flops
 
 
+def test_sequence_classification_head_gets_no_token_labels():
+    import transformers
+    cfg = hf_configs.config("llama", tiny=True)
+    cfg.num_labels, cfg.pad_token_id = 3, 0
+    with torch.device("meta"):
+        model = transformers.LlamaForSequenceClassification(cfg)
+    info = _info(model)
+    assert info.module_roles["score"] == "output" and _small_plan(model)[0].step_time.total > 0
+
+
 def test_output_without_loss_or_logits_error_advice_works():
     class Weird(nn.Module):
         def __init__(self):

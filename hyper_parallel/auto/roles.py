@@ -106,6 +106,9 @@ class ModelInfo:
     top_k: int
     expert_hidden: int
     n_args: Dict[str, int] = dataclasses.field(default_factory=dict)
+    # norms inside attention applied per head (Qwen3's q_norm / k_norm: weight of head_dim; split with the heads
+    # under tp), as opposed to norms of a whole latent (an MLA attention's q_a_layernorm / kv_a_layernorm: replicated)
+    head_norms: List[str] = dataclasses.field(default_factory=list)
 
 
 def _ancestors(fqn: str):
@@ -247,10 +250,15 @@ def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] 
                                          for a in [lin.rsplit(".", 1)[0]] if a in trace.modules
                                          and trace.modules[a].sdpa_at is not None})
     params = _params(mods, mrole, block_names, moes, user_params)
+    sizes = _sizes(mods, mrole, trace)
+    head_dim = sizes[2]
+    latent = {lin.rsplit(".", 1)[0] for lin, r in mrole.items() if r in ("attention_q_a", "attention_kv_a")}
+    head_norms = [n for n in norms if any(n.startswith(a + ".") for a in attention if a not in latent)
+                  and sum(p.numel() for p in mods[n].parameters(recurse=False)) in (head_dim, 2 * head_dim)]
     return ModelInfo(params, blocks_path, block_names,
                      [any(m == b or m.startswith(b + ".") for m in moes) for b in block_names], mrole, attention, mlps,
-                     sorted(set(moes)), norms, *_sizes(mods, mrole, trace), n_exp, top_k or 1, hidden,
-                     dict(trace.input_arg_counts))
+                     sorted(set(moes)), norms, *sizes, n_exp, top_k or 1, hidden, dict(trace.input_arg_counts),
+                     head_norms)
 
 
 def _unknown_module_message(name: str, m: nn.Module, block_names: List[str]) -> str:

@@ -53,6 +53,8 @@ def test_dense_hf_models_plan_with_no_loss_or_roles(name):
     assert [r[f"mlp.{p}_proj"] for p in ("gate", "up", "down")] == ["mlp_gate", "mlp_up", "mlp_down"]
     assert info.module_roles["lm_head"] == "output" and info.module_roles["model.embed_tokens"] == "embedding"
     assert (info.n_heads, info.n_kv_heads, info.head_dim, info.vocab) == (4, 2, 16, 128)
+    assert info.head_norms == ([f"model.layers.{i}.self_attn.{n}_norm" for i in range(2) for n in "kq"]
+                               if name == "qwen3" else [])
     assert _small_plan(model)[0].step_time.total > 0
     p = evaluate_plan(model, Cluster(4, 4, "1GiB"), degrees={"tp": 2, "fsdp": 2}, global_batch=8, seq_len=SEQ)
     assert p.degrees["tp"] == 2 and p.memory.total > 0
@@ -203,6 +205,7 @@ def test_deepseek_multi_head_latent_attention_roles():
         == {"q_a_proj": "attention_q_a", "q_b_proj": "attention_q", "kv_a_proj_with_mqa": "attention_kv_a",
             "kv_b_proj": "attention_kv", "o_proj": "attention_o"}
     assert r["self_attn.q_a_layernorm"] == "norm" and r["self_attn.kv_a_layernorm"] == "norm"
+    assert info.head_norms == []  # the latents' norms are not per head
     cfg = model.config
     assert (info.n_heads, info.n_kv_heads, info.head_dim) == (4, 4, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 

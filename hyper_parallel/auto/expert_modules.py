@@ -98,11 +98,19 @@ def balanced_experts_forward(mod: nn.Module):
     def forward(x, routing=None, weights=None, *args, **kwargs):
         routing = kwargs.pop("top_k_index", routing)
         weights = kwargs.pop("top_k_weights", weights)
-        if isinstance(routing, torch.Tensor) and routing.dim() == 2 and routing.shape[0] == x.shape[0] \
-                and isinstance(weights, torch.Tensor):
-            tokens, k = routing.shape  # Hugging Face contract: each token goes to k experts
-            rows = x[:, None, :].expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
-            out = _one_expert(mod, rows).view(tokens, k, -1)
-            return (out * weights[..., None].to(out.dtype)).sum(dim=1).to(x.dtype)
-        return _one_expert(mod, x)  # GroupedExperts contract: the rows are already routed
+        try:
+            if isinstance(routing, torch.Tensor) and routing.dim() == 2 and routing.shape[0] == x.shape[0] \
+                    and isinstance(weights, torch.Tensor):
+                tokens, k = routing.shape  # Hugging Face contract: each token goes to k experts
+                rows = x[:, None, :].expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
+                out = _one_expert(mod, rows).view(tokens, k, -1)
+                return (out * weights[..., None].to(out.dtype)).sum(dim=1).to(x.dtype)
+            return _one_expert(mod, x)  # GroupedExperts contract: the rows are already routed
+        except RuntimeError as err:
+            shapes = {n: tuple(p.shape) for n, p in mod.named_parameters(recurse=False)}
+            raise ValueError(
+                f"plan(): {type(mod).__name__} holds [E, ...] parameters {shapes}, so the trace runs it as grouped "
+                f"experts on input {tuple(x.shape)}, but its matrices do not chain ({err}); the planner knows "
+                "hyper_parallel.moe.GroupedExperts (w1/w2/w3) and Hugging Face's experts (gate_up_proj or up_proj, "
+                "then down_proj)") from err
     return forward

@@ -214,7 +214,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     mods = {n: ModuleTrace(n, type(m).__name__) for m, n in names.items()}
     stack: List[str] = []
     param_storages = {p.untyped_storage()._cdata for p in meta.parameters()}
-    seen_storages = set()
+    seen_storages = {}  # storage key -> the tensor, kept alive: a freed storage's address may be reused
     sdpa_shapes = []
     extra_bwd = [0]
     n_ops = {"fwd": 0, "bwd": 0}
@@ -276,7 +276,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
             key, nbytes = id(t), t.numel() * t.element_size()
         if key in param_storages or key in seen_storages:
             return t
-        seen_storages.add(key)
+        seen_storages[key] = t
         owner = stack[-1] if stack else ""
         if owner in mods:
             mods[owner].saved_bytes += nbytes

@@ -22,7 +22,8 @@ from hyper_parallel.auto.plan import Memory, StepTime
 from hyper_parallel.auto.roles import ModelInfo
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-GATHERED = {"attention_q", "attention_k", "attention_v", "mlp_gate", "mlp_up", "router", "experts"}
+GATHERED = {"attention_q", "attention_k", "attention_v", "mlp_gate", "mlp_up", "router", "experts",
+            "attention_qkv", "attention_kv", "attention_q_a", "attention_kv_a", "mlp_gate_up"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
 
 
@@ -63,7 +64,7 @@ class ModelSummary:
 
 
 TP_ROLES = {"attention_q", "attention_k", "attention_v", "attention_o", "mlp_gate", "mlp_up", "mlp_down",
-            "embedding", "output"}
+            "embedding", "output", "attention_qkv", "attention_kv", "mlp_gate_up"}
 
 
 @dataclasses.dataclass

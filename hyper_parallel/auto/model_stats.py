@@ -3,10 +3,11 @@
 Nothing is computed: the model is deep-copied to ``meta`` and run on meta token ids under
 ``torch.utils.flop_counter.FlopCounterMode``; ``saved_tensors_hooks`` record every tensor autograd
 keeps for backward (deduplicated by storage, parameters excluded), attributed to the module that was
-running. Data-dependent steps of mixture-of-experts layers cannot run on meta: a module with the
-GroupedExperts contract (3-D ``[E, ...]`` parameters, ``forward(rows, num_tokens_per_expert)``) is
-traced as a balanced SwiGLU over its rows, and host reads of meta scalars return 0 (and ``bincount``
-a meta tensor of ``minlength``), which is what a balanced router would need.
+running. Data-dependent steps of mixture-of-experts layers cannot run on meta: a grouped-expert module
+(``expert_modules``: the library's GroupedExperts or Hugging Face's fused experts) is traced as a balanced
+stand-in over its routed rows, and host reads of meta scalars return 0 (and ``bincount`` a meta tensor of
+``minlength``), which is what a balanced router would need. How the model is called and where its loss is
+found (Hugging Face ``ModelOutput``, ``labels=``): ``model_call``.
 """
 from __future__ import annotations
 
@@ -21,28 +22,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-
-def is_grouped_experts(m: nn.Module) -> bool:
-    """The GroupedExperts contract: no child modules, >= 2 direct parameters, all 3-D with one leading E."""
-    ps = list(m.parameters(recurse=False))
-    return (len(ps) >= 2 and not list(m.children()) and all(p.dim() == 3 for p in ps)
-            and len({p.shape[0] for p in ps}) == 1)
-
-
-def _balanced_experts_forward(mod):
-    ps = dict(mod.named_parameters(recurse=False))
-    names = sorted(ps)
-
-    def forward(x, num_tokens_per_expert=None, *a, **k):
-        if {"w1", "w2", "w3"} <= set(ps):  # SwiGLU experts: w1/w3 [E, hidden, dim], w2 [E, dim, hidden]
-            h = F.silu(x @ ps["w1"][0].transpose(0, 1)) * (x @ ps["w3"][0].transpose(0, 1))
-            return h @ ps["w2"][0].transpose(0, 1)
-        h = x
-        for n in names:  # generic: chain the first expert's matrices in name order
-            w = ps[n][0]
-            h = h @ (w if w.shape[0] == h.shape[-1] else w.transpose(0, 1))
-        return h
-    return forward
+from hyper_parallel.auto.eager_attention import EagerAttentionSpy
+from hyper_parallel.auto.expert_modules import balanced_experts_forward as _balanced_experts_forward
+from hyper_parallel.auto.expert_modules import is_grouped_experts
+from hyper_parallel.auto.model_call import call_model, loss_of
 
 
 class _MetaDataDependent(TorchDispatchMode):
@@ -168,12 +151,13 @@ def find_blocks(model: nn.Module):
 
 def _reduced_meta_copy(model, path, keep):
     container = model.get_submodule(path)
+    memo = {}  # one memo: objects the blocks share with the rest (a Hugging Face config) stay shared in the copy
     if isinstance(container, nn.ModuleDict):
-        reduced = nn.ModuleDict({n: c for n, c in container.named_children() if n in keep})
+        reduced = nn.ModuleDict({n: copy.deepcopy(c, memo) for n, c in container.named_children() if n in keep})
     else:
-        reduced = nn.ModuleList([c for n, c in container.named_children() if n in keep])
-    reduced = copy.deepcopy(reduced).to("meta")
-    return copy.deepcopy(model, memo={id(container): reduced}).to("meta")
+        reduced = nn.ModuleList([copy.deepcopy(c, memo) for n, c in container.named_children() if n in keep])
+    memo[id(container)] = reduced
+    return copy.deepcopy(model, memo).to("meta")
 
 
 def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, str]) -> "Trace":
@@ -233,7 +217,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     mods = {n: ModuleTrace(n, type(m).__name__) for m, n in names.items()}
     stack: List[str] = []
     param_storages = {p.untyped_storage()._cdata for p in meta.parameters()}
-    seen_storages = set()
+    seen_storages = {}  # storage key -> the tensor, kept alive: a freed storage's address may be reused
     sdpa_shapes = []
     extra_bwd = [0]
     n_ops = {"fwd": 0, "bwd": 0}
@@ -299,7 +283,7 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
             key, nbytes = id(t), t.numel() * t.element_size()
         if key in param_storages or key in seen_storages:
             return t
-        seen_storages.add(key)
+        seen_storages[key] = t
         owner = stack[-1] if stack else ""
         if owner in mods:
             mods[owner].saved_bytes += nbytes
@@ -342,26 +326,24 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
                 return _FusedAttention.apply(out, args[0], args[1], args[2])
             return func(*args, **kwargs)
 
+    def on_eager_scores(q_shape, k_shape):  # eager attention (eager_attention): the first q @ k^T of a module
+        for anc in reversed(stack):
+            t = mods[anc]
+            if t.linear_order:
+                if t.sdpa_at is None:
+                    t.sdpa_at = len(t.linear_order)
+                    sdpa_shapes.append((q_shape, k_shape))
+                    b, h, s, d = q_shape
+                    t.sdpa_flops += 4 * b * h * s * k_shape[-2] * d
+                return
+
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
-        if example_input is not None:
-            x = example_input(batch, seq_len)
-        else:
-            x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
         fwd_counter = FlopCounterMode(display=False)
         with _MetaDataDependent(on_op, on_out), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                _SdpaSpy():
-            out = meta(*x) if isinstance(x, tuple) else meta(x)
-            if isinstance(out, (tuple, list)):
-                out = out[0]
-            if loss is not None:
-                lval = loss(out)
-            elif out.dim() == 3 and out.is_floating_point():  # logits: next-token cross-entropy
-                tgt = torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long, device=out.device)
-                lval = F.cross_entropy(out.flatten(0, 1), tgt)
-            else:
-                lval = out.float().mean()
+                _SdpaSpy(), EagerAttentionSpy(on_eager_scores, lambda: not phase["bwd"] and not phase["sdpa"]):
+            lval = loss_of(call_model(meta, batch, seq_len, example_input), loss)
         phase["bwd"] = True
         bwd_counter = FlopCounterMode(display=False)
         with _MetaDataDependent(on_op), bwd_counter:

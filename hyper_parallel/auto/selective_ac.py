@@ -38,7 +38,8 @@ def checkpoint_selective(block: torch.nn.Module) -> torch.nn.Module:
     return block
 
 
-_SPLIT_ROLES = {"attention_q", "attention_k", "attention_v", "mlp_gate", "mlp_up"}
+_SPLIT_ROLES = {"attention_q", "attention_k", "attention_v", "mlp_gate", "mlp_up", "attention_qkv", "attention_kv",
+                "mlp_gate_up"}
 
 
 def block_sac_bytes(info, trace):

@@ -14,6 +14,7 @@ from hyper_parallel.dtensor.placement_types import Replicate
 from hyper_parallel.dtensor import random as dt_random
 from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.dtensor.redistribute import run_plan
+from hyper_parallel.dtensor.strided_local import slice_strided
 from hyper_parallel.distributed import collectives
 from hyper_parallel.distributed import deferred_grads
 from hyper_parallel.distributed import groups
@@ -24,6 +25,8 @@ _mark_leaf = deferred_grads.mark_dtensor_leaf  # its partial gradients may stay 
 
 
 def _slice_local(tensor, layout, mesh, gshape):
+    if layout.is_strided:  # pieces that are not one box (a residual _StridedShard)
+        return slice_strided(tensor, layout, mesh.get_coordinate())
     shape, offset = layout.local_shape_and_offset(gshape, coord=mesh.get_coordinate())
     return rng.narrow_block(tensor, offset, shape)
 
@@ -43,7 +46,7 @@ def _scatter_from(tensor, mesh: DeviceMesh, layout, src_data_rank: int):
     sharding one tensor dim in another order): the caller broadcasts and slices.
     """
     placements = layout.placements
-    if build_layout(mesh, placements, tensor.dim()) != layout:
+    if not layout.is_mesh_ordered or layout.is_strided or build_layout(mesh, placements, tensor.dim()) != layout:
         return None
     out = tensor.detach().contiguous()
     for d, p in enumerate(placements):

@@ -26,6 +26,7 @@ from hyper_parallel.compat.hp_placements import drop_extra_placements
 from hyper_parallel.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dtensor import redistribute_plan as rp
+from hyper_parallel.dtensor import strided_local
 from hyper_parallel.dtensor.redistribute import CastRedistribute, GradRedistribute, partial_grad_view, run_plan
 from hyper_parallel.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.dtensor.cache_key import Spec, spec_of  # noqa: F401  (the dispatcher's key token)
@@ -540,8 +541,11 @@ class DTensor(torch.Tensor):
             hit = cache.get(key)
             if hit is not None:
                 return hit
-        plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
-        out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
+        if self._layout.is_strided or dst.is_strided:
+            out = _strided_redistribute(local, self._layout, dst, tuple(self._gshape), self._mesh)
+        else:
+            plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
+            out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
         if memo:
             if len(cache) > 4:
                 cache.clear()
@@ -666,6 +670,24 @@ class DTensor(torch.Tensor):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _strided_redistribute(local, src: Layout, dst: Layout, gshape, mesh):
+    """Redistribution from or to a residual ``_StridedShard`` layout: through the full tensor, as PyTorch."""
+    if src.is_strided:
+        local = strided_local.gather_strided(local, src, gshape, mesh)
+        src = src._derive(((),) * len(gshape), src.partial)
+    if dst.is_strided:
+        rep = dst._derive(((),) * len(gshape), (None,) * len(dst.mesh_shape))
+        if dst.has_partial():
+            raise NotImplementedError(f"redistribute: a target with _StridedShard and Partial placements "
+                                      f"({dst.placements}) is not supported; redistribute to Shard/Replicate")
+        if src != rep:
+            local = run_plan(local, rp.plan(src, rep, gshape, local.element_size()), mesh, mesh._rank_index())
+        return strided_local.slice_strided(local, dst, mesh.get_coordinate())
+    if src == dst:
+        return local
+    return run_plan(local, rp.plan(src, dst, gshape, local.element_size()), mesh, mesh._rank_index())
 
 
 def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):

@@ -107,6 +107,9 @@ NAMES: Dict[tuple, str] = {
     ("torch.distributed.fsdp._fully_shard._fsdp_common", "HSDPMeshInfo"): "hyper_parallel.fsdp:HSDPMeshInfo",
     ("torch.distributed.fsdp._fully_shard._fsdp_common", "DDPMeshInfo"): "hyper_parallel.fsdp:DDPMeshInfo",
     ("torch.distributed.fsdp._fully_shard._fsdp_init", "_get_mesh_info"): "hyper_parallel.fsdp:get_mesh_info",
+    # torch's private helpers that Hugging Face transformers' tensor parallelism and DCP-style code call
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"):
+        "hyper_parallel.swap_shims:compute_local_shape_and_global_offset",
 }
 
 _STATE = {"scope": (), "swap_mesh": False, "strict": False, "unsupported": {}, "finder": None}
@@ -140,15 +143,7 @@ def _keep_torch_mesh(modname: str, name: str) -> bool:
 
 
 # Why a torch name has no counterpart, added to its placeholder's error.
-HINTS: Dict[str, str] = {
-    "torch.distributed.tensor.placement_types._StridedShard": (
-        "hyper_parallel has no _StridedShard placement: a tensor dim sharded over several mesh dims out of "
-        "mesh order (FSDP's dp shard inside a TP or EP shard) is a Layout whose dim_map lists the mesh dims "
-        "outer first, and its .placements report Shard(d) on each of them (torch reports "
-        "(_StridedShard(d, split_factor), Shard(d))); torchtitan 0.3.0 reads it in the MoE HuggingFace "
-        "state-dict adapter (torchtitan/models/utils.py), experiments/graph_trainer/simple_fsdp.py and "
-        "distributed/flex_shard/dist_muon.py"),
-}
+HINTS: Dict[str, str] = {}
 
 
 def _placeholder(torch_path: str):

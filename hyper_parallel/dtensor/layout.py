@@ -336,6 +336,19 @@ class Layout(LayoutCompatMixin):
             return strided_math.torch_local_shape_and_offset(global_shape, self.mesh_shape, self.placements, coord)
         return local_shape_and_offset(global_shape, self.mesh_shape, self.dim_map, coord)
 
+    def local_indices(self, global_shape: Sequence[int], *, coord) -> Tuple:
+        """Per tensor dim, the global indices the piece at ``coord`` holds, in local order (None: the whole dim).
+
+        One range per dim for every layout but a residual ``_StridedShard`` one, whose
+        pieces interleave (PyTorch's rules); checkpoints and copies read it.
+        """
+        self._require_tensor()
+        if self.strided is not None:
+            return tuple(strided_math.torch_local_indices(global_shape, self.mesh_shape, self.placements, coord))
+        shape, offset = self.local_shape_and_offset(global_shape, coord=coord)
+        return tuple(None if not dims else list(range(o, o + n))
+                     for dims, n, o in zip(self.dim_map, shape, offset))
+
     def local_shape(self, global_shape, rank: int = None, *, coord=None):
         return self.local_shape_and_offset(global_shape, rank, coord=coord)[0]
 

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
 from hyper_parallel.compat.hp_placements import drop_extra_placements
-from hyper_parallel.dtensor.dtensor import DTensor, _off_mesh_local, build_layout
+from hyper_parallel.dtensor.dtensor import DTensor, _check_strided_label, _off_mesh_local, build_layout
 from hyper_parallel.compat.hp_dtensor_names import provide_dtensor_names
 from hyper_parallel.dtensor.layout import is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Replicate
@@ -106,6 +106,7 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
         raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
                          f"{len(placements)} ({tuple(placements)}), and device_mesh.ndim: {mesh.ndim} ({mesh}).")
     layout = build_layout(mesh, placements, tensor.dim())
+    _check_strided_label(placements, layout, tuple(tensor.shape), "distribute_tensor")
     if isinstance(tensor, DTensor):
         if tensor.device_mesh != mesh:
             raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} "

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.compat.hp_placements import drop_extra_placements
 from hyper_parallel.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from hyper_parallel.dtensor import strided_math
 from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.dtensor import strided_local
 from hyper_parallel.dtensor.redistribute import CastRedistribute, GradRedistribute, partial_grad_view, run_plan
@@ -384,6 +385,7 @@ class DTensor(torch.Tensor):
                 raise ValueError(f"DTensor.from_local: local tensor shape {tuple(local_tensor.shape)} on rank "
                                  f"{mesh.get_rank()} does not match shape={gshape} with placements "
                                  f"{layout.placements} (expected local shape {expect})")
+        _check_strided_label(placements, layout, gshape, "DTensor.from_local")
         if stride is None and shape is None and not local_tensor.is_contiguous():
             stride = _global_stride(local_tensor, mesh, layout)
         if mesh._coord is None:
@@ -488,6 +490,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         dst = build_layout(mesh, placements, self.ndim)
+        _check_strided_label(placements, dst, self._gshape, "redistribute")
         if mesh is not self._mesh and mesh != self._mesh:
             # another mesh (other ranks or shape): point-to-point moves of the overlapping pieces
             return DTensor._wrap(cross_mesh_local(self, mesh, dst), mesh, dst, self._gshape)
@@ -670,6 +673,12 @@ class DTensor(torch.Tensor):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _check_strided_label(placements, layout: Layout, gshape, what: str) -> None:
+    """Explicit ``_StridedShard`` placements: refuse uneven shapes where torch's reading differs from ours."""
+    if isinstance(placements, (list, tuple)) and any(type(p) is _StridedShard for p in placements):
+        strided_math.check_torch_pieces(layout, tuple(gshape), what)
 
 
 def _strided_redistribute(local, src: Layout, dst: Layout, gshape, mesh):

@@ -15,6 +15,7 @@ PyTorch's left-to-right rules exactly (:func:`torch_local_indices`).
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 from hyper_parallel.dtensor.placement_types import Partial, Replicate, Shard, _StridedShard
@@ -114,4 +115,41 @@ def torch_local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequen
     return tuple(shape), tuple(offset)
 
 
-__all__ = ["placements_of", "dim_map_of", "torch_local_indices", "torch_local_shape_and_offset"]
+_AGREE: dict = {}
+
+
+def check_torch_pieces(layout, global_shape, what: str) -> None:
+    """Raise when ``layout``'s ``_StridedShard`` label would mean other pieces under torch's rules.
+
+    A layout whose placements carry ``_StridedShard`` holds nested ``torch.chunk`` pieces (what
+    FSDP over a TP/EP shard holds, torch's too); for even extents that is exactly what torch's
+    left-to-right reading of the label gives. For some uneven extents it is not: explicit
+    placements then raise instead of silently holding other pieces than torch would.
+    """
+    if layout.strided is not None or layout.is_mesh_ordered:
+        return
+    key = (layout, tuple(global_shape))
+    if key in _AGREE:
+        return
+    placements = layout.placements
+    dims = sorted({d for dims in layout.dim_map for d in dims})
+    mesh_shape = layout.mesh_shape
+    coord = [0] * len(mesh_shape)
+    for sub in itertools.product(*[range(mesh_shape[d]) for d in dims]):
+        for d, c in zip(dims, sub):
+            coord[d] = c
+        ours = layout.local_shape_and_offset(global_shape, coord=tuple(coord))
+        theirs = torch_local_shape_and_offset(global_shape, mesh_shape, placements, coord)
+        if ours[0] != theirs[0] or any(n and a != b for n, a, b in zip(ours[0], ours[1], theirs[1])):
+            raise NotImplementedError(
+                f"{what}: placements {list(placements)} on a mesh of shape {tuple(mesh_shape)} with the uneven "
+                f"global shape {tuple(global_shape)}: torch's left-to-right reading of _StridedShard gives mesh "
+                f"coordinate {tuple(coord)} the piece {theirs}, hyper_parallel's nested split (what FSDP over a "
+                f"TP/EP shard holds) {ours}. Pad the tensor to a multiple of the sharding mesh dims' sizes or "
+                "use Shard/Replicate placements")
+    if len(_AGREE) > 4096:
+        _AGREE.clear()
+    _AGREE[key] = True
+
+
+__all__ = ["placements_of", "dim_map_of", "torch_local_indices", "torch_local_shape_and_offset", "check_torch_pieces"]

@@ -182,3 +182,22 @@ def _pieces_equal_torch():
 def test_fsdp_tp_and_ep_strided_shard_equal_torch(dist_runner):
     # 0.weight / 0.bias (colwise: TP shards dim 0, FSDP inside it), 2.weight (rowwise: dims differ), experts.w
     assert dist_runner.run(4, _pieces_equal_torch) == [3] * 4
+
+
+def _differs(shape, mesh_shape):
+    lay = Layout(mesh_shape).with_placements([_StridedShard(0, split_factor=mesh_shape[1]), Shard(0)], 1)
+    for coord in itertools.product(*[range(s) for s in mesh_shape]):
+        a = lay.local_shape_and_offset(shape, coord=coord)
+        b = strided_math.torch_local_shape_and_offset(shape, mesh_shape, lay.placements, coord)
+        if a[0] != b[0] or any(n and x != y for n, x, y in zip(a[0], a[1], b[1])):
+            return True
+    return False
+
+
+def test_uneven_shapes_where_torch_reads_the_label_otherwise_raise():
+    assert not _differs((8,), (2, 2)) and not _differs((6,), (2, 2))
+    assert _differs((7,), (3, 2))
+    lay = Layout((3, 2)).with_placements([_StridedShard(0, split_factor=2), Shard(0)], 1)
+    with pytest.raises(NotImplementedError, match=r"uneven global shape \(7,\).*Pad the tensor"):
+        strided_math.check_torch_pieces(lay, (7,), "distribute_tensor")
+    strided_math.check_torch_pieces(lay, (12,), "distribute_tensor")

@@ -53,11 +53,19 @@ def _fulls(sd):
 
 
 def _across_stacks(root):
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _across_stacks64(root)
+    finally:
+        torch.set_default_dtype(dtype)  # the worker pool is shared with later tests
+
+
+def _across_stacks64(root):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from hyper_parallel.placement_types import _StridedShard
 
-    torch.set_default_dtype(torch.float64)
     theirs = _state(*_models("torch", 0))
     ours = _state(*_models("ours", 1))
     assert isinstance(ours["0.weight"].placements[0], _StridedShard)

@@ -111,6 +111,15 @@ def test_residual_split_factor_follows_torch():
 
 # ------------------------------------------------------------------------------- 4 gloo ranks, torch alongside
 def _pieces_equal_torch():
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _pieces_equal_torch64()
+    finally:
+        torch.set_default_dtype(dtype)  # the worker pool is shared with later tests
+
+
+def _pieces_equal_torch64():
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
@@ -124,7 +133,6 @@ def _pieces_equal_torch():
     import hyper_parallel as hp
     from hyper_parallel.swap_shims import compute_local_shape_and_global_offset as our_offsets
 
-    torch.set_default_dtype(torch.float64)
 
     def mlp():
         torch.manual_seed(0)

@@ -26,8 +26,8 @@ compiles each one's source with its imports rewritten:
   :class:`UnsupportedError` naming the torch name as soon as it is called, instantiated or an
   attribute of it is read (``isinstance(x, placeholder)`` is False: no hyper_parallel object is an
   instance of a torch-only class). A program that never uses the name runs; one that uses it
-  stops with the name, never with silently different numbers. ``--strict`` raises at import
-  instead. :func:`unsupported_names` lists what a run bound to placeholders.
+  stops with the name, never with silently different numbers. ``--strict`` raises
+  :class:`UnsupportedImportError` (an ``ImportError`` naming the torch name) at import instead. :func:`unsupported_names` lists what a run bound to placeholders.
 
 Limits: code that reaches these modules through another alias (``import torch.distributed as
 dist; dist.tensor.DTensor``) or ``importlib.import_module("torch.distributed.tensor")`` is not
@@ -47,12 +47,27 @@ import sys
 import types
 from typing import Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["install", "uninstall", "resolve", "module_proxy", "unsupported_names", "UnsupportedError", "MODULES",
-           "main"]
+__all__ = ["install", "uninstall", "resolve", "module_proxy", "unsupported_names", "UnsupportedError",
+           "UnsupportedImportError", "MODULES", "main"]
 
 
 class UnsupportedError(NotImplementedError):
     """A torch name that hyper_parallel does not provide was used by a swapped program."""
+
+
+class UnsupportedImportError(ImportError):
+    """``--strict``: a swapped module imports a torch name that hyper_parallel does not provide.
+
+    An ``ImportError`` (what ``from module import name`` raises for a missing name), not a
+    ``RuntimeError``: lazy importers such as transformers' ``_LazyModule`` turn
+    ``ModuleNotFoundError``/``RuntimeError`` into their own "Could not import module 'LlamaConfig'"
+    and would hide the torch name; this error reaches the user with it. ``torch_name`` holds it.
+    """
+
+    def __init__(self, torch_name: str, message: str):
+        module, _, name = torch_name.rpartition(".")
+        super().__init__(message, name=module)
+        self.torch_name = torch_name
 
 
 # torch module -> hyper_parallel module that mirrors it. Names missing from ours come from NAMES, then
@@ -107,6 +122,9 @@ NAMES: Dict[tuple, str] = {
     ("torch.distributed.fsdp._fully_shard._fsdp_common", "HSDPMeshInfo"): "hyper_parallel.fsdp:HSDPMeshInfo",
     ("torch.distributed.fsdp._fully_shard._fsdp_common", "DDPMeshInfo"): "hyper_parallel.fsdp:DDPMeshInfo",
     ("torch.distributed.fsdp._fully_shard._fsdp_init", "_get_mesh_info"): "hyper_parallel.fsdp:get_mesh_info",
+    # torch's private helpers that Hugging Face transformers' tensor parallelism and DCP-style code call
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"):
+        "hyper_parallel.swap_shims:compute_local_shape_and_global_offset",
 }
 
 _STATE = {"scope": (), "swap_mesh": False, "strict": False, "unsupported": {}, "finder": None}
@@ -140,15 +158,7 @@ def _keep_torch_mesh(modname: str, name: str) -> bool:
 
 
 # Why a torch name has no counterpart, added to its placeholder's error.
-HINTS: Dict[str, str] = {
-    "torch.distributed.tensor.placement_types._StridedShard": (
-        "hyper_parallel has no _StridedShard placement: a tensor dim sharded over several mesh dims out of "
-        "mesh order (FSDP's dp shard inside a TP or EP shard) is a Layout whose dim_map lists the mesh dims "
-        "outer first, and its .placements report Shard(d) on each of them (torch reports "
-        "(_StridedShard(d, split_factor), Shard(d))); torchtitan 0.3.0 reads it in the MoE HuggingFace "
-        "state-dict adapter (torchtitan/models/utils.py), experiments/graph_trainer/simple_fsdp.py and "
-        "distributed/flex_shard/dist_muon.py"),
-}
+HINTS: Dict[str, str] = {}
 
 
 def _placeholder(torch_path: str):
@@ -201,7 +211,9 @@ def resolve(modname: str, name: str):
                 return getattr(torch_mod, name)
     path = f"{modname}.{name}"
     if _STATE["strict"]:
-        raise UnsupportedError(f"{path} is not supported by hyper_parallel (hyper_parallel.swap --strict)")
+        raise UnsupportedImportError(path, f"{path} is not supported by hyper_parallel (hyper_parallel.swap "
+                                           "--strict); leave its package out of --only, or run without --strict "
+                                           "(the name then raises only when used)")
     obj = _STATE["unsupported"].get(path)
     if obj is None:
         obj = _STATE["unsupported"][path] = _placeholder(path)

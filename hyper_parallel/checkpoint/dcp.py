@@ -13,7 +13,11 @@ DCP asks a tensor-like value three questions through dunder hooks
 Why these are enough for every layout: under our chunking rules a rank's piece of
 each tensor dim is one contiguous range even when the dim is sharded over several
 mesh dims (nested ``torch.chunk``), so each rank holds exactly one box, given by
-``Layout.local_shape_and_offset``. Ranks that replicate a box report the same
+``Layout.local_shape_and_offset``; this covers ``_StridedShard`` placements that FSDP
+produces over TP/EP shards. A *residual* ``_StridedShard`` (a split factor no mesh order
+explains, e.g. transformers' fused ``gate_up_proj``) gives a rank several ranges per dim:
+it writes and reads one box per combination of ranges, each a view of its local tensor
+(torch's own DCP hooks write only the first one). Ranks that replicate a box report the same
 ``(fqn, offsets)`` index, and DCP's planner deduplicates equal indices, so a
 replicated tensor is written once, not once per rank.
 
@@ -27,6 +31,8 @@ are therefore taken from the local (plain) tensor.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, MetadataIndex, TensorProperties)
@@ -34,6 +40,37 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 
 _BOXES: dict = {}
+_STRIDED_BOXES: dict = {}
+
+
+def _runs(idx):
+    """``(local start, global start, length)`` of each run of consecutive global indices in ``idx``."""
+    out = []
+    for pos, g in enumerate(idx):
+        if out and out[-1][1] + out[-1][2] == g:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, g, 1))
+    return out
+
+
+def _strided_boxes(dt):
+    """Boxes ``(sizes, offsets, local starts)`` of a residual strided DTensor's piece (see the module doc)."""
+    coord = dt._mesh.get_coordinate()
+    if coord is None:
+        return []
+    key = (dt._layout, dt._gshape, coord)
+    boxes = _STRIDED_BOXES.get(key)
+    if boxes is None:
+        gshape = tuple(dt._gshape)
+        held = dt._layout.local_indices(gshape, coord=coord)
+        per_dim = [[(0, 0, n)] if idx is None else _runs(idx) for n, idx in zip(gshape, held)]
+        boxes = [(torch.Size(r[2] for r in combo), torch.Size(r[1] for r in combo), tuple(r[0] for r in combo))
+                 for combo in itertools.product(*per_dim)]
+        if len(_STRIDED_BOXES) > 4096:
+            _STRIDED_BOXES.clear()
+        _STRIDED_BOXES[key] = boxes
+    return boxes
 
 
 def _box(dt):
@@ -63,9 +100,24 @@ def _check_savable(fqn, dt):
             "Replicate/Shard) before saving, or use hyper_parallel.checkpoint.get_state_dict, which does it")
 
 
+def _write_item(fqn, offsets, sizes, local, gshape):
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties.create_from_tensor(local),
+            size=torch.Size(gshape),
+        ),
+    )
+
+
 def create_write_items(fqn: str, dt) -> list:
-    """The one write item (this rank's box) of DTensor ``dt`` saved under ``fqn``."""
+    """The write items (this rank's box, or boxes for a residual strided layout) of ``dt`` saved under ``fqn``."""
     _check_savable(fqn, dt)
+    if dt._layout.is_strided:
+        return [_write_item(fqn, offsets, sizes, dt._local_tensor, dt._gshape)
+                for sizes, offsets, _ in _strided_boxes(dt) if all(sizes)]
     box = _box(dt)
     if box is None:
         return []
@@ -75,19 +127,14 @@ def create_write_items(fqn: str, dt) -> list:
         raise ValueError(f"torch.distributed.checkpoint: state_dict[{fqn!r}]: the local tensor has shape "
                          f"{tuple(local.shape)} but its layout {dt._layout.placements} over global shape "
                          f"{tuple(dt._gshape)} gives this rank the box {tuple(sizes)} at {tuple(offsets)}")
-    return [WriteItem(
-        index=MetadataIndex(fqn, offsets),
-        type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-            properties=TensorProperties.create_from_tensor(local),
-            size=torch.Size(dt._gshape),
-        ),
-    )]
+    return [_write_item(fqn, offsets, sizes, local, dt._gshape)]
 
 
 def create_chunk_list(dt) -> list:
     """The boxes of the global tensor this rank holds (one, or none off the mesh)."""
+    if dt._layout.is_strided:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for sizes, offsets, _ in _strided_boxes(dt)
+                if all(sizes)]
     box = _box(dt)
     if box is None:
         return []
@@ -97,6 +144,13 @@ def create_chunk_list(dt) -> list:
 
 def get_tensor_shard(dt, index) -> torch.Tensor:
     """The plain local tensor behind the box ``index`` names (DCP reads/writes it in place)."""
+    if dt._layout.is_strided:
+        for sizes, offsets, starts in _strided_boxes(dt):
+            if index.offset is not None and index.offset == offsets:
+                view = dt._local_tensor
+                for d, (a, n) in enumerate(zip(starts, sizes)):
+                    view = view.narrow(d, a, n)
+                return view
     box = _box(dt)
     if box is None or (index.offset is not None and index.offset != box[1]):
         raise ValueError(f"torch.distributed.checkpoint: rank {dt._mesh.get_rank()} holds no piece of "

@@ -151,6 +151,12 @@ def _shape_error(key, saved, want):
 def _box_of(full: torch.Tensor, like):
     """The piece of plain ``full`` (global shape of DTensor ``like``) that this rank holds under ``like``'s layout."""
     coord = like.device_mesh.get_coordinate()
+    if getattr(like._layout, "is_strided", False):  # a residual _StridedShard: interleaved ranges
+        piece = full
+        for d, idx in enumerate(like._layout.local_indices(tuple(like.shape), coord=coord)):
+            if idx is not None:
+                piece = piece.index_select(d, torch.tensor(idx, dtype=torch.long, device=full.device))
+        return piece
     sizes, offsets = like._layout.local_shape_and_offset(tuple(like.shape), coord=coord)
     piece = full
     for d, (off, n) in enumerate(zip(offsets, sizes)):

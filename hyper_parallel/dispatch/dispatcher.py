@@ -337,6 +337,12 @@ class OpDispatcher:
             if d._mesh != mesh:
                 raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d._mesh}); "
                                  "move one onto the other's mesh first with .redistribute(mesh, placements)")
+        for i, d in enumerate(dts):
+            if d._layout.strided is not None:  # its pieces are not boxes: no sharding rule reads them
+                raise NotImplementedError(
+                    f"{name}: DTensor input {i} has placements {list(d._layout.placements)}, a _StridedShard whose "
+                    "split_factor no order of the mesh dims explains; operators do not run on it. Redistribute it "
+                    "first, e.g. x.redistribute(placements=[Shard(d) or Replicate() ...]), or use x.to_local()")
         rule = _base.get_rule(name)
         call = _base.OpCall(func, name, args, kwargs, dts, mesh)
         entry = _Entry()

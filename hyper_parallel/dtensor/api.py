@@ -9,13 +9,14 @@ import torch.nn as nn
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
 from hyper_parallel.compat.hp_placements import drop_extra_placements
-from hyper_parallel.dtensor.dtensor import DTensor, _off_mesh_local, build_layout
+from hyper_parallel.dtensor.dtensor import DTensor, _check_strided_label, _off_mesh_local, build_layout
 from hyper_parallel.compat.hp_dtensor_names import provide_dtensor_names
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Replicate
 from hyper_parallel.dtensor import random as dt_random
 from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.dtensor.redistribute import run_plan
+from hyper_parallel.dtensor.strided_local import slice_strided
 from hyper_parallel.distributed import collectives
 from hyper_parallel.distributed import deferred_grads
 from hyper_parallel.distributed import groups
@@ -26,6 +27,8 @@ _mark_leaf = deferred_grads.mark_dtensor_leaf  # its partial gradients may stay 
 
 
 def _slice_local(tensor, layout, mesh, gshape):
+    if layout.is_strided:  # pieces that are not one box (a residual _StridedShard)
+        return slice_strided(tensor, layout, mesh.get_coordinate())
     shape, offset = layout.local_shape_and_offset(gshape, coord=mesh.get_coordinate())
     return rng.narrow_block(tensor, offset, shape)
 
@@ -45,7 +48,7 @@ def _scatter_from(tensor, mesh: DeviceMesh, layout, src_data_rank: int):
     sharding one tensor dim in another order): the caller broadcasts and slices.
     """
     placements = layout.placements
-    if build_layout(mesh, placements, tensor.dim()) != layout:
+    if not layout.is_mesh_ordered or layout.is_strided or build_layout(mesh, placements, tensor.dim()) != layout:
         return None
     out = tensor.detach().contiguous()
     for d, p in enumerate(placements):
@@ -107,6 +110,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = 
         raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
                          f"{len(placements)} ({tuple(placements)}), and device_mesh.ndim: {mesh.ndim} ({mesh}).")
     layout = build_layout(mesh, placements, tensor.dim())
+    _check_strided_label(placements, layout, tuple(tensor.shape), "distribute_tensor")
     if isinstance(tensor, DTensor):
         if tensor.device_mesh != mesh:
             raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} "

@@ -23,8 +23,10 @@ from typing import Optional, Sequence
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.compat.hp_placements import drop_extra_placements
 from hyper_parallel.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from hyper_parallel.dtensor import strided_math
 from hyper_parallel.dtensor import redistribute_plan as rp
+from hyper_parallel.dtensor import strided_local
 from hyper_parallel.dtensor.redistribute import CastRedistribute, GradRedistribute, partial_grad_view, run_plan
 from hyper_parallel.dtensor.cross_mesh import cross_mesh_local
 from hyper_parallel.dtensor.cache_key import Spec, spec_of  # noqa: F401  (the dispatcher's key token)
@@ -383,6 +385,7 @@ class DTensor(torch.Tensor):
                 raise ValueError(f"DTensor.from_local: local tensor shape {tuple(local_tensor.shape)} on rank "
                                  f"{mesh.get_rank()} does not match shape={gshape} with placements "
                                  f"{layout.placements} (expected local shape {expect})")
+        _check_strided_label(placements, layout, gshape, "DTensor.from_local")
         if stride is None and shape is None and not local_tensor.is_contiguous():
             stride = _global_stride(local_tensor, mesh, layout)
         if mesh._coord is None:
@@ -491,6 +494,7 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * mesh.ndim
         dst = build_layout(mesh, placements, self.ndim)
+        _check_strided_label(placements, dst, self._gshape, "redistribute")
         if mesh is not self._mesh and mesh != self._mesh:
             # another mesh (other ranks or shape): point-to-point moves of the overlapping pieces
             return DTensor._wrap(cross_mesh_local(self, mesh, dst), mesh, dst, self._gshape)
@@ -544,15 +548,18 @@ class DTensor(torch.Tensor):
             hit = cache.get(key)
             if hit is not None:
                 return hit
-        plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
-        if is_partial_leaf(local, self._layout):
+        if self._layout.is_strided or dst.is_strided:
+            out = _strided_redistribute(local, self._layout, dst, tuple(self._gshape), self._mesh)
+        elif is_partial_leaf(local, self._layout):
             # torch's convention for a Partial(avg/max/min) leaf: its gradient is the full one, Replicate
             # (the adjoint of the reduction would leave each rank its piece's share)
+            plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
             bplan = rp.plan(_grad_layout(dst), _grad_layout(self._layout), tuple(self._gshape),
                             local.element_size())
             out = CastRedistribute.apply(local, plan, bplan, self._mesh, self._mesh._rank_index(),
                                          local.dtype, local.dtype)
         else:
+            plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
             out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
         if memo:
             if len(cache) > 4:
@@ -678,6 +685,30 @@ class DTensor(torch.Tensor):
             out._is_param = True
         memo[id(self)] = out
         return out
+
+
+def _check_strided_label(placements, layout: Layout, gshape, what: str) -> None:
+    """Explicit ``_StridedShard`` placements: refuse uneven shapes where torch's reading differs from ours."""
+    if isinstance(placements, (list, tuple)) and any(type(p) is _StridedShard for p in placements):
+        strided_math.check_torch_pieces(layout, tuple(gshape), what)
+
+
+def _strided_redistribute(local, src: Layout, dst: Layout, gshape, mesh):
+    """Redistribution from or to a residual ``_StridedShard`` layout: through the full tensor, as PyTorch."""
+    if src.is_strided:
+        local = strided_local.gather_strided(local, src, gshape, mesh)
+        src = src._derive(((),) * len(gshape), src.partial)
+    if dst.is_strided:
+        rep = dst._derive(((),) * len(gshape), (None,) * len(dst.mesh_shape))
+        if dst.has_partial():
+            raise NotImplementedError(f"redistribute: a target with _StridedShard and Partial placements "
+                                      f"({dst.placements}) is not supported; redistribute to Shard/Replicate")
+        if src != rep:
+            local = run_plan(local, rp.plan(src, rep, gshape, local.element_size()), mesh, mesh._rank_index())
+        return strided_local.slice_strided(local, dst, mesh.get_coordinate())
+    if src == dst:
+        return local
+    return run_plan(local, rp.plan(src, dst, gshape, local.element_size()), mesh, mesh._rank_index())
 
 
 def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):

@@ -5,7 +5,9 @@ shard it (``dim_map``, most significant first) plus, per mesh dim, an optional
 pending reduction (``partial``). Both public spellings convert to and from it:
 
 * placements, one per mesh dim: ``[Shard(0), Replicate()]``, ``[Partial()]``;
-  several ``Shard(t)`` on one tensor dim shard it in mesh-dim order;
+  several ``Shard(t)`` on one tensor dim shard it in mesh-dim order, and
+  ``_StridedShard(t, split_factor=k)`` on a mesh dim says that later mesh dims
+  (sizes multiplying to ``k``) shard ``t`` outside it, as PyTorch writes it;
 * aliases, one per tensor dim: ``("dp", "None")``, ``(("dp", "tp"), "None")``;
   a tuple shards one tensor dim over several mesh dims, first name outermost.
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from hyper_parallel.dtensor import strided_math
 from hyper_parallel.dtensor.mesh_coords import coordinate_of  # noqa: F401  (its historical home)
 from hyper_parallel.compat.hp_layout import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
 from hyper_parallel.dtensor.device_mesh import DeviceMesh  # noqa: F401  (HyperParallel imports it from here)
@@ -73,11 +76,11 @@ class Layout(LayoutCompatMixin):
 
     # ``mesh`` is a property (LayoutCompatMixin): a standalone layout creates its mesh lazily
     __slots__ = ("mesh_shape", "alias_names", "rank_list", "_mesh", "_explicit_ranks", "dim_map", "partial",
-                 "_key", "_hash")
+                 "strided", "_key", "_hash")
 
     def __init__(self, mesh_shape: Sequence[int], alias_names: Sequence[str] = None,
                  rank_list: Sequence[int] = None, *, alias_name: Sequence[str] = None, mesh=None, _dim_map=None,
-                 _partial=None, _hp=None):
+                 _partial=None, _hp=None, _strided=None):
         if alias_name is not None:  # HyperParallel's keyword: Layout(mesh_shape=..., alias_name=...)
             if alias_names is not None:
                 raise TypeError("Layout: give alias_names or alias_name (HyperParallel's spelling), not both")
@@ -109,10 +112,13 @@ class Layout(LayoutCompatMixin):
         self._mesh = mesh
         self.dim_map = None if _dim_map is None else tuple(tuple(m) for m in _dim_map)
         self.partial = tuple(_partial) if _partial is not None else (None,) * len(mesh_shape)
+        # residual _StridedShard split factors, one per mesh dim (None: dim_map alone says it all);
+        # see strided_math: such a layout's pieces follow PyTorch's placement rules exactly
+        self.strided = tuple(int(f) for f in _strided) if _strided is not None else None
         # a standalone Layout's mesh follows HyperParallel; the semantics are part of the identity
         # so that caches keyed by layouts never hand a PyTorch-semantics mesh's answer to the other
         hp = _hp if _hp is not None else (True if mesh is None else bool(getattr(mesh, "_hp_flag", False)))
-        self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial, hp)
+        self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial, self.strided, hp)
         self._hash = hash(self._key)
 
     # ---------------------------------------------------------------- builders
@@ -121,9 +127,9 @@ class Layout(LayoutCompatMixin):
         """Device-matrix layout of a :class:`DeviceMesh` (names default to ``dim0, dim1, ...``)."""
         return cls(mesh.shape, mesh.mesh_dim_names, mesh.rank_list, mesh=mesh)
 
-    def _derive(self, dim_map, partial) -> "Layout":
+    def _derive(self, dim_map, partial, strided=None) -> "Layout":
         return Layout(self.mesh_shape, self.alias_names, self.rank_list if self._explicit_ranks else None,
-                      mesh=self._mesh, _dim_map=dim_map, _partial=partial, _hp=self._key[-1])
+                      mesh=self._mesh, _dim_map=dim_map, _partial=partial, _hp=self._key[-1], _strided=strided)
 
     def __call__(self, *aliases) -> "Layout":
         """Tensor layout from one alias per tensor dim (``"None"`` = not sharded).
@@ -180,8 +186,9 @@ class Layout(LayoutCompatMixin):
             placements = _fit_placements(placements, self.mesh_shape)
         dim_map = [[] for _ in range(ndim)]
         partial = []
+        strided = False
         for d, p in enumerate(placements):
-            if isinstance(p, Shard):
+            if isinstance(p, (Shard, _StridedShard)):
                 t = p.dim
                 if not -ndim <= t < ndim:
                     raise ValueError(f"placements[{d}] = {p!r}: dim {t} is out of range for a {ndim}-d tensor "
@@ -189,12 +196,16 @@ class Layout(LayoutCompatMixin):
                                      f"placements[{d}] = {p!r}: a 0-d tensor cannot be sharded")
                 dim_map[t % ndim].append(d)
                 partial.append(None)
+                strided = strided or isinstance(p, _StridedShard)
             elif isinstance(p, Partial):
                 partial.append(p.reduce_op)
             elif isinstance(p, Replicate):
                 partial.append(None)
             else:
                 raise TypeError(f"placements[{d}] = {p!r} is not a Placement (Shard, Replicate or Partial)")
+        if strided:
+            dim_map, factors = strided_math.dim_map_of(placements, self.mesh_shape, ndim)
+            return self._derive(dim_map, partial, factors)
         return self._derive(dim_map, partial)
 
     def with_dim_map(self, dim_map, partial=None) -> "Layout":
@@ -206,7 +217,14 @@ class Layout(LayoutCompatMixin):
         return self._derive(((),) * nd, (None,) * len(self.mesh_shape))
 
     def without_partial(self) -> "Layout":
-        return self._derive(self.dim_map, (None,) * len(self.mesh_shape))
+        return self._derive(self.dim_map, (None,) * len(self.mesh_shape), self.strided)
+
+    def without_strided(self) -> "Layout":
+        """This layout with every residual ``_StridedShard`` mesh dim replicated (itself when there is none)."""
+        if self.strided is None:
+            return self
+        dim_map = tuple(tuple(d for d in dims if self.strided[d] == 1) for dims in self.dim_map)
+        return self._derive(dim_map, self.partial)
 
     # ---------------------------------------------------------------- views
     def _require_tensor(self):
@@ -225,16 +243,25 @@ class Layout(LayoutCompatMixin):
 
     @property
     def placements(self) -> Tuple[Placement, ...]:
-        """One placement per mesh dim (exact unless a tensor dim is sharded in non-mesh order)."""
+        """One placement per mesh dim, as PyTorch writes it.
+
+        A tensor dim sharded by a later mesh dim outside an earlier one reports
+        ``_StridedShard(dim, split_factor=k)`` on the earlier one (``k``: the sizes of
+        those outer later mesh dims multiplied), ``Shard(dim)`` elsewhere.
+        """
         self._require_tensor()
-        out = [Replicate()] * len(self.mesh_shape)
-        for d, op in enumerate(self.partial):
-            if op is not None:
-                out[d] = Partial(op)
-        for t, dims in enumerate(self.dim_map):
-            for d in dims:
-                out[d] = Shard(t)
+        if self.strided is None:
+            return strided_math.placements_of(self.dim_map, self.partial, self.mesh_shape)
+        out = list(strided_math.placements_of(self.dim_map, self.partial, self.mesh_shape))
+        for d, f in enumerate(self.strided):
+            if f > 1:
+                out[d] = _StridedShard(out[d].dim, split_factor=f)
         return tuple(out)
+
+    @property
+    def is_strided(self) -> bool:
+        """True for a residual ``_StridedShard`` layout (pieces that are not one box of the tensor)."""
+        return self.strided is not None
 
     @property
     def alias_placements(self) -> Tuple:
@@ -305,7 +332,22 @@ class Layout(LayoutCompatMixin):
                              f"describes {len(self.dim_map)}")
         if coord is None:
             coord = self.coordinate(rank)
+        if self.strided is not None:
+            return strided_math.torch_local_shape_and_offset(global_shape, self.mesh_shape, self.placements, coord)
         return local_shape_and_offset(global_shape, self.mesh_shape, self.dim_map, coord)
+
+    def local_indices(self, global_shape: Sequence[int], *, coord) -> Tuple:
+        """Per tensor dim, the global indices the piece at ``coord`` holds, in local order (None: the whole dim).
+
+        One range per dim for every layout but a residual ``_StridedShard`` one, whose
+        pieces interleave (PyTorch's rules); checkpoints and copies read it.
+        """
+        self._require_tensor()
+        if self.strided is not None:
+            return tuple(strided_math.torch_local_indices(global_shape, self.mesh_shape, self.placements, coord))
+        shape, offset = self.local_shape_and_offset(global_shape, coord=coord)
+        return tuple(None if not dims else list(range(o, o + n))
+                     for dims, n, o in zip(self.dim_map, shape, offset))
 
     def local_shape(self, global_shape, rank: int = None, *, coord=None):
         return self.local_shape_and_offset(global_shape, rank, coord=coord)[0]
@@ -344,7 +386,7 @@ class Layout(LayoutCompatMixin):
 
     def __reduce__(self):
         return (_rebuild_layout, (self.mesh_shape, self.alias_names, self.rank_list, self.dim_map, self.partial,
-                                  self._key[-1]))
+                                  self._key[-1], self.strided))
 
     def __repr__(self):
         if self.dim_map is None:
@@ -384,8 +426,8 @@ def _fit_placements(placements, mesh_shape):
     return placements[:mesh_ndim]
 
 
-def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True):
-    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp)
+def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True, strided=None):
+    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp, _strided=strided)
 
 
 def is_alias_spelling(placements) -> bool:

@@ -19,9 +19,9 @@ def _global_stride(local, mesh, layout):
     kept); for a contiguous shard this is the contiguous global stride.
     """
     stride = list(local.stride())
-    for md, p in enumerate(layout.placements):
-        if p.is_shard():
-            d, n = p.dim, mesh.size(md)
+    for d, mesh_dims in enumerate(layout.dim_map):  # Shard and _StridedShard alike
+        for md in mesh_dims:
+            n = mesh.size(md)
             ref = stride[d]
             stride = [s * n if j != d and s >= ref else s for j, s in enumerate(stride)]
     return tuple(stride)

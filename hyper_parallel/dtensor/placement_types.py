@@ -8,8 +8,15 @@ Small immutable value types, equal and hashable by value, mirroring
 * ``Partial(reduce_op)``: every rank holds a partial value; the tensor is the
   reduction (``sum``, ``avg``, ``max``, ``min``, ``prod``, or the logical
   ``all`` / ``any`` of the pieces' truth values) over the ranks.
+* ``_StridedShard(dim, split_factor=k)``: PyTorch's private placement for a dim that
+  was sharded "right to left" (FSDP's shard inside a TP or EP shard): the current
+  piece is cut into ``k`` groups, each group into one chunk per rank, and a rank
+  holds its chunk of every group. ``is_shard()`` is False for it, as in PyTorch.
 """
 from __future__ import annotations
+from enum import IntEnum
+from typing import List, Tuple, Union
+
 import torch
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "prod", "all", "any")
@@ -41,6 +48,21 @@ class Placement:
 
 class Shard(Placement):
     __slots__ = ("dim",)
+
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> Tuple[int, int]:
+        """``(size, offset)`` of chunk ``rank`` of ``curr_local_size`` cut into ``num_chunks`` (torch.chunk rules).
+
+        PyTorch 2.13's static method: the offset is relative to the current piece; an
+        empty trailing chunk gets offset ``curr_local_size``.
+        """
+        full = -(-curr_local_size // num_chunks)
+        start = full * rank
+        end = min(curr_local_size, start + full)
+        return max(0, end - start), min(curr_local_size, start)
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> Tuple[int, int]:
+        return Shard.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
 
     def __init__(self, dim: int):
         if not isinstance(dim, int) or isinstance(dim, bool):
@@ -143,6 +165,137 @@ class Partial(Placement):
 
     def __reduce__(self):
         return (Partial, (self.reduce_op,))
+
+
+class _StridedShardOffsetMode(IntEnum):
+    """What ``_StridedShard.local_shard_size_and_offset`` returns as offset (PyTorch's enum)."""
+    FIRST = 0
+    ALL = 1
+    NONE = 2
+
+
+class _StridedShard(Placement):
+    """PyTorch's ``_StridedShard(dim, split_factor=k)``: right-to-left sharding written left to right.
+
+    On mesh dim ``m`` of size ``n`` the current piece of tensor dim ``dim`` is cut into
+    ``k`` groups (``torch.chunk`` rules), each group into ``n`` chunks, and the rank at
+    coordinate ``r`` holds chunk ``r`` of every group, concatenated. FSDP over a TP
+    shard of the same dim gives ``(_StridedShard(d, split_factor=tp), Shard(d))``
+    on a ``(dp, tp)`` mesh: the TP shard is the outer one. ``is_shard()`` is False
+    (PyTorch's ``_is_shard_like`` covers both); it is not equal to ``Shard(dim)``.
+    """
+
+    __slots__ = ("dim", "split_factor")
+
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: int = None):
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError("_StridedShard received both split_factor and sf")
+            split_factor = sf
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"_StridedShard(dim): dim must be an int, got {dim!r} ({type(dim).__name__})")
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int):
+            try:
+                split_factor = int(split_factor)
+            except (TypeError, ValueError):
+                raise TypeError(f"_StridedShard(split_factor): expected a positive int, got {split_factor!r}") from None
+        if split_factor < 1:
+            raise ValueError(f"_StridedShard(split_factor): expected a positive int, got {split_factor}")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", split_factor)
+
+    def _split_factor_int(self) -> int:
+        return self.split_factor
+
+    def __eq__(self, other):
+        return type(other) is _StridedShard and other.dim == self.dim and other.split_factor == self.split_factor
+
+    def __hash__(self):
+        return hash((self.dim, self.split_factor))
+
+    def __repr__(self):
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self):
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def __reduce__(self):
+        return (_rebuild_strided, (self.dim, self.split_factor))
+
+    def strided_indices(self, size: int, num_chunks: int) -> List[List[int]]:
+        """Per chunk, the indices (into a piece of extent ``size``) it holds, in order."""
+        groups = _chunk_ranges(0, size, self.split_factor)
+        out = [[] for _ in range(num_chunks)]
+        for lo, hi in groups:
+            for r, (a, b) in enumerate(_chunk_ranges(lo, hi, num_chunks)):
+                out[r].extend(range(a, b))
+        return out
+
+    def _split_tensor(self, tensor, num_chunks: int, *, with_padding: bool = True, contiguous: bool = True):
+        """``(pieces, pad_sizes)`` as PyTorch: chunk ``r`` of every one of the ``split_factor`` groups, concatenated."""
+        if not isinstance(num_chunks, int) or num_chunks <= 0:
+            raise ValueError(f"_StridedShard._split_tensor: num_chunks must be a positive int, got {num_chunks!r}")
+        dim = self.dim + tensor.dim() if self.dim < 0 else self.dim
+        if not 0 <= dim < tensor.dim():
+            raise ValueError(f"_StridedShard._split_tensor: dim {self.dim} is out of range for a "
+                             f"{tensor.dim()}-d tensor")
+        pieces = []
+        for idx in self.strided_indices(tensor.shape[dim], num_chunks):
+            ranges = _runs(idx)
+            parts = [tensor.narrow(dim, a, b - a) for a, b in ranges]
+            piece = torch.cat(parts, dim) if len(parts) > 1 else (parts[0] if parts else tensor.narrow(dim, 0, 0))
+            pieces.append(piece.contiguous() if contiguous else piece)
+        pads = []
+        if with_padding:
+            full = max(p.shape[dim] for p in pieces)
+            pads = [full - p.shape[dim] for p in pieces]
+        return pieces, pads
+
+    def local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int,
+                                    offset_mode: _StridedShardOffsetMode = _StridedShardOffsetMode.FIRST
+                                    ) -> Tuple[int, Union[int, List[int], None]]:
+        """``(size, offsets)`` of chunk ``rank`` (PyTorch 2.13): FIRST gives the first index (-1 when empty),
+        ALL every index, NONE no offset."""
+        offset_mode = _StridedShardOffsetMode(offset_mode)
+        idx = self.strided_indices(int(curr_local_size), num_chunks)[rank]
+        if offset_mode is _StridedShardOffsetMode.NONE:
+            return len(idx), None
+        if offset_mode is _StridedShardOffsetMode.FIRST:
+            return len(idx), (idx[0] if idx else -1)
+        return len(idx), list(idx)
+
+    _local_shard_size_and_offset = local_shard_size_and_offset
+
+
+def _chunk_ranges(lo: int, hi: int, num_chunks: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` of the ``num_chunks`` torch.chunk pieces of ``range(lo, hi)`` (empty ones at the end)."""
+    size = hi - lo
+    full = -(-size // num_chunks) if size else 0
+    out = []
+    for r in range(num_chunks):
+        a = min(size, full * r)
+        out.append((lo + a, lo + min(size, a + full)))
+    return out
+
+
+def _runs(idx: List[int]) -> List[Tuple[int, int]]:
+    """Consecutive runs of sorted-by-position indices as ``[start, end)`` ranges."""
+    out = []
+    for i in idx:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _rebuild_strided(dim, split_factor):
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def _is_shard_like(placement: Placement) -> bool:
+    """``Shard`` or ``_StridedShard`` (PyTorch's helper of the same name)."""
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 # PyTorch's older private name for Partial (still importable from its placement_types)

@@ -282,7 +282,9 @@ def _check_ep_fsdp():
     want = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), want[name].grad / world, **TOL)
-    assert tuple(model.experts.w1.placements) == (hp.Shard(0), hp.Shard(0))   # dp x ep
+    # dp shards inside the ep shard: torch's (_StridedShard(0, split_factor=ep), Shard(0)) on (dp, ep)
+    from hyper_parallel.placement_types import _StridedShard
+    assert tuple(model.experts.w1.placements) == (_StridedShard(0, split_factor=mesh["ep"].size()), hp.Shard(0))
     return True
 
 

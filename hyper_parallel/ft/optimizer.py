@@ -1,0 +1,43 @@
+"""The optimizer of a replica group: a step is committed only when the quorum agrees (torchft.Optimizer).
+
+:class:`FTOptimizer` is torchft's ``OptimizerWrapper`` (quorum at ``zero_grad``, ``step`` only when
+``manager.should_commit()``) plus one guard against split brain: a group that has never stepped in
+a quorum with a peer (a fresh or restarted group) does not commit a step it takes alone, so a
+restarted group heals from a live group before it moves its state (the Manager's healing is
+``init_sync``). It records the outcome of every step for logs and tests.
+"""
+from __future__ import annotations
+
+import torch
+from torchft.optim import OptimizerWrapper
+
+
+class FTOptimizer(OptimizerWrapper):
+    """``torchft.optim.OptimizerWrapper`` with the alone-before-peer guard and a record of the steps.
+
+    After ``step()``: ``last_committed`` (bool) and ``last_step`` (the Manager's step number the
+    step was taken at; the committed step numbers of a group are 0, 1, 2, ... with no repeats).
+    """
+
+    def __init__(self, manager, optim: torch.optim.Optimizer):
+        super().__init__(manager, optim)
+        self.joined_peer = getattr(manager, "_hp_num_replica_groups", 2) == 1
+        self.last_committed = False
+        self.last_step = -1
+        self.participants = 0
+
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("FTOptimizer.step: closures are not supported (torchft commits after the backward)")
+        manager = self.manager
+        self.participants = manager.num_participants()
+        if self.participants > 1:
+            self.joined_peer = True
+        elif not self.joined_peer:
+            manager.report_error(RuntimeError(
+                "hyper_parallel.ft: this replica group is alone in the quorum and has never stepped with a "
+                "peer (fresh or restarted): it waits for a live group to heal from instead of committing"))
+        self.last_step = manager.current_step()
+        self.last_committed = manager.should_commit()
+        if self.last_committed:
+            self.optim.step()

@@ -13,7 +13,9 @@ DiLoCo / LocalSGD synchronise them every H steps (docs/fault_tolerance.md, "Repl
 ``--ft-log FILE`` writes one JSON line per attempted step (rank 0 of the group: step, committed,
 loss, participants, seconds, cross-group bytes, digests of the model, optimizer and RNG state).
 ``HP_TEST_FT_KILL_AT_STEP=STEP`` (tests): every rank of the group SIGKILLs itself inside the
-backward of that step (at the first transformer block's backward).
+backward of that step (at the first transformer block's backward). ``HP_TEST_FT_START_GATE=PATH``:
+a spare group builds its model and then waits for PATH before it joins; ``HP_TEST_FT_STEP_SLEEP=S``:
+sleep S seconds after each step (the tiny test model steps far faster than a real one).
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def add_ft_args(parser) -> None:
     g.add_argument("--ft-outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD learning rate")
     g.add_argument("--ft-outer-momentum", type=float, default=0.9, help="DiLoCo's outer momentum")
     g.add_argument("--ft-timeout", type=float, default=30.0, help="seconds for a cross-group collective or heal")
+    g.add_argument("--ft-alone-timeout", type=float, default=300.0,
+                   help="seconds a fresh or restarted group waits for a live group to heal from before it fails")
     g.add_argument("--ft-log", default=None, help="write one JSON line per attempted step (rank 0 of the group)")
 
 
@@ -85,6 +89,13 @@ def _kill_in_backward(model, step: int) -> None:
     block.register_full_backward_pre_hook(die)
 
 
+def _test_start_gate() -> None:
+    """``HP_TEST_FT_START_GATE=PATH`` (tests): a spare group, started and built early, joins only once PATH exists."""
+    gate = os.environ.get("HP_TEST_FT_START_GATE")
+    while gate and not os.path.exists(gate):
+        time.sleep(0.05)
+
+
 def build(args, cfg):
     """The group's mesh, sharded model (FSDP over dp_shard, TP over tp) and plain optimizer."""
     mesh = hp.init_device_mesh("cpu", (args.dp_shard, args.tp), mesh_dim_names=("dp_shard", "tp"))
@@ -104,6 +115,7 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
     from hyper_parallel import ft
     group, n_groups = args.ft_replica_group_id, args.ft_num_replica_groups
     mesh, model, opt = build(args, cfg)
+    _test_start_gate()
     manager = ft.make_manager(replica_group_id=group, num_replica_groups=n_groups, lighthouse=args.ft_lighthouse,
                               min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout)
     ft.register_healing(manager, model, opt)
@@ -115,7 +127,7 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
         ft_opt = None
     else:
         counter = ft.replicate_over_groups(model, manager)
-        ft_opt = ft.FTOptimizer(manager, opt)
+        ft_opt = ft.FTOptimizer(manager, opt, alone_timeout_s=args.ft_alone_timeout)
     inner, inner_rank = mesh["dp_shard"].size(), mesh.get_local_rank("dp_shard")
     world = dist.get_world_size()
     data = TokenBatches(seed=cfg.seed)
@@ -128,8 +140,10 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
             ctx.__enter__()
             manager.start_quorum()  # the first quorum: a (re)started group heals before it trains
         while True:
+            t_quorum = time.perf_counter()
             if not semi:
                 ft_opt.zero_grad(set_to_none=True)  # the quorum (a restarted group heals here)
+            t_quorum = time.perf_counter() - t_quorum
             step = manager.current_step() if not semi else local_step
             if step >= steps:
                 break
@@ -155,7 +169,7 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
             if committed:
                 losses.append(loss)
             rec = {"group": group, "step": step, "committed": committed, "loss": loss, "participants": participants,
-                   "seconds": time.perf_counter() - t_step, "time": time.time(), "bytes": counter.total,
+                   "seconds": time.perf_counter() - t_step, "quorum_seconds": t_quorum, "time": time.time(), "bytes": counter.total,
                    "manager_step": manager.current_step(), "manager_step_before": before}
             if args.ft_log:
                 rec["digest"] = ft.state_digest(model, opt)
@@ -165,6 +179,8 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
             if out is not None:
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
+            if os.environ.get("HP_TEST_FT_STEP_SLEEP"):  # tests: pace the steps like a real model's
+                time.sleep(float(os.environ["HP_TEST_FT_STEP_SLEEP"]))
             log(step, steps, loss, 0.0, note=f"group {group}: {'committed' if committed else 'NOT committed'}, "
                                              f"{participants} group(s) in the quorum")
     finally:

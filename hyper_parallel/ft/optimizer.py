@@ -8,6 +8,8 @@ restarted group heals from a live group before it moves its state (the Manager's
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torchft.optim import OptimizerWrapper
 
@@ -19,9 +21,11 @@ class FTOptimizer(OptimizerWrapper):
     step was taken at; the committed step numbers of a group are 0, 1, 2, ... with no repeats).
     """
 
-    def __init__(self, manager, optim: torch.optim.Optimizer):
+    def __init__(self, manager, optim: torch.optim.Optimizer, alone_timeout_s: float = 300.0):
         super().__init__(manager, optim)
         self.joined_peer = getattr(manager, "_hp_num_replica_groups", 2) == 1
+        self.alone_timeout_s = alone_timeout_s
+        self._alone_since = None
         self.last_committed = False
         self.last_step = -1
         self.participants = 0
@@ -34,6 +38,14 @@ class FTOptimizer(OptimizerWrapper):
         if self.participants > 1:
             self.joined_peer = True
         elif not self.joined_peer:
+            now = time.monotonic()
+            self._alone_since = self._alone_since or now
+            if now - self._alone_since > self.alone_timeout_s:
+                raise TimeoutError(f"hyper_parallel.ft: no other replica group joined the quorum within "
+                                   f"{self.alone_timeout_s:g} s; this (fresh or restarted) group has no live group to "
+                                   "heal from and does not train alone (split brain). Check the other groups and "
+                                   "the lighthouse address")
+            time.sleep(0.05)  # wait for a peer at about the lighthouse's quorum tick, not in a busy loop
             manager.report_error(RuntimeError(
                 "hyper_parallel.ft: this replica group is alone in the quorum and has never stepped with a "
                 "peer (fresh or restarted): it waits for a live group to heal from instead of committing"))

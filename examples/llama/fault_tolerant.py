@@ -48,8 +48,11 @@ def add_ft_args(parser) -> None:
                    help="synchronise the groups every --sync-every steps (torchft DiLoCo / LocalSGD)")
     g.add_argument("--sync-every", type=int, default=8, help="inner steps between semi-synchronous syncs")
     g.add_argument("--ft-outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD learning rate")
-    g.add_argument("--ft-outer-momentum", type=float, default=0.9, help="DiLoCo's outer momentum")
+    g.add_argument("--ft-outer-momentum", type=float, default=0.5,
+                   help="DiLoCo's outer Nesterov momentum (0.5: the paper's 0.9 lags over a short run's few outer steps)")
     g.add_argument("--ft-timeout", type=float, default=30.0, help="seconds for a cross-group collective or heal")
+    g.add_argument("--ft-quorum-timeout", type=float, default=60.0,
+                   help="seconds to wait for a quorum of --ft-min-replicas groups before failing")
     g.add_argument("--ft-alone-timeout", type=float, default=300.0,
                    help="seconds a fresh or restarted group waits for a live group to heal from before it fails")
     g.add_argument("--ft-log", default=None, help="write one JSON line per attempted step (rank 0 of the group)")
@@ -117,7 +120,8 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
     mesh, model, opt = build(args, cfg)
     _test_start_gate()
     manager = ft.make_manager(replica_group_id=group, num_replica_groups=n_groups, lighthouse=args.ft_lighthouse,
-                              min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout)
+                              min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout,
+                              quorum_timeout_s=args.ft_quorum_timeout)
     ft.register_healing(manager, model, opt)
     semi = args.ft_semi_sync != "none"
     if semi:
@@ -139,6 +143,7 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
         if semi:
             ctx.__enter__()
             manager.start_quorum()  # the first quorum: a (re)started group heals before it trains
+            ft.check_same_model(manager)
         while True:
             t_quorum = time.perf_counter()
             if not semi:

@@ -30,6 +30,11 @@ class FTOptimizer(OptimizerWrapper):
         self.last_step = -1
         self.participants = 0
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # the quorum; a (re)started group heals here
+        from hyper_parallel.ft.state import check_same_model
+        check_same_model(self.manager)
+
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("FTOptimizer.step: closures are not supported (torchft commits after the backward)")

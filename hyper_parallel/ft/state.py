@@ -124,11 +124,62 @@ def register_healing(manager, model: torch.nn.Module, optim: torch.optim.Optimiz
     ``load_data_state``: the data position (default: none beyond the Manager's step, which torchft
     moves itself).
     """
-    manager.register_state_dict_fn("model", lambda s: load_model_state(model, s), lambda: model_state(model))
-    manager.register_state_dict_fn("optim", lambda s: load_optimizer_state(optim, s), lambda: optimizer_state(optim))
-    manager.register_state_dict_fn("rng", load_rng_state, rng_state)
+    def deferred(load):
+        # a layout mismatch is kept, not raised inside torchft's quorum: the group would die there and the live
+        # group wait for it until the quorum timeout; check_same_model raises it on every group at once instead
+        def run(state):
+            if getattr(manager, "_hp_heal_error", None) is not None:
+                return
+            try:
+                load(state)
+            except ValueError as exc:
+                manager._hp_heal_error = exc
+        return run
+    manager._hp_heal_error = None
+    manager._hp_fingerprint = model_fingerprint(model)
+    manager.register_state_dict_fn("model", deferred(lambda s: load_model_state(model, s)), lambda: model_state(model))
+    manager.register_state_dict_fn("optim", deferred(lambda s: load_optimizer_state(optim, s)),
+                                   lambda: optimizer_state(optim))
+    manager.register_state_dict_fn("rng", deferred(load_rng_state), rng_state)
     if data_state is not None:
-        manager.register_state_dict_fn("data", load_data_state, data_state)
+        manager.register_state_dict_fn("data", deferred(load_data_state), data_state)
+
+
+def model_fingerprint(model: torch.nn.Module) -> int:
+    """A 62-bit hash of the model's state names, global shapes, dtypes and this rank's layouts."""
+    import hashlib
+    sd = model.state_dict()
+    text = repr(sorted((k, layout_of(v)) for k, v in sd.items()))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def check_same_model(manager) -> None:
+    """At each new quorum of several groups: every group checks that all hold the same model and layout.
+
+    One small all_reduce (MAX of ``[fingerprint, -fingerprint, heal failed]``) over the groups: all of
+    them see a mismatch (or a heal that found different layouts) and raise the same ``ValueError``,
+    in bounded time, before any gradient is averaged.
+    """
+    from torch.distributed import ReduceOp
+    quorum = getattr(manager, "_quorum_id", None)
+    if manager.num_participants() < 2 or quorum == getattr(manager, "_hp_checked_quorum", None):
+        return
+    fp = getattr(manager, "_hp_fingerprint", None)
+    if fp is None:
+        return
+    err = getattr(manager, "_hp_heal_error", None)
+    probe = torch.tensor([fp, -fp, 1 if err is not None else 0], dtype=torch.int64)
+    manager.allreduce(probe, reduce_op=ReduceOp.MAX).wait()
+    if manager.errored() is not None:
+        return  # a peer died during the check: this step is not committed, the next quorum checks again
+    manager._hp_checked_quorum = quorum
+    if err is not None:
+        raise err
+    if int(probe[0]) != -int(probe[1]) or int(probe[2]):
+        raise ValueError("hyper_parallel.ft: the replica groups in the quorum do not hold the same model: their "
+                         "parameter names, shapes, dtypes or inner layouts (mesh shape, placements) differ, or a "
+                         "group failed to heal from this one; every replica group must train the same model with "
+                         "the same inner layout (torchft pairs rank r of each group and moves local shards)")
 
 
 def state_digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> Dict[str, str]:

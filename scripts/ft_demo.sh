@@ -2,8 +2,9 @@
 # Replica groups that survive a lost group without a restart (torchft; docs/fault_tolerance.md):
 # starts a real torchft_lighthouse on a free 127.0.0.1 port and N replica groups of M ranks on this
 # machine (each group its own torchrun job: FSDP over its M ranks), training the example Llama.
-# With --kill-at STEP group N-1 is SIGKILLed (every rank) inside the backward of STEP and restarted
-# RESTART_DELAY seconds later: the others keep stepping, the restarted group heals from a live one.
+# With --kill-at STEP group N-1 is SIGKILLed (every rank) inside the backward of STEP and a spare
+# (started at launch, waiting on a gate file) takes its place RESTART_DELAY seconds later: the others
+# keep stepping, the spare heals from a live group.
 #
 #   scripts/ft_demo.sh                                   # 2 groups x 2 ranks, demo config, 40 steps
 #   scripts/ft_demo.sh --kill-at 15                      # ... and kill + restart group 1
@@ -46,7 +47,7 @@ start_group() {  # $1 = group id, $2 = log suffix, then extra env assignments
   env "$@" .venv/bin/torchrun --nnodes 1 --nproc_per_node "$M" --master_addr 127.0.0.1 --master_port "$(port)" \
     examples/llama/train.py --config demo --steps 40 --dp-shard "$M" --ft-replica-group-id "$g" \
     --ft-num-replica-groups "$N" --ft-min-replicas "$MIN" --ft-lighthouse "127.0.0.1:$LH_PORT" \
-    --ft-log "$OUT/group$g$suffix.jsonl" "${ARGS[@]}" > "$OUT/group$g$suffix.log" 2>&1 &
+    --ft-log "$OUT/group$g$suffix.jsonl" --ft-alone-timeout 120 "${ARGS[@]}" > "$OUT/group$g$suffix.log" 2>&1 &
   PIDS+=($!)
 }
 for g in $(seq 0 $((N - 1))); do
@@ -58,10 +59,13 @@ for g in $(seq 0 $((N - 1))); do
   fi
 done
 if [ -n "$KILL_AT" ]; then
+  # the restart is a spare started now (imports done, model built) that joins once the gate file exists:
+  # a cold start takes longer than the survivors' remaining steps of a short demo on a loaded CPU
+  start_group $((N - 1)) "_restarted" HP_FT_START_GATE="$OUT/spare.go"
   wait "$VICTIM" || true
-  echo "ft_demo: group $((N - 1)) was killed in the backward of step $KILL_AT; restarting it in ${RESTART_DELAY:-0}s"
+  echo "ft_demo: group $((N - 1)) was killed in the backward of step $KILL_AT; its spare joins in ${RESTART_DELAY:-0}s"
   sleep "${RESTART_DELAY:-0}"
-  start_group $((N - 1)) "_restarted"
+  touch "$OUT/spare.go"
 fi
 STATUS=0
 for p in "${PIDS[@]}"; do

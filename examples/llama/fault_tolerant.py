@@ -13,8 +13,8 @@ DiLoCo / LocalSGD synchronise them every H steps (docs/fault_tolerance.md, "Repl
 ``--ft-log FILE`` writes one JSON line per attempted step (rank 0 of the group: step, committed,
 loss, participants, seconds, cross-group bytes, digests of the model, optimizer and RNG state).
 ``HP_TEST_FT_KILL_AT_STEP=STEP`` (tests): every rank of the group SIGKILLs itself inside the
-backward of that step (at the first transformer block's backward). ``HP_TEST_FT_START_GATE=PATH``:
-a spare group builds its model and then waits for PATH before it joins; ``HP_TEST_FT_STEP_SLEEP=S``:
+backward of that step (at the first transformer block's backward). ``HP_FT_START_GATE=PATH``:
+a spare group builds its model and then waits for PATH before it joins (tests, scripts/ft_demo.sh); ``HP_TEST_FT_STEP_SLEEP=S``:
 sleep S seconds after each step (the tiny test model steps far faster than a real one).
 """
 from __future__ import annotations
@@ -93,8 +93,8 @@ def _kill_in_backward(model, step: int) -> None:
 
 
 def _test_start_gate() -> None:
-    """``HP_TEST_FT_START_GATE=PATH`` (tests): a spare group, started and built early, joins only once PATH exists."""
-    gate = os.environ.get("HP_TEST_FT_START_GATE")
+    """``HP_FT_START_GATE=PATH`` (tests, the demo script): a spare group, started and built early, joins only once PATH exists."""
+    gate = os.environ.get("HP_FT_START_GATE")
     while gate and not os.path.exists(gate):
         time.sleep(0.05)
 

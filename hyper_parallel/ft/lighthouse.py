@@ -111,7 +111,7 @@ class Lighthouse:
     def address(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> "Lighthouse":
+    def start(self, timeout_s: float = 120.0) -> "Lighthouse":
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info"))
         self.proc = subprocess.Popen([lighthouse_binary(), *self.args], stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -13,7 +13,7 @@ import torch
 
 
 class CrossGroupBytes:
-    """Bytes this rank sends into cross-group all_reduces (``manager.allreduce``), per call and in total.
+    """Bytes of training data (gradients, pseudo-gradients) this rank sends into cross-group all_reduces.
 
     Installed on one Manager (:func:`count_cross_group_bytes`); both the synchronous hook and torchft's
     DiLoCo go through ``manager.allreduce``, so the two are counted alike.
@@ -30,7 +30,7 @@ def count_cross_group_bytes(manager) -> CrossGroupBytes:
     if counter is not None:
         return counter
     counter = manager._hp_bytes = CrossGroupBytes()
-    inner = manager.allreduce
+    inner = manager._hp_uncounted_allreduce = manager.allreduce  # state.check_same_model's probe is not counted
 
     def allreduce(tensor, *args, **kwargs):
         counter.total += tensor.numel() * tensor.element_size()

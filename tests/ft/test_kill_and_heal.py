@@ -52,7 +52,7 @@ def test_kill_and_heal_2x2(tmp_path):
                                                                            **pace})
         # the restart: a spare started now (imports and model built), let in as soon as the group is dead, so
         # that it joins within the heartbeat timeout and the survivor re-runs only the step in flight
-        restarted = Group(1, 2, lh.address, tmp_path / "g1b.jsonl", ARGV, env={"HP_TEST_FT_START_GATE": str(gate),
+        restarted = Group(1, 2, lh.address, tmp_path / "g1b.jsonl", ARGV, env={"HP_FT_START_GATE": str(gate),
                                                                                **pace})
         try:
             while victim.alive() and survivor.alive() and time.monotonic() < deadline:

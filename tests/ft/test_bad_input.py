@@ -50,19 +50,25 @@ CASES = {"other_model": ((1, ["--dp-shard", "1", "--config", "tiny"]), (1, ["--d
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_mismatched_groups_fail_clearly(tmp_path, case):
+def test_mismatched_groups_fail_clearly(tmp_path):
     argv = ["--steps", "5", "--ft-num-replica-groups", "2", "--ft-timeout", "10", "--ft-quorum-timeout", "30"]
     deadline = time.monotonic() + 240
-    with Lighthouse(min_replicas=2, heartbeat_timeout_ms=2000, join_timeout_ms=2000) as lh:
-        groups = [Group(g, ranks, lh.address, tmp_path / f"g{g}.jsonl", argv + flags)
-                  for g, (ranks, flags) in enumerate(CASES[case])]
-        try:
-            codes = [g.wait(deadline) for g in groups]
-        finally:
+    lighthouses = {case: Lighthouse(min_replicas=2, heartbeat_timeout_ms=2000, join_timeout_ms=2000).start()
+                   for case in sorted(CASES)}
+    jobs = {}
+    try:
+        for case, lh in lighthouses.items():  # both cases at once: each waits mostly on process start-up
+            jobs[case] = [Group(g, ranks, lh.address, tmp_path / f"{case}{g}.jsonl", argv + flags)
+                          for g, (ranks, flags) in enumerate(CASES[case])]
+        codes = {case: [g.wait(deadline) for g in groups] for case, groups in jobs.items()}
+    finally:
+        for groups in jobs.values():
             for g in groups:
                 g.kill()
-    for g, code in zip(groups, codes):
-        assert all(c != 0 for c in code), g.output()
-        assert "same model" in g.output(), g.output()
-        assert not any(r["committed"] for r in g.records()), "a step was committed with mismatched groups"
+        for lh in lighthouses.values():
+            lh.stop()
+    for case, groups in jobs.items():
+        for g, code in zip(groups, codes[case]):
+            assert all(c != 0 for c in code), (case, g.output())
+            assert "same model" in g.output(), (case, g.output())
+            assert not any(r["committed"] for r in g.records()), f"{case}: a step was committed with mismatched groups"

@@ -126,7 +126,7 @@ def train_ft(args, steps: int, cfg, log=print) -> list:
     semi = args.ft_semi_sync != "none"
     if semi:
         ctx = ft.semi_sync(args.ft_semi_sync, manager, model, opt, args.sync_every, outer_lr=args.ft_outer_lr,
-                           outer_momentum=args.ft_outer_momentum)
+                           outer_momentum=args.ft_outer_momentum, alone_timeout_s=args.ft_alone_timeout)
         counter = ft.count_cross_group_bytes(manager)
         ft_opt = None
     else:

@@ -23,13 +23,14 @@ Docs: ``docs/fault_tolerance.md`` ("Replica groups with torchft"). Example:
 """
 from hyper_parallel.ft.lighthouse import Lighthouse, check_reachable, majority
 from hyper_parallel.ft.manager import make_manager
-from hyper_parallel.ft.optimizer import FTOptimizer
+from hyper_parallel.ft.optimizer import FTOptimizer, SoloGuard, guard_solo_commits
 from hyper_parallel.ft.replicate import CrossGroupBytes, count_cross_group_bytes, replicate_over_groups
 from hyper_parallel.ft.semi_sync import local_view, semi_sync
 from hyper_parallel.ft.state import (check_same_model, model_fingerprint, load_model_state, load_optimizer_state, load_rng_state, model_state,
                                      optimizer_state, register_healing, rng_state, state_digest)
 
-__all__ = ["Lighthouse", "check_reachable", "majority", "make_manager", "FTOptimizer", "CrossGroupBytes",
+__all__ = ["Lighthouse", "check_reachable", "majority", "make_manager", "FTOptimizer", "SoloGuard",
+           "guard_solo_commits", "CrossGroupBytes",
            "count_cross_group_bytes", "replicate_over_groups", "local_view", "semi_sync", "register_healing",
            "model_state", "load_model_state", "optimizer_state", "load_optimizer_state", "rng_state",
            "load_rng_state", "state_digest", "check_same_model", "model_fingerprint"]

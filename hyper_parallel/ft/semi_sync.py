@@ -43,7 +43,7 @@ def check_view(view: nn.Module) -> None:
 
 
 def semi_sync(method: str, manager, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,
-              outer_lr: float = 0.7, outer_momentum: float = 0.5):
+              outer_lr: float = 0.7, outer_momentum: float = 0.5, alone_timeout_s: float = 300.0):
     """torchft's ``DiLoCo`` (``method="diloco"``) or ``LocalSGD`` (``"localsgd"``) over ``model``'s local shards.
 
     Use as a context manager around the training loop (torchft's API); the inner optimizer is the
@@ -56,9 +56,12 @@ def semi_sync(method: str, manager, model: nn.Module, inner_optimizer: torch.opt
         raise ValueError(f"semi_sync: method must be 'diloco' or 'localsgd', got {method!r}")
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"semi_sync: sync_every must be an int >= 1, got {sync_every!r}")
+    from hyper_parallel.ft.optimizer import guard_solo_commits
     from hyper_parallel.ft.replicate import count_cross_group_bytes
     count_cross_group_bytes(manager)
+    guard_solo_commits(manager, alone_timeout_s)  # a sync is never committed by a group alone before any peer
     view = local_view(model)
+    inner_optimizer.register_step_post_hook(lambda *_: check_view(view))
     if method == "localsgd":
         return LocalSGD(manager, view, inner_optimizer, sync_every=sync_every)
     outer = torch.optim.SGD(view.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)

@@ -23,6 +23,17 @@ import torch
 from hyper_parallel.ft.lighthouse import check_reachable, majority
 
 
+def _advertised_host(lighthouse_address: str) -> str:
+    """The host name other groups reach this group's Manager at: ``HP_FT_HOSTNAME`` if set, 127.0.0.1 when
+    the lighthouse is on loopback (one machine), else this machine's host name (torchft's default)."""
+    import socket
+    from hyper_parallel.ft.lighthouse import split_address
+    if os.environ.get("HP_FT_HOSTNAME"):
+        return os.environ["HP_FT_HOSTNAME"]
+    host, _ = split_address(lighthouse_address)
+    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+
+
 def make_manager(*, replica_group_id: int, num_replica_groups: int, lighthouse: str,
                  min_replicas: Optional[int] = None, group_rank: Optional[int] = None,
                  group_world_size: Optional[int] = None, store_addr: Optional[str] = None,
@@ -68,7 +79,7 @@ def make_manager(*, replica_group_id: int, num_replica_groups: int, lighthouse: 
         store_addr=store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
         store_port=store_port or int(os.environ["MASTER_PORT"]),
         lighthouse_addr=address, replica_id=f"hp_replica_{replica_group_id}",
-        hostname=os.environ.get("HP_FT_HOSTNAME", "127.0.0.1"),
+        hostname=_advertised_host(address),
         heartbeat_interval=timedelta(milliseconds=heartbeat_interval_ms), checkpoint_transport=transport,
         init_sync=True)
     manager._hp_num_replica_groups = num_replica_groups

@@ -48,6 +48,12 @@ tensor parallel inside each expert with ``--expert-tp`` (``ExpertTensorParallel`
 balancing) is updated from the global token counts (one all_reduce) and rank 0 prints the expert
 load (tokens per expert and max/mean per MoE layer) with the progress line.
 
+Replica groups that survive a lost group without a restart (torchft; docs/fault_tolerance.md):
+``scripts/ft_demo.sh`` starts a ``torchft_lighthouse`` and N groups, each a torchrun job of
+``torchrun --nproc_per_node M examples/llama/train.py --dp-shard M --ft-replica-group-id G
+--ft-num-replica-groups N --ft-lighthouse HOST:PORT`` (``--ft-semi-sync diloco --sync-every H``:
+DiLoCo across the groups); examples/llama/fault_tolerant.py.
+
 Multi-node: run the same command on every node with
 ``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT
 --rdzv-id JOB examples/llama/train.py ...`` (dp * dp_shard * tp = N * P; tp dividing P keeps
@@ -116,6 +122,9 @@ def parse_args(argv=None):
                         "with Cluster.measure()) instead of the flags")
     p.add_argument("--device-memory", default=None, help="with --plan auto: per-rank memory (e.g. 4GiB); default: "
                    "this machine's RAM / processes per node")
+    # --- fault tolerance across replica groups (torchft): --ft-* (examples/llama/fault_tolerant.py)
+    from examples.llama.fault_tolerant import add_ft_args
+    add_ft_args(p)
     return p.parse_args(argv)
 
 
@@ -322,6 +331,9 @@ def main(argv=None):
     if args.dropout and args.cp > 1:  # --- CP: the context-parallel attention has no dropout
         raise SystemExit(f"--dropout {args.dropout} with --cp {args.cp} is not supported (context-parallel "
                          "attention has no dropout)")
+    if args.ft_replica_group_id is not None:  # --- one torchft replica group (examples/llama/fault_tolerant.py)
+        from examples.llama.fault_tolerant import main_ft
+        return main_ft(args)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":  # --- auto-parallel: the plan sets --dp/--dp-shard/--tp/--sp/--pp*/--cp*/--ep

@@ -259,9 +259,37 @@ class FSDPModule:
         separate ``div_`` after the SUM collective), so the flag changes nothing but is checked."""
         if not isinstance(enable, bool):
             raise ValueError(f"set_force_sum_reduction_for_comms: expected a bool, got {enable!r}")
+        for g in _param_groups(self):
+            g.force_sum = enable  # what set_all_reduce_hook's hook sees: sums (True) or means
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """torch 2.13's ``FSDPModule.set_all_reduce_hook``: ``hook(reduce_output)`` runs on this module's
+        reduced gradient shard (the reduce-scatter output; with native HSDP, the all-reduce output)
+        after the reduction and before the sharded gradients are assigned from it; it may change the
+        tensor in place (torchft all-reduces it over the replica groups). ``stream``: the CUDA stream
+        to run it on (ignored on CPU); not allowed with native HSDP, as in torch."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+        groups = _param_groups(self)
+        if len(groups) > 1:
+            raise ValueError("set_all_reduce_hook is not supported with multiple param groups (from per-param "
+                             "mesh via shard_placement_fn): the hook would be ambiguous across groups with "
+                             "different meshes")
+        for g in groups:
+            if stream is not None and g.rep_group is not None and g.rep_group.size > 1:
+                raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
+            g.all_reduce_hook = hook
 
     def set_post_optim_event(self, event) -> None:  # CUDA streams only; nothing to order on CPU
         return None
+
+
+def _param_groups(module):
+    """The ``FSDPParamGroup`` objects of one ``fully_shard`` module (one per dp mesh; none without parameters)."""
+    group = module._hp_fsdp_state.group
+    if group is None:
+        return []
+    return list(getattr(group, "groups", [group]))
 
 
 def _state_of(module, what):

@@ -112,6 +112,8 @@ class FSDPParamGroup:
         self._gloo_in_place = None
         self.divide_factor = None
         self.requires_all_reduce = True
+        self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook (torchft's replicate dim): see _run_hook
+        self.force_sum = False  # FSDPModule.set_force_sum_reduction_for_comms: the hook sees sums
         self._hooks_installed = False
         self.expected = None
         self.on_all_grads = None
@@ -403,13 +405,30 @@ class FSDPParamGroup:
             _fault.wait(work, _RAR if self.rep_group is not None and self.rep_group.size > 1 else _RS,
                         self.rep_group if self.rep_group is not None and self.rep_group.size > 1 else self.shard_group)
         factor = self.divide_factor if self.divide_factor is not None else n
-        if factor != 1:
-            out.div_(factor)
+        self._divide_and_hook(out, factor)
         for p, off, h in zip(self.params, self.offsets, have):
             if h:
                 p.accumulate_sharded_grad(out[off: off + p.padded])
         if self.k > 1:  # (with k == 1 it is the packed input, which may be a view of a gradient)
             _free_now(out)
+
+    def _divide_and_hook(self, out, factor):
+        """Average the reduced gradients and run the user's all-reduce hook on them, in FSDP2's order.
+
+        torch 2.13 (``foreach_reduce``) reduces fp32/bf16 with ``AVG`` (or ``PREMUL_SUM(1/factor)``),
+        so the hook sees the averaged reduce-scatter output (after the HSDP all_reduce, if any) and
+        the gradient is assigned from whatever the hook left in place; with
+        ``set_force_sum_reduction_for_comms(True)`` the collectives sum, the hook sees the sums and
+        the division comes after it. torchft's hook all-reduces the tensor in place over the replica
+        groups (``hyper_parallel/ft``).
+        """
+        hook = self.all_reduce_hook
+        if hook is not None and self.force_sum:
+            hook(out)
+        if factor != 1:
+            out.div_(factor)
+        if hook is not None and not self.force_sum:
+            hook(out)
 
     def _finish_all_reduce(self):
         work, flat, have, _ = self._rs
@@ -427,8 +446,7 @@ class FSDPParamGroup:
                 _fault.fail(_RAR, self.rep_group, exc)
             n *= self.rep_group.size
         factor = self.divide_factor if self.divide_factor is not None else n
-        if factor != 1:
-            flat.div_(factor)
+        self._divide_and_hook(flat, factor)
         off = 0
         for p, h in zip(self.params, have):
             numel = 1

@@ -7,6 +7,9 @@ Quick start::
     x = hp.distribute_tensor(torch.randn(8, 8), mesh, [hp.Shard(0), hp.Replicate()])
     y = x.redistribute(mesh, ("None", "tp"))      # alias spelling, one name per tensor dim
 """
+from importlib import import_module as _import_module
+from typing import Optional
+
 from hyper_parallel.distributed import groups
 from hyper_parallel.dtensor.placement_types import Placement, Shard, Replicate, Partial
 from hyper_parallel.dtensor.layout import Layout
@@ -16,22 +19,46 @@ from hyper_parallel.dtensor.api import (
     distribute_tensor, distribute_module, ones, zeros, empty, full, rand, randn)
 from hyper_parallel.dtensor.random import manual_seed
 from hyper_parallel.dtensor import function_bridge as _function_bridge  # noqa: F401  (autograd.Function on DTensors)
-from hyper_parallel.debug import CommDebugMode
+from hyper_parallel.debug import CommDebugMode  # also hands CommDebugMode to hyper_parallel.dtensor (its HP path)
 from hyper_parallel.dispatch import DistributedOp, DFunction, SkipDTensorDispatch, custom_shard
 from hyper_parallel.dispatch import local_map
 from hyper_parallel.dispatch.modes import (implicit_replication, allow_replicate_fallback, set_debug,
                                              set_strict_layouts, strict_layouts, StrictLayoutError)
 
-from hyper_parallel.dispatch.sharding_plan import ShardingPlan
-from hyper_parallel.dispatch.shard_module import shard_module
-from hyper_parallel.tensor_parallel import (ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
-                                            PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput,
-                                            parallelize_module, loss_parallel)
-from hyper_parallel.fsdp import data_parallel
-from hyper_parallel.fsdp import replicate
-from hyper_parallel.fsdp import (fully_shard, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                      CPUOffloadPolicy)
-from hyper_parallel.fsdp.hsdp import hsdp
+# Names of the parallelism packages and facades, imported on first use (module ``__getattr__``) so that
+# importing the core (``import hyper_parallel.dtensor``) does not load FSDP, pipelining, MoE, CP or the
+# planner. ``hp.fully_shard`` and ``from hyper_parallel import fully_shard`` work as before.
+_LAZY = {
+    "ShardingPlan": "hyper_parallel.dispatch.sharding_plan",
+    "shard_module": "hyper_parallel.dispatch.shard_module",
+    **{name: "hyper_parallel.tensor_parallel" for name in (
+        "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "NoParallel",
+        "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
+        "loss_parallel")},
+    **{name: "hyper_parallel.fsdp" for name in (
+        "data_parallel", "replicate", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+        "CPUOffloadPolicy")},
+    "hsdp": "hyper_parallel.fsdp.hsdp",
+}
+# subpackages reachable as attributes without an explicit import (``hp.core.dtensor``, HyperParallel's paths)
+_LAZY_MODULES = ("core", "auto", "checkpoint", "compile", "context_parallel", "debug", "fsdp", "moe",
+                 "pipelining", "tensor_parallel", "swap")
+
+
+def __getattr__(name: str):
+    home = _LAZY.get(name)
+    if home is not None:
+        value = getattr(_import_module(home), name)
+    elif name in _LAZY_MODULES:
+        value = _import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
 
 
 def _compose():
@@ -49,12 +76,10 @@ def _compose():
 
 _compose()
 
-from hyper_parallel import core  # noqa: E402  HyperParallel's module paths, as attributes too (hp.core.dtensor...)
-
 __version__ = "0.1.0"
 
 
-def init_process_group(device_type: str = None, timeout_s: float = None) -> None:
+def init_process_group(device_type: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
     """Initialise the default process group from torchrun's environment, if not yet done.
 
     What ``init_device_mesh`` does first; call it yourself to initialise before building a mesh.
@@ -62,28 +87,15 @@ def init_process_group(device_type: str = None, timeout_s: float = None) -> None
     elastic restart works after ``new_group``), and the process groups are destroyed and freed
     at interpreter exit (docs/checkpoint.md "Elastic restart", docs/testing.md). ``device_type``:
     "cpu" (gloo) or "cuda" (nccl; default when CUDA is available); ``timeout_s``: collective
-    timeout (default ``HYPER_PARALLEL_TIMEOUT`` or 600 s).
+    timeout (default ``HYPER_PARALLEL_COLLECTIVE_TIMEOUT`` or 600 s).
     """
     groups.init_process_group(device_type or groups.default_device_type(), timeout_s)
 
 
-def _testing_reset():
-    """Reset per-process caches between tests (used by the test harness)."""
-    from hyper_parallel.dtensor import random as _r
-    from hyper_parallel.dispatch import modes as _modes
-    _r._state.update(seed=None, counter=0)
-    _modes._reset()  # strict layouts, implicit replication, fallback, debug: back to the environment's
-
-
+# The core API; the parallelism names above (``_LAZY``) stay reachable as ``hp.NAME`` and in their packages.
 __all__ = [
-    "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh",
+    "Placement", "Shard", "Replicate", "Partial", "Layout", "DeviceMesh", "init_device_mesh", "init_process_group",
     "DTensor", "distribute_tensor", "distribute_module", "ones", "zeros", "empty", "full", "rand", "randn",
-    "manual_seed", "CommDebugMode", "DistributedOp", "DFunction", "SkipDTensorDispatch", "local_map", "custom_shard", "set_strict_layouts", "strict_layouts",
-    "StrictLayoutError",
-    "implicit_replication", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "NoParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
-    "loss_parallel", "replicate", "data_parallel", "allow_replicate_fallback", "set_debug",
-    "ShardingPlan", "shard_module",
-    "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "hsdp",
-    "init_process_group",
+    "manual_seed", "local_map", "DFunction", "DistributedOp", "SkipDTensorDispatch", "custom_shard",
+    "implicit_replication", "strict_layouts", "set_strict_layouts", "StrictLayoutError", "CommDebugMode",
 ]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create / refresh the project virtualenv in .venv (idempotent, quiet).
 #
-#   1. .venv from python3.11 if available, else python3 (must be >= 3.10)
+#   1. .venv from python3.11 if available, else python3 (must be >= 3.11)
 #   2. torch==2.13.0 explicitly FIRST (the local CPU wheel; a looser spec
 #      would make pip fetch a CUDA build of several GB)
 #   3. pip install -e ".[test,demo]"   (torch is then already satisfied)
@@ -35,7 +35,7 @@ venv_ok() {  # usable interpreter with torch 2.13.0, our package and the test ex
     [ -x "$PY" ] && "$PY" - "$TORCH_VERSION" <<'PYEOF' >/dev/null 2>&1
 import sys
 import importlib.metadata as md
-assert sys.version_info >= (3, 10)
+assert sys.version_info >= (3, 11)
 assert md.version("torch").split("+")[0] == sys.argv[1]
 md.version("hyper-parallel")
 md.version("hypothesis")  # the [test] extra (tests/dispatch/test_property_sweep.py)
@@ -48,17 +48,17 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && venv_ok; then
 fi
 
 # --- 1. the virtualenv -------------------------------------------------------
-if ! { [ -x "$PY" ] && "$PY" -c 'import sys; assert sys.version_info >= (3, 10)' >/dev/null 2>&1; }; then
+if ! { [ -x "$PY" ] && "$PY" -c 'import sys; assert sys.version_info >= (3, 11)' >/dev/null 2>&1; }; then
     BASE=""
     for cand in python3.11 python3; do
         if command -v "$cand" >/dev/null 2>&1 &&
-           "$cand" -c 'import sys; assert sys.version_info >= (3, 10)' >/dev/null 2>&1; then
+           "$cand" -c 'import sys; assert sys.version_info >= (3, 11)' >/dev/null 2>&1; then
             BASE="$cand"
             break
         fi
     done
     if [ -z "$BASE" ]; then
-        log "need python3.11 (or python3 >= 3.10) on PATH"
+        log "need python3.11 (or a newer python3) on PATH"
         exit 1
     fi
     log "creating .venv with $("$BASE" -c 'import sys; print(sys.executable, sys.version.split()[0])')"

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import hyper_parallel as hp
+from hyper_parallel.dispatch.modes import reset_process_state
 
 
 
@@ -149,9 +150,7 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
         finally:
             _release_groups()
             dist.destroy_process_group()
-            reset = getattr(hp, "_testing_reset", None)
-            if reset is not None:
-                reset()
+            reset_process_state()
     return DryRunResult(W, reports)
 
 

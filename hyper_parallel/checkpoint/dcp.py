@@ -21,9 +21,9 @@ replicated tensor is written once, not once per rank.
 Reduce first (``dtensor.reduce_partial()``); the ``hyper_parallel.checkpoint``
 state-dict helpers do that for you.
 
-``TensorProperties.create_from_tensor`` reads ``tensor.layout``, which on our DTensor
-is a hyper_parallel ``Layout``, not a ``torch.layout``; the properties are therefore
-taken from the local (plain) tensor.
+``TensorProperties.create_from_tensor`` reads ``tensor.layout``, which on a DTensor of a
+HyperParallel mesh is a hyper_parallel ``Layout``, not a ``torch.layout``; the properties
+are therefore taken from the local (plain) tensor.
 """
 from __future__ import annotations
 

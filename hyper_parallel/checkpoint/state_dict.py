@@ -17,7 +17,7 @@ script written against it works with our DTensors:
   rank 0 broadcasts each tensor and every rank keeps its own box of it.
 
 DTensors are recognised by duck typing (the class defines ``__hp_stage__``), so
-this platform module needs nothing from the layers above it.
+this module needs nothing from the layers above it.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def _param_fqns(model) -> Dict[int, str]:
 def _reduce(t):
     """A savable view of a live tensor: detached, Partial placements reduced."""
     if _is_dtensor(t):
-        return t.reduce_partial().detach() if t.layout.has_partial() else t.detach()
+        return t.reduce_partial().detach() if t._layout.has_partial() else t.detach()
     return t.detach() if isinstance(t, torch.Tensor) else t
 
 
@@ -151,7 +151,7 @@ def _shape_error(key, saved, want):
 def _box_of(full: torch.Tensor, like):
     """The piece of plain ``full`` (global shape of DTensor ``like``) that this rank holds under ``like``'s layout."""
     coord = like.device_mesh.get_coordinate()
-    sizes, offsets = like.layout.local_shape_and_offset(tuple(like.shape), coord=coord)
+    sizes, offsets = like._layout.local_shape_and_offset(tuple(like.shape), coord=coord)
     piece = full
     for d, (off, n) in enumerate(zip(offsets, sizes)):
         if off != 0 or n != full.shape[d]:
@@ -172,8 +172,8 @@ def _copy_into(target, value, key: str) -> None:
             if _is_dtensor(value):
                 if value._local_tensor is target._local_tensor:
                     return
-                if value.layout != target.layout:
-                    value = value.redistribute(target.device_mesh, target.layout)
+                if value._layout != target._layout:
+                    value = value.redistribute(target.device_mesh, target._layout)
                 src = value._local_tensor
             else:
                 src = _box_of(value, target)

@@ -47,13 +47,6 @@ def unit_repeat_num(enabled: bool = True) -> None:
 _STANDALONE_MESHES: Dict[tuple, object] = {}
 
 
-def _flatten_map(tensor_map):
-    out = []
-    for m in tensor_map:
-        out.extend(m if isinstance(m, tuple) else (m,))
-    return out
-
-
 class LayoutCompatMixin:
     """HyperParallel names on :class:`~hyper_parallel.dtensor.layout.Layout`."""
 

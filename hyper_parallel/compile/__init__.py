@@ -3,7 +3,7 @@
 Design (one screen)
 -------------------
 * **Compile is a mode of the dispatcher.** The first time dynamo meets a DTensor, ``compile_mode``
-  asks the op dispatcher to switch to compile mode (``Dispatcher.set_mode``): while dynamo traces,
+  asks the op dispatcher to switch to compile mode (``EntryDispatcher.set_mode``): while dynamo traces,
   every op is one ``nonstrict_trace`` call whose body AOTAutograd runs natively, so sharding rules,
   caches and layout arithmetic are constant-folded and the graph holds only aten ops on local
   tensors and functional collectives. Outside tracing the eager path runs.

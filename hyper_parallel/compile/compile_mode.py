@@ -20,7 +20,7 @@ Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher
   by ``__eq__``) and never traces their construction.
 * **Python-level fast methods are eager only.** Dynamo refuses to inline
   Tensor methods a subclass overrides, so the first time dynamo meets a DTensor
-  the fast methods (``_fast_methods.METHODS``) and the overridden
+  the fast methods (``dtensor/fast_path.py: METHODS``) and the overridden
   ``size``/``dim``/``numel``/``to``/``float`` are removed from the class for the
   rest of the process: outside compiled regions those calls then take the
   ordinary ``__torch_function__`` path (same results, ~1 us slower per call).
@@ -30,7 +30,7 @@ Design (see docs/design.md, "torch.compile"): dynamo never traces our dispatcher
   :func:`eager_hook`. Shapes are static: DTensor nodes refuse symbolic sizes (``_require_static``).
 
 Everything torch-specific about compilation lives here; the core only calls
-:func:`traced_op` / :func:`native_query` through the platform.
+:func:`traced_op` / :func:`native_query`.
 """
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ def _require_static(what, args, kwargs):
     ("Unsupported output type for nonstrict_trace-ed function"); the graph-break
     log (``TORCH_LOGS=graph_breaks``) quotes this message. Raising it from the code
     dynamo inlines instead did not stop the compile with it either (torch 2.13), so
-    the user-facing error is still dynamo's; docs/performance.md says to compile
+    the user-facing error is still dynamo's; docs/performance_history.md (torch.compile) says to compile
     with ``dynamic=False`` (as ``examples/llama/train.py --compile`` does).
     """
     shape = _symbolic_shape((args, kwargs))

@@ -23,7 +23,7 @@ Design (one screen)
   empty (skipped, never computed), full (no mask) or partial (dense mask built from global
   positions): causal, none, sliding window, documents (``cu_seqlens`` / doc ids). Anything else
   raises.
-* **Exact backward without recomputing attention.** The platform's autograd Function keeps only
+* **Exact backward without recomputing attention.** The ring's autograd Function keeps only
   local q, k, v, out, lse; backward recomputes block scores and sends each block's dK/dV around the
   ring back to its owner (or reduce-scatters them after an all_gather rotation).
 * **APIs users know.** ``ContextParallel(method=..., load_balance=...)`` is a ``ParallelStyle`` whose

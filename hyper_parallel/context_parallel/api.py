@@ -1,4 +1,4 @@
-"""Context-parallel attention on local shards or DTensors (framework-neutral; mechanics in the platform).
+"""Context-parallel attention on local shards or DTensors (torch mechanics in torch_mechanics.py).
 
 Local tensors have the ``F.scaled_dot_product_attention`` layout ``[..., heads, seq, head_dim]``;
 every rank holds the rows of its sequence shard, in the order of the layout (``plan.py``).
@@ -36,7 +36,7 @@ options = _Options()
 
 
 class RingPlan:
-    """Plain data handed to the platform's ring attention."""
+    """Plain data handed to the ring attention (ring.py)."""
 
     __slots__ = ("group", "schedule", "kv_lens", "mask_spec", "scale", "rotate")
 

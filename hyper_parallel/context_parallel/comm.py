@@ -1,7 +1,7 @@
 """Communication volume of context-parallel attention (bytes one rank sends), the formulas of the docs.
 
 ``b_kv(r)`` = bytes of ring rank r's packed K and V shard; ``P`` = cp degree (ring size R, Ulysses
-size U). The tests count the platform's records and compare with these.
+size U). The tests count the recorded collectives (distributed/comm_record.py) and compare with these.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Mask:
         raise NotImplementedError
 
     def spec(self):
-        """Plain data the platform's kernels build dense masks from."""
+        """Plain data the attention kernels (kernels.py) build dense masks from."""
         return (self.kind,)
 
 

@@ -1,4 +1,4 @@
-"""CommDebugMode: count collectives (and bytes) issued through the platform layer.
+"""CommDebugMode: count collectives (and bytes) issued through the ground floor's collectives (hyper_parallel.distributed).
 
 Counts are keyed by hyper_parallel's collective kinds (``"all_gather"``...) and
 also answer PyTorch's keys (``torch.ops.c10d_functional.all_gather_into_tensor``,
@@ -8,6 +8,7 @@ also answer PyTorch's keys (``torch.ops.c10d_functional.all_gather_into_tensor``
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any, Dict
 
 from hyper_parallel.distributed import comm_keys
 from hyper_parallel.distributed import comm_record
@@ -34,7 +35,7 @@ class CommCounts(dict):
     def __getitem__(self, key):
         return dict.get(self, self._kind(key), 0)
 
-    def get(self, key, default=None):
+    def get(self, key: Any, default: Any = None) -> Any:
         return dict.get(self, self._kind(key), default)
 
     def __contains__(self, key):
@@ -72,7 +73,7 @@ class CommDebugMode:
         self._tracker = None
 
     @property
-    def counts(self):
+    def counts(self) -> Dict[Any, int]:
         return self.comm_counts
 
     def _record(self, kind, nbytes, group_size, group_ranks):
@@ -139,12 +140,12 @@ class CommDebugMode:
                     lines.extend("  " * (depth + 2) + f"*{kind}: {n}" for kind, n in sorted(counts.items()))
         return "\n".join(lines) + "\n"
 
-    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3):
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt", noise_level: int = 3) -> None:
         """Write :meth:`generate_comm_debug_tracing_table` to ``file_name``."""
         with open(file_name, "w") as f:
             f.write(self.generate_comm_debug_tracing_table(noise_level))
 
-    def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3):
+    def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3) -> None:
         """Dump the per-module counts (and DTensor parameters' placements) as JSON to ``file_name``."""
         import json
         data = {"comm_module_counts": {m: {ph: dict(c) for ph, c in phases.items()}

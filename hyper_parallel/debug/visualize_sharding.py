@@ -9,8 +9,10 @@ printed above the table, and ranks holding an empty shard are left out.
 """
 from __future__ import annotations
 
+from typing import Any
 
-def visualize_sharding(dtensor, header: str = "", use_rich: bool = False) -> None:
+
+def visualize_sharding(dtensor: Any, header: str = "", use_rich: bool = False) -> None:
     """Print the block (rows, columns) each rank of ``dtensor``'s mesh holds, e.g. ``Row 0-3  cpu:0``."""
     if dtensor.numel() == 0:
         return
@@ -23,10 +25,10 @@ def visualize_sharding(dtensor, header: str = "", use_rich: bool = False) -> Non
     print(sharding_table(dtensor, header))
 
 
-def sharding_table(dtensor, header: str = "") -> str:
+def sharding_table(dtensor: Any, header: str = "") -> str:
     """The table :func:`visualize_sharding` prints (every rank can build it; no communication)."""
-    layout, shape = dtensor.layout, tuple(dtensor.shape)
-    blocks = {}  # (row range, col range) -> ranks holding it
+    layout, shape = dtensor._layout, tuple(dtensor.shape)
+    blocks: dict = {}  # (row range, col range) -> ranks holding it
     for rank in layout.rank_list:
         lshape, offset = layout.local_shape_and_offset(shape, rank)
         if len(shape) == 1:

@@ -3,13 +3,14 @@
 Design (one screen)
 -------------------
 * **One dispatcher object.** ``DTensor.__torch_function__`` (defined once, in ``dtensor/dtensor.py``)
-  calls ``dispatcher.DISPATCHER.torch_function``. In eager mode that is the fast path (a cache keyed
+  calls ``dispatcher.ENTRY.torch_function``. In eager mode that is the fast path (a cache keyed
   by the op and the interned layout of each argument, a hit runs the op on local tensors and wraps
   the result in a few microseconds) falling back to the rule-based path; in compile mode (the first
   time dynamo meets a DTensor) each op becomes one opaque node (``compile/compile_mode.py``).
 * **Files.** ``dispatcher.py``: the dispatcher, its caches, redistribution of inputs, partial-gradient
-  views, wrapping. ``call_args.py``: argument collection and cache signatures. ``fast_methods.py``:
-  Python-level ``__add__``/``view``/... that skip the C++ entry on a cache hit. ``modes.py``: the
+  views, wrapping. ``call_args.py``: argument collection and cache signatures (the
+  Python-level ``__add__``/``view``/... that skip the C++ entry on a cache hit are part of the class:
+  ``dtensor/fast_path.py``, reading the fast cache this package fills). ``modes.py``: the
   switches (strict layouts, replicate fallback, debug). ``strict_layouts.py``: the strict-layout
   verdict and HyperParallel's error messages. ``rules/``: one file per op family, each registering
   ``DistributedOp`` rules (``rules/base.py``: the registry, ``register``/``override``).

@@ -28,7 +28,7 @@ def _op_name(func):
     return n
 
 
-def _sig(a):
+def _signature(a):
     """Hashable signature of a non-DTensor argument (part of the cache key)."""
     if isinstance(a, _LEAF_TYPES):
         return a
@@ -37,11 +37,11 @@ def _sig(a):
     if isinstance(a, _Tensor):
         return ("T", tuple(a.shape), a.dtype, a.requires_grad)
     if isinstance(a, (list, tuple)):
-        return (type(a).__name__,) + tuple(_sig(x) for x in a)
+        return (type(a).__name__,) + tuple(_signature(x) for x in a)
     if isinstance(a, slice):
-        return ("slice", _sig(a.start), _sig(a.stop), _sig(a.step))
+        return ("slice", _signature(a.start), _signature(a.stop), _signature(a.step))
     if isinstance(a, dict):
-        return ("dict",) + tuple((k, _sig(v)) for k, v in a.items())
+        return ("dict",) + tuple((k, _signature(v)) for k, v in a.items())
     try:
         hash(a)
         return a
@@ -49,16 +49,16 @@ def _sig(a):
         return ("id", id(a))
 
 
-def _sig_nf(a):
-    """:func:`_sig` with float values replaced by their type (for rules whose answer ignores them)."""
+def _signature_without_floats(a):
+    """:func:`_signature` with float values replaced by their type (for rules whose answer ignores them)."""
     t = type(a)
     if t is float:
         return float
     if t is list or t is tuple:
-        return (t.__name__,) + tuple(_sig_nf(x) for x in a)
+        return (t.__name__,) + tuple(_signature_without_floats(x) for x in a)
     if t is dict:
-        return ("dict",) + tuple((k, _sig_nf(v)) for k, v in a.items())
-    return _sig(a)
+        return ("dict",) + tuple((k, _signature_without_floats(v)) for k, v in a.items())
+    return _signature(a)
 
 
 def _inplace_target(args, kwargs, dts):

@@ -32,6 +32,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dispatch.dispatcher import dispatch as _dispatch
 import torch
@@ -53,18 +55,18 @@ class _LocalCallable:
 class DFunction(torch.autograd.Function):
     """Base class for user-defined distributed autograd functions (see module docstring)."""
 
-    _op_name: str = None
+    _op_name: Optional[str] = None
 
     @staticmethod
-    def forward(ctx, *args, **kwargs):
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("DFunction subclasses must implement forward()")
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
         raise NotImplementedError("DFunction subclasses must implement backward()")
 
     @classmethod
-    def apply(cls, *args, **kwargs):
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, DTensor) for a in args) or any(isinstance(v, DTensor) for v in kwargs.values()):
             if cls._op_name is None:
                 raise ValueError(
@@ -80,6 +82,6 @@ class DFunction(torch.autograd.Function):
             def _local(*a, **kw):
                 # local tensors only here: the ordinary autograd path of this class
                 return torch.autograd.Function.apply.__func__(cls, *a, **kw)
-            lc = _LocalCallable(_local, cls._op_name)
-            cls._hp_local_callable = lc
+            lc = _LocalCallable(_local, str(cls._op_name))
+            cls._hp_local_callable = lc  # type: ignore[attr-defined]
         return lc

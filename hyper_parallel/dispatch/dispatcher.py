@@ -20,7 +20,6 @@ For every op called with DTensor arguments the dispatcher
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 
 from hyper_parallel.dtensor import dispatch_state as _ds
@@ -29,12 +28,12 @@ from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.layout import Layout as _Layout
 from hyper_parallel.dtensor.redistribute import partial_grad_view
-from hyper_parallel.dispatch import fast_methods as _fast_methods
+from hyper_parallel.dtensor import fast_path as _fast_path
 from hyper_parallel.dispatch import strict_layouts as _strict
 from hyper_parallel.dispatch import modes as _modes
 from hyper_parallel.dispatch.mesh_split import split_by_mesh as _split_by_mesh
 from hyper_parallel.dispatch.call_args import (_check_plain_tensors, _collect, _inplace_target, _op_name, _replace,
-                                             _sig, _sig_nf)
+                                             _signature, _signature_without_floats)
 from hyper_parallel.dispatch.rules import base as _base
 from hyper_parallel.compile import compile_mode
 import torch
@@ -52,8 +51,8 @@ _SPECIAL = _dt.SPECIAL_METHODS           # special-cased methods (dtensor/specia
 
 # ----------------------------------------------------------------------------- caches
 class _Entry:
-    __slots__ = ("in_layouts", "pgroups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
-                 "fallback", "strict", "mesh", "pg_args", "set_meta", "out_spec", "fn", "plain_conv")
+    __slots__ = ("in_layouts", "partial_grad_groups", "out_layouts", "out_shapes", "local_fn", "inplace", "redistributes",
+                 "fallback", "strict", "mesh", "partial_grad_inputs", "set_meta", "out_spec", "fn", "plain_conv")
 
     def __init__(self):
         self.fallback = False
@@ -64,15 +63,15 @@ class _Entry:
 _CACHE: dict = {}
 # (func, spec | scalar, ...) -> entry (spec: dtensor.Spec), for calls with positional DTensor/scalar
 # arguments that need no redistribution, are not in place and return one tensor (the rule's local
-# implementation, if any, and partial-gradient views are applied inline).
-_FAST: dict = {}
+# implementation, if any, and partial-gradient views are applied inline). The table lives in the
+# DTensor core (dtensor/fast_path.py) because the class's fast methods read it; this module fills it.
+_FAST = _fast_path.FAST
 # Both caches are bounded (oldest entry evicted): a program with unboundedly many distinct calls
 # (e.g. shapes that change every step) must not grow them forever.
 _CACHE_MAX = 8192
 # func -> whether float argument values are part of its cache key (see DistributedOp.float_args_matter)
 _FLOATS_MATTER: dict = {}
-_SCALARS = (int, float, bool, type(None))
-_EMPTY: dict = {}
+_SCALARS = _fast_path.SCALARS
 _INDEX_OPS = frozenset({"__getitem__", "__setitem__", "index_select", "gather", "index", "take_along_dim"})
 _BOOL = torch.bool
 _TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -117,7 +116,7 @@ def _bounded_put(cache, key, value):
 _SPECIAL_UNDER_SKIP = frozenset({"__repr__", "__format__", "__setstate__"})
 
 
-def _handle(func, types, args, kwargs):
+def _slow_path(func, types, args, kwargs):
     if _DYNAMO_LOADED() and _COMPILING():  # the compiler asking about the wrapper (is_conj...)
         out = _COMPILE.native_query(func, args, kwargs)
         if out is not NotImplemented:
@@ -135,50 +134,23 @@ def _handle(func, types, args, kwargs):
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **kwargs)
-    return _OP_DISPATCHER.dispatch(func, args, kwargs)
+    return _RULE_DISPATCHER.dispatch(func, args, kwargs)
 
 
 def _fast_key(func, args):
-    """The fast-cache key of ``func(*args)``, or None when an argument is neither a DTensor nor a scalar."""
-    parts = [func]
-    for a in args:
-        t = type(a)
-        if t is _DT:
-            parts.append(a._spec)
-        elif t in _SCALARS:
-            parts.append(a)
-        else:
-            return None
-    return tuple(parts)
+    return _fast_path.fast_key(_DT, func, args)
 
 
 def _fast_key_kw(func, args, kwargs):
-    """The fast-cache key of a call with keyword arguments (all scalars), or None.
-
-    The keywords form one trailing tuple; positional parts are never tuples, so the
-    key cannot equal that of a call without keywords.
-    """
-    for v in kwargs.values():
-        if type(v) not in _SCALARS:
-            return None
-    key = _fast_key(func, args)
-    return None if key is None else key + (tuple(kwargs.items()),)
+    return _fast_path.fast_key_kw(_DT, func, args, kwargs)
 
 
-def _fast_call_kw(func, args, kwargs):
-    """The fast path for calls with scalar keyword arguments (``x.mean(-1, keepdim=True)``,
-    ``F.softmax(x, dim=-1)``); returns None on a miss."""
-    key = _fast_key_kw(func, args, kwargs)
-    entry = None if key is None else _FAST.get(key)
-    if entry is None:
-        return None
-    locs = [x._local_tensor if type(x) is _DT else x for x in args]
-    out = entry.fn(*locs, **kwargs) if entry.pg_args is None else _run_pg(entry, locs, kwargs)
-    return _wrap_entry(entry, out)
+_run_pg = _fast_path.run_with_partial_grads
+_fast_call_kw = _fast_path.fast_call_kw  # (cls, func, args, kwargs)
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
-    """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_handle`.
+    """DTensor.__torch_function__: the hot path inlined, everything else via :func:`_slow_path`.
 
     The fast-path key is built exactly as :meth:`OpDispatcher._dispatch` stores it:
     ``(func, spec | scalar, ...)`` per positional argument, where a DTensor's spec is
@@ -211,12 +183,12 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                     la = a._local_tensor if ta is _DT else a
                     lb = b._local_tensor if tb is _DT else b
                     # partial-gradient views matter only for inputs that require grad
-                    if entry.pg_args is None or not ((ta is _DT and la.requires_grad) or
+                    if entry.partial_grad_inputs is None or not ((ta is _DT and la.requires_grad) or
                                                      (tb is _DT and lb.requires_grad)):
                         out = entry.fn(la, lb)
                     else:
                         out = _run_pg(entry, [la, lb])
-                elif entry.pg_args is None:
+                elif entry.partial_grad_inputs is None:
                     if n == 1:
                         out = entry.fn(a._local_tensor)
                     else:
@@ -236,22 +208,11 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         if special is not None:
             return special(*args, **(kwargs or {}))
     elif kwargs and not _SKIP_ANY[0]:
-        out = _fast_call_kw(func, args, kwargs)
+        out = _fast_call_kw(_DT, func, args, kwargs)
         if out is not None:
             return out
     # SkipDTensorDispatch, special-cased methods under it, cache misses
-    return _handle(func, types, args, kwargs or {})
-
-
-def _run_pg(entry, locs, kwargs=_EMPTY):
-    """Run ``entry.fn`` on local tensors, giving inputs with partial gradients (``entry.pg_args``) their views."""
-    for i, groups in entry.pg_args:
-        loc = locs[i]
-        if loc.requires_grad:
-            for g in groups:
-                loc = partial_grad_view(loc, g)
-            locs[i] = loc
-    return entry.fn(*locs, **kwargs)
+    return _slow_path(func, types, args, kwargs or {})
 
 
 def _out_via_copy(func, name, args, kwargs):
@@ -324,7 +285,7 @@ class OpDispatcher:
         if kwargs and type(kwargs.get("out")) is DTensor and not getattr(_base.get_rule(name), "supports_out", False):
             return _out_via_copy(func, name, args, kwargs)
         mesh = dts[0]._mesh
-        sig = _sig if _floats_matter(func, name) else _sig_nf
+        sig = _signature if _floats_matter(func, name) else _signature_without_floats
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         semantic = getattr(_base.get_rule(name), "mesh_semantics_matter", False)
         if semantic:  # the rule answers differently on HyperParallel and PyTorch meshes with equal layouts
@@ -351,10 +312,10 @@ class OpDispatcher:
                 _bounded_put(_CACHE, key, entry)
                 if mesh._coord is not None and not semantic and _fast_eligible(entry, args, kwargs):
                     entry.mesh = mesh
-                    # DTensor positional args are the DTensors in order: map pgroups to arg positions
+                    # DTensor positional args are the DTensors in order: map partial_grad_groups to arg positions
                     pos = [i for i, a in enumerate(args) if type(a) is DTensor]
-                    pg = tuple((pos[j], g) for j, g in enumerate(entry.pgroups) if g is not None)
-                    entry.pg_args = pg or None
+                    pg = tuple((pos[j], g) for j, g in enumerate(entry.partial_grad_groups) if g is not None)
+                    entry.partial_grad_inputs = pg or None
                     entry.fn = entry.local_fn or func  # what runs on the local tensors
                     entry.out_shapes = torch.Size(entry.out_shapes)
                     entry.out_spec = _dt.spec_of(entry.out_layouts, entry.out_shapes)
@@ -403,8 +364,8 @@ class OpDispatcher:
                   for d, tl in zip(dts, in_layouts)]
         entry.strict = _strict.violation(name, dts, redist, args, kwargs)  # strict layouts (None: fine)
         if _FLAGS["debug"] and any(r is not None for r in redist):
-            got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
-            changes = ", ".join(f"input {i} {_pl(dts[i]._layout)} -> {_pl(r)}" for i, r in enumerate(redist) if r)
+            got = ", ".join(f"input {i}: {_placements_text(d._layout)}" for i, d in enumerate(dts))
+            changes = ", ".join(f"input {i} {_placements_text(dts[i]._layout)} -> {_placements_text(r)}" for i, r in enumerate(redist) if r)
             _log.warning("hyper_parallel: %s redistributes %s (inputs: %s)", name, changes, got)
         entry.in_layouts = redist
         entry.out_layouts = strategy.out_layouts
@@ -412,7 +373,7 @@ class OpDispatcher:
         entry.inplace = _base.is_inplace(name) or isinstance(kwargs.get("out"), DTensor)
         entry.redistributes = any(r is not None for r in redist)
         final_in = [tl or d._layout for d, tl in zip(dts, in_layouts)]
-        entry.pgroups = _partial_groups(final_in, strategy.out_layouts, mesh)
+        entry.partial_grad_groups = _partial_groups(final_in, strategy.out_layouts, mesh)
         entry.out_shapes = strategy.out_shapes if strategy.out_shapes is not None else \
             _meta_shapes(func, args, kwargs, strategy.out_layouts, entry.inplace, dts)
         if entry.inplace:
@@ -433,7 +394,7 @@ class OpDispatcher:
         for i, d in enumerate(dts):
             tl = entry.in_layouts[i]
             loc = d._local_tensor if tl is None else d._redistribute_local(tl)
-            pg = entry.pgroups[i]
+            pg = entry.partial_grad_groups[i]
             if pg is not None and loc.requires_grad:
                 for g in pg:
                     loc = partial_grad_view(loc, g)
@@ -501,7 +462,7 @@ def _set_metadata(target, layout, shape, local):
     target.__dict__.pop("_grad_wrapper", None)
 
 
-def _pl(layout):
+def _placements_text(layout):
     """Placements of a layout, short: ``[S(0), R]``."""
     return "[" + ", ".join(str(p) for p in layout.placements) + "]"
 
@@ -591,22 +552,10 @@ def _meta_shapes(func, args, kwargs, out_layouts, inplace, dts):
     return None
 
 
-_OP_DISPATCHER = OpDispatcher()
+_RULE_DISPATCHER = OpDispatcher()
 _DT = DTensor
 _make_wrapper = _dt._make_wrapper
 _STRIDED = _dt._STRIDED
-
-
-def _wrap_entry(entry, out):
-    """Wrap the local result of a fast-cache ``entry`` (see :mod:`._fast_methods`)."""
-    shape = entry.out_shapes
-    r = _make_wrapper(_DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
-    r._local_tensor = out
-    r._mesh = entry.mesh
-    r._layout = entry.out_layouts
-    r._gshape = shape
-    r._spec = entry.out_spec
-    return r
 
 
 # ----------------------------------------------------------------------------- the dispatcher object
@@ -618,7 +567,7 @@ def _compile_torch_function(cls, func, types, args=(), kwargs=None):
     return _torch_function(cls, func, types, args, kwargs)
 
 
-class Dispatcher:
+class EntryDispatcher:
     """The one object ``DTensor.__torch_function__`` delegates to; eager or compile mode.
 
     ``torch_function`` is the entry (eager: :func:`_torch_function`, the fast path inlined; compile:
@@ -632,11 +581,11 @@ class Dispatcher:
     def __init__(self):
         self.mode = "eager"
         self.torch_function = _torch_function
-        self.handle = _handle
+        self.handle = _slow_path
 
     def set_mode(self, mode: str) -> None:
         if mode not in ("eager", "compile"):
-            raise ValueError(f"Dispatcher.set_mode: mode must be 'eager' or 'compile', got {mode!r}")
+            raise ValueError(f"EntryDispatcher.set_mode: mode must be 'eager' or 'compile', got {mode!r}")
         _dt.set_mode(mode)  # the class's eager-only methods leave (compile) or come back (eager)
         self.torch_function = _compile_torch_function if mode == "compile" else _torch_function
         self.mode = mode
@@ -647,10 +596,10 @@ _COMPILING = _COMPILE.is_compiling
 _DYNAMO_COMPILING = _COMPILE.is_dynamo_compiling
 _DYNAMO_LOADED = _COMPILE.is_dynamo_loaded  # the compile state is read through its function, never its table
 
-DISPATCHER = Dispatcher()
-_dt.set_dispatcher(DISPATCHER, _fast_methods.make_methods(DTensor, sys.modules[__name__]))
+ENTRY = EntryDispatcher()
+_dt.set_dispatcher(ENTRY)
 _COMPILE.install(DTensor, _torch_function, (_Layout, _dt.DeviceMesh, _dt.Shard, _dt.Replicate, _dt.Partial),
-                 DISPATCHER.set_mode)
+                 ENTRY.set_mode)
 
 
 def cache_stats() -> dict:
@@ -665,10 +614,10 @@ def clear_cache() -> None:
 def dispatch(func, args, kwargs=None):
     """Run ``func`` on DTensor arguments through its sharding rule (no special-method or
     SkipDTensorDispatch handling: the rule-based path only)."""
-    return _OP_DISPATCHER.dispatch(func, args, kwargs)
+    return _RULE_DISPATCHER.dispatch(func, args, kwargs)
 
 
 def handle(func, args, kwargs=None):
     """Run ``func`` as ``DTensor.__torch_function__`` would after the fast path: SkipDTensorDispatch,
     special-cased methods, then the rule-based dispatcher."""
-    return _handle(func, (), args, kwargs or {})
+    return _slow_path(func, (), args, kwargs or {})

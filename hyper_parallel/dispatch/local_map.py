@@ -15,7 +15,7 @@ gradient of a replicated input is the full gradient on every rank.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, adopt_foreign_mesh, get_current_mesh
 from hyper_parallel.dtensor.dtensor import DTensor, build_layout
@@ -27,7 +27,7 @@ import torch.utils._pytree
 def _non_replicated_mesh_dims(out_placements, mesh) -> set:
     """Mesh dims on which some declared output is sharded or Partial."""
     specs = [out_placements] if _is_spec(out_placements) else list(out_placements)
-    dims = set()
+    dims: set = set()
     for spec in specs:
         if spec is None:
             continue
@@ -63,9 +63,9 @@ def _per_output(out_placements) -> bool:
     return isinstance(out_placements, tuple) and not _is_spec(out_placements)
 
 
-def local_map(func: Optional[Callable] = None, out_placements=None, in_placements: Optional[Sequence] = None,
+def local_map(func: Optional[Callable] = None, out_placements: Any = None, in_placements: Optional[Sequence] = None,
               in_grad_placements: Optional[Sequence] = None, device_mesh: Optional[DeviceMesh] = None, *,
-              redistribute_inputs: bool = False):
+              redistribute_inputs: bool = False) -> Callable:
     """Wrap ``func`` (which works on local tensors) so it takes and returns DTensors (torch 2.13's signature).
 
     Args:
@@ -112,7 +112,7 @@ def _local_map_wrapped(func, out_placements, in_placements, in_grad_placements, 
             # layout cache: dynamo traces this wrapper inside compiled blocks)
             if want is not None and not _same_placements(a, want):
                 lay = build_layout(a.device_mesh, want, a.ndim, f"local_map in_placements[{i}]")
-                if lay != a.layout:
+                if lay != a._layout:
                     if not redistribute_inputs:
                         raise ValueError(
                             f"local_map({fname}): argument {i} has placements "
@@ -128,7 +128,7 @@ def _local_map_wrapped(func, out_placements, in_placements, in_grad_placements, 
                 continue
             local = a.to_local()
             if local.requires_grad:
-                lay = a.layout
+                lay = a._layout
                 for d in sorted(_non_replicated_mesh_dims(out_placements, a.device_mesh)):
                     if lay.partial[d] is None and lay.tensor_dim_of(d) is None and a.device_mesh.size(d) > 1:
                         local = partial_grad_view(local, a.device_mesh.get_comm_group(d))

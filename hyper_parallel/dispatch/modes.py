@@ -28,10 +28,12 @@ per thread). Its initial value comes from ``HYPER_PARALLEL_STRICT_LAYOUTS``:
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from hyper_parallel.dtensor import dispatch_state as _ds
 from hyper_parallel.dtensor.dispatch_state import (  # noqa: F401  (public home of these names)
-    SkipDTensorDispatch, add_no_skip_ops, disable_dtensor_dispatch, enable_dtensor_dispatch, get_no_skip_ops,
+    SkipDTensorDispatch, add_no_skip_ops, disable_dtensor_dispatch, enable_dtensor_dispatch, get_dtensor_dispatch,
+    get_no_skip_ops,
     implicit_replication, remove_no_skip_ops)
 
 OFF, STRICT, WARN = 0, 1, 2
@@ -128,7 +130,7 @@ WARNED_FALLBACK: set = set()  # ops the replicate fallback has warned about
 _ON_CHANGE: list = []
 
 
-def on_switch_change(fn) -> None:
+def on_switch_change(fn: Callable[[], None]) -> None:
     """Call ``fn()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
     cache clearing)."""
     if not callable(fn):
@@ -169,7 +171,19 @@ def _reset() -> None:
         set_debug(_debug_from_env())
 
 
-__all__ = ["strict_layouts", "set_strict_layouts", "strict_layouts_mode", "StrictLayoutError",
+def reset_process_state() -> None:
+    """Forget per-process state between independent jobs in one process: the dispatch modes go back to
+    the environment's, and the layout-independent random stream (``hp.manual_seed``) is unseeded.
+
+    The test harness calls it between tasks and ``hyper_parallel.auto.dry_run`` between fake worlds.
+    """
+    from hyper_parallel.dtensor import random as _random
+    _random.reset_seed_state()
+    _reset()
+
+
+__all__ = ["reset_process_state", "strict_layouts", "set_strict_layouts", "strict_layouts_mode", "StrictLayoutError",
            "StrictLayoutNotImplementedError", "ImplicitRedistributionWarning", "implicit_replication",
            "allow_replicate_fallback", "set_debug", "SkipDTensorDispatch", "add_no_skip_ops", "remove_no_skip_ops",
-           "get_no_skip_ops", "disable_dtensor_dispatch", "enable_dtensor_dispatch", "on_switch_change"]
+           "get_no_skip_ops", "disable_dtensor_dispatch", "enable_dtensor_dispatch", "get_dtensor_dispatch",
+           "on_switch_change"]

@@ -34,7 +34,7 @@ _WARNED = _modes.STRICT_WARNED  # (op, layouts) warned about; cleared by modes._
 _SDPA = "scaled_dot_product_attention"
 
 
-def _pl(layout):
+def _placements_text(layout):
     return "[" + ", ".join(str(p) for p in layout.placements) + "]"
 
 
@@ -85,11 +85,11 @@ def violation(name, dts, redist, args, kwargs):
             continue
         moves.append((i, tl))
         for t, what in changes:
-            parts.append(f"input {i} dim {t} ({what}: {_pl(d._layout)} -> {_pl(tl)})")
+            parts.append(f"input {i} dim {t} ({what}: {_placements_text(d._layout)} -> {_placements_text(tl)})")
             if _is_ring_attention(name, i, t, len(d._gshape)):
                 cls = _modes.StrictLayoutNotImplementedError
     if parts:
-        got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
+        got = ", ".join(f"input {i}: {_placements_text(d._layout)}" for i, d in enumerate(dts))
         msg = (f"strict layouts: {name} would redistribute implicitly {'; '.join(parts)} "
                f"(inputs: {got}). Fix: call .redistribute(mesh, placements) on those inputs yourself (or create "
                "them with matching placements), or leave strict mode (hyper_parallel.strict_layouts(False), "
@@ -126,7 +126,7 @@ def _squeeze(name, dts, args, kwargs):
     lay = dts[0]._layout
     hp = _strict_hp.message(name, dts, args, kwargs)
     msg = (f"strict layouts: {name} of dim {bad[0] % len(shape)} of size {shape[bad[0]]} (global shape {shape}, "
-           f"layout {_pl(lay)}): the dim is not a singleton, so PyTorch keeps it (a no-op) and HyperParallel "
+           f"layout {_placements_text(lay)}): the dim is not a singleton, so PyTorch keeps it (a no-op) and HyperParallel "
            "raises. Fix: squeeze only size-1 dims, or leave strict mode (hyper_parallel.strict_layouts(False))")
     return _modes.StrictLayoutError, (msg if hp is None else _join(hp[1], msg)), (), name
 
@@ -140,7 +140,7 @@ def _layouts_agree(name, dts, args, kwargs):
     hp = _strict_hp.semantic(name, dts, args, kwargs)
     if hp is None:
         return None
-    got = ", ".join(f"input {i}: {_pl(d._layout)}" for i, d in enumerate(dts))
+    got = ", ".join(f"input {i}: {_placements_text(d._layout)}" for i, d in enumerate(dts))
     msg = (f"strict layouts: {name} with operands laid out unlike each other ({got}): HyperParallel's rule "
            "requires them to agree (without strict layouts a replicated operand is sliced locally to match). "
            "Fix: call .redistribute(mesh, placements) on the operands so that their placements agree, or leave "

@@ -9,11 +9,11 @@
   collectives; it carries each rank's description.
 * The collective timeout, one value: ``HYPER_PARALLEL_COLLECTIVE_TIMEOUT`` seconds (the older name
   ``HYPER_PARALLEL_TIMEOUT`` is still read), or :func:`set_collective_timeout`, default 600 s. The
-  platform applies it to the groups it creates, to the default group it initialises and, once set
+  ground floor applies it to the groups it creates, to the default group it initialises and, once set
   explicitly (environment or setter), to every group the library uses.
 
-The framework part (wrapping the framework's errors, applying the timeout to groups, the
-fingerprint exchange) is ``platform/<framework>/fault.py``.
+Wrapping torch's errors and applying the timeout to groups live in ``collective_guard.py`` beside
+this module.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _env_check() -> bool:
 
 
 _explicit_timeout = [None]   # set_collective_timeout's value (wins over the environment)
-_listeners = []              # the platform's: called with the new timeout when it is set
+_listeners = []              # the group code's: called with the new timeout when it is set
 CHECK = [_env_check()]       # read on every collective: a list item is the cheapest switch
 
 
@@ -115,7 +115,7 @@ def set_collective_timeout(seconds) -> None:
 
 
 def on_timeout_change(fn) -> None:
-    """The platform registers ``fn(seconds)``, called by :func:`set_collective_timeout`."""
+    """The group code (groups.py) registers ``fn(seconds)``, called by :func:`set_collective_timeout`."""
     if fn not in _listeners:
         _listeners.append(fn)
 

@@ -11,7 +11,7 @@ CPython 3.11). How a dead peer shows up: gloo reports "Connection closed by peer
 and a peer that is alive but never joins ends in "Timed out waiting ...ms" after the group's
 timeout; NCCL raises ``DistBackendError`` (watchdog timeout, remote error).
 
-**Timeout.** :func:`group_timeout` is the one value (``faults.collective_timeout()``); the platform
+**Timeout.** :func:`group_timeout` is the one value (``faults.collective_timeout()``); the ground floor
 passes it to ``init_process_group`` and ``new_group``, and :func:`adopt` applies it (public
 ``ProcessGroup.set_timeout``) to a group the library did not create once the value was chosen
 explicitly.
@@ -196,8 +196,7 @@ def call_site(with_line: bool = True) -> str:
         if fn.startswith(_PKG_DIR):
             if placements is None:
                 placements = _placements_of(f)
-            if "/platform/" not in fn:
-                lib = f"{os.path.relpath(fn, os.path.dirname(_PKG_DIR))}:{f.f_code.co_name}"
+            lib = f"{os.path.relpath(fn, os.path.dirname(_PKG_DIR))}:{f.f_code.co_name}"  # the outermost one
         elif not fn.startswith(_TORCH_DIR) and not fn.startswith("<"):
             user = f"{fn}:{f.f_lineno}" if with_line else fn
             break

@@ -1,7 +1,7 @@
 """Framework-free bookkeeping for collectives: byte-cost formulas and recorders.
 
 The redistribution planner predicts bytes with :func:`bytes_sent`, and the
-platform layer reports every collective it issues to the active recorders with
+ground floor (``distributed/``) reports every collective it issues to the active recorders with
 the same formula, so a test can check that the executor did what the plan said.
 
 "Bytes sent" is what one rank puts on the wire under a bandwidth-optimal

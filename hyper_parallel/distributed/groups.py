@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def default_device(device_type: str):
     return torch.device(device_type)
 
 
-def init_process_group(device_type: str = "cpu", timeout_s: float = None) -> None:
+def init_process_group(device_type: str = "cpu", timeout_s: Optional[float] = None) -> None:
     """Initialise the default group from torchrun-style env vars if needed."""
     if is_initialized():
         return

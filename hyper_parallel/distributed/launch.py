@@ -81,7 +81,7 @@ def destroy_at_exit() -> None:
 
     ``dist.destroy_process_group()`` only drops torch's own references; a ProcessGroupGloo and
     its threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) live on while anything else holds it,
-    here the platform's group cache and every mesh. Such a group is destroyed during the
+    here the ground floor's group cache and every mesh. Such a group is destroyed during the
     interpreter's teardown instead, with its threads still running, and that sometimes aborts the
     process ("terminate called without an active exception"; docs/testing.md). So: destroy,
     call the registered ``release`` functions (they drop the library's references) and collect,

@@ -10,7 +10,7 @@ schedules. The eager path never comes here: :mod:`collectives` checks
 
 Uneven pieces are padded for the wire and trimmed after, exactly as in eager.
 
-Why this module sits at the root of ``platform/torch/`` and not in ``compile/``: it is the
+Why this module sits in the ground floor (``distributed/``) and not in ``compile/``: it is the
 traced half of each raw collective - :mod:`collectives` calls it, it shares the wire layout
 with the eager half, and it knows nothing about DTensors or dynamo's handling of them. It
 adapts torch's functional collectives, as :mod:`collectives` adapts the in-place ones; the

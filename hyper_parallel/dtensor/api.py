@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch.nn as nn
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
 from hyper_parallel.compat.hp_placements import drop_extra_placements
 from hyper_parallel.dtensor.dtensor import DTensor, _off_mesh_local, build_layout
 from hyper_parallel.compat.hp_dtensor_names import provide_dtensor_names
-from hyper_parallel.dtensor.layout import is_alias_spelling
+from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Replicate
 from hyper_parallel.dtensor import random as dt_random
 from hyper_parallel.dtensor import redistribute_plan as rp
@@ -66,6 +68,7 @@ def _broadcast_from(tensor, mesh: DeviceMesh, src_data_rank: int):
     a rank already holding the data take part, so each rank receives once.
     """
     coord = mesh.get_coordinate()
+    assert coord is not None, "only ranks of the mesh broadcast"
     src = (src_data_rank,) * mesh.ndim
     out = tensor.detach().contiguous()
     for d in range(mesh.ndim):
@@ -77,7 +80,8 @@ def _broadcast_from(tensor, mesh: DeviceMesh, src_data_rank: int):
     return out
 
 
-def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placements=None, *,
+def distribute_tensor(tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = None,
+                      placements: Optional[Union[Sequence[Any], Layout]] = None, *,
                       src_data_rank: Optional[int] = 0) -> DTensor:
     """Split a full ``tensor`` over ``device_mesh`` as ``placements``.
 
@@ -107,7 +111,7 @@ def distribute_tensor(tensor, device_mesh: Optional[DeviceMesh] = None, placemen
         if tensor.device_mesh != mesh:
             raise ValueError(f"Cannot distribute a DTensor with device mesh {tensor.device_mesh} "
                              f"to a different device mesh {mesh}.")
-        if tensor.layout != layout:
+        if tensor._layout != layout:
             raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to a different "
                              f"placements {tuple(layout.placements)}. do you want to call `redistribute` instead?")
         return tensor
@@ -176,10 +180,10 @@ def _wrap_hook(fn, mesh, kind):
     raise ValueError(f"distribute_module: {kind} should take 2 or 3 arguments, but got {n} arguments")
 
 
-def distribute_module(module, device_mesh: Optional[DeviceMesh] = None,
+def distribute_module(module: nn.Module, device_mesh: Optional[DeviceMesh] = None,
                       partition_fn: Optional[Callable] = None,
                       input_fn: Optional[Callable] = None,
-                      output_fn: Optional[Callable] = None):
+                      output_fn: Optional[Callable] = None) -> nn.Module:
     """Distribute a module's parameters and attach input/output hooks (PyTorch contract).
 
     ``partition_fn(name, submodule, mesh)`` runs on every submodule and may turn
@@ -202,7 +206,7 @@ def distribute_module(module, device_mesh: Optional[DeviceMesh] = None,
         module.register_forward_pre_hook(pre)
     if post is not None:
         module.register_forward_hook(post)
-    module._distribute_module_applied = True
+    module._distribute_module_applied = True  # type: ignore[assignment]
     return module
 
 
@@ -254,37 +258,49 @@ def _factory(fn_name, make_local, size, device_mesh, placements, dtype, requires
     return DTensor._wrap(local, mesh, layout, shape)
 
 
-def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+def ones(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+         placements: Optional[Sequence[Any]] = None, dtype: Optional[torch.dtype] = None,
+         requires_grad: bool = False) -> DTensor:
     """DTensor of ones with global shape ``size``."""
     return _factory("ones", lambda s, o, g, m: torch.ones(s, dtype=dtype, device=_device(m)),
                     size, device_mesh, placements, dtype, requires_grad)
 
 
-def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+def zeros(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+          placements: Optional[Sequence[Any]] = None, dtype: Optional[torch.dtype] = None,
+          requires_grad: bool = False) -> DTensor:
     """DTensor of zeros with global shape ``size``."""
     return _factory("zeros", lambda s, o, g, m: torch.zeros(s, dtype=dtype, device=_device(m)),
                     size, device_mesh, placements, dtype, requires_grad)
 
 
-def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+def empty(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+          placements: Optional[Sequence[Any]] = None, dtype: Optional[torch.dtype] = None,
+          requires_grad: bool = False) -> DTensor:
     """Uninitialised DTensor with global shape ``size``."""
     return _factory("empty", lambda s, o, g, m: torch.empty(s, dtype=dtype, device=_device(m)),
                     size, device_mesh, placements, dtype, requires_grad)
 
 
-def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+def full(size: Sequence[int], fill_value: Union[int, float, bool], *, device_mesh: Optional[DeviceMesh] = None,
+         placements: Optional[Sequence[Any]] = None, dtype: Optional[torch.dtype] = None,
+         requires_grad: bool = False) -> DTensor:
     """DTensor filled with ``fill_value`` with global shape ``size``."""
     return _factory("full", lambda s, o, g, m: torch.full(s, fill_value, dtype=dtype, device=_device(m)),
                     (tuple(size),), device_mesh, placements, dtype, requires_grad)
 
 
-def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+def rand(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+         placements: Optional[Sequence[Any]] = None, dtype: Optional[torch.dtype] = None,
+         requires_grad: bool = False) -> DTensor:
     """Uniform [0, 1) DTensor; values depend only on the seed, never on the layout."""
     return _factory("rand", lambda s, o, g, m: dt_random.random_local("rand", g, s, o, dtype, _device(m)),
                     size, device_mesh, placements, dtype, requires_grad)
 
 
-def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False) -> DTensor:
+def randn(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+          placements: Optional[Sequence[Any]] = None, dtype: Optional[torch.dtype] = None,
+          requires_grad: bool = False) -> DTensor:
     """Standard normal DTensor; values depend only on the seed, never on the layout."""
     return _factory("randn", lambda s, o, g, m: dt_random.random_local("randn", g, s, o, dtype, _device(m)),
                     size, device_mesh, placements, dtype, requires_grad)

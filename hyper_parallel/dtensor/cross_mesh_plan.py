@@ -26,7 +26,7 @@ Plans are per-process constants: each rank derives its own :class:`RankProgram`
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from hyper_parallel.dtensor import redistribute_plan as rp
 from hyper_parallel.dtensor.layout import Layout, coordinate_of, local_shape_and_offset
@@ -140,9 +140,6 @@ class P2PPlan:
 
     def bytes_sent(self, rank: int) -> int:
         return sum(t.nbytes for t in self.transfers if t.src == rank and not t.is_local)
-
-    def bytes_received(self, rank: int) -> int:
-        return sum(t.nbytes for t in self.transfers if t.dst == rank and not t.is_local)
 
     def sends(self, rank: int) -> int:
         """Number of messages ``rank`` sends."""

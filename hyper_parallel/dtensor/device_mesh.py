@@ -2,14 +2,14 @@
 
 Every rank builds the same mesh; the groups for every line of every mesh dim
 are created once, in the same order on all ranks (``new_group`` is collective
-over the world), and cached in the platform, so sliced or re-created meshes
+over the world), and cached in the ground floor (``distributed/groups.py``), so sliced or re-created meshes
 reuse them.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.dtensor.mesh_coords import coordinate_of
 from hyper_parallel.compat.hp_mesh import DeviceMeshCompatMixin
@@ -46,8 +46,14 @@ class DeviceMesh(DeviceMeshCompatMixin):
         mesh_dim_names: optional names, one per mesh dim (used for slicing and aliases).
     """
 
-    def __init__(self, device_type: str, mesh, *, mesh_dim_names: Optional[Sequence[str]] = None,
-                 _root: "DeviceMesh" = None, _root_dims: Tuple[int, ...] = None, _init_groups: bool = True,
+    _hp_flag: bool
+    _groups: List[Any]
+    _flat_meshes: Dict[str, Any]
+    _foreign: Any
+
+    def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Optional[Sequence[str]] = None,
+                 _root: Optional["DeviceMesh"] = None, _root_dims: Optional[Tuple[int, ...]] = None,
+                 _init_groups: bool = True,
                  _hp: bool = False):
         flat, shape = _flatten(mesh)
         if not shape:
@@ -132,7 +138,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
             raise IndexError(f"mesh dim {dim!r} is out of range for a {self.ndim}-d mesh")
         return dim % self.ndim
 
-    def get_comm_group(self, mesh_dim: Union[int, str] = 0):
+    def get_comm_group(self, mesh_dim: Union[int, str] = 0) -> Any:
         """The :class:`CommGroup` of this rank along ``mesh_dim`` (internal collectives use it)."""
         d = self._dim_index(mesh_dim)
         g = self._groups[d]
@@ -143,7 +149,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
             g = self._groups[d]
         return g
 
-    def get_group(self, mesh_dim: Union[int, str, None] = None):
+    def get_group(self, mesh_dim: Union[int, str, None] = None) -> Any:
         """The framework process group along ``mesh_dim`` (torch ProcessGroup)."""
         if mesh_dim is None:
             if self.ndim != 1:
@@ -151,7 +157,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
             mesh_dim = 0
         return self.get_comm_group(mesh_dim).handle
 
-    def get_all_groups(self):
+    def get_all_groups(self) -> List[Any]:
         return [self.get_group(d) for d in range(self.ndim)]
 
     # ------------------------------------------------------------------ shape & coords
@@ -168,7 +174,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
         return self._names
 
     @property
-    def mesh(self):
+    def mesh(self) -> torch.Tensor:
         """The ranks as a framework integer tensor of the mesh's shape."""
         return torch.tensor(list(self.rank_list), dtype=torch.long).reshape(tuple(self._shape))
 
@@ -262,6 +268,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
             if self._rank in ranks:
                 my_line = (ranks, g)
                 g.name_dim(f"flattened mesh dim {mesh_dim_name!r} of mesh {root._shape}")
+        assert my_line is not None, "every rank of a mesh lies on one line of each flattening"
         flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False,
                           _hp=uses_hp_semantics(root))
         flat._groups[0] = my_line[1]
@@ -290,7 +297,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
     def __hash__(self):
         return self._hash
 
-    def to_hash(self):
+    def to_hash(self) -> int:
         return self._hash
 
     def __reduce__(self):
@@ -316,10 +323,10 @@ def get_current_mesh() -> Optional[DeviceMesh]:
     return stack[-1] if stack else None
 
 
-_ADOPTED = weakref.WeakKeyDictionary()
+_ADOPTED: "weakref.WeakKeyDictionary[Any, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
-def adopt_foreign_mesh(obj) -> Optional[DeviceMesh]:
+def adopt_foreign_mesh(obj: Any) -> Optional[DeviceMesh]:
     """The hyper_parallel mesh for a framework's own mesh object (``torch.distributed``'s DeviceMesh), else None.
 
     The result is cached per mesh object and reuses that mesh's process groups, so
@@ -479,10 +486,11 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                        _hp=True)
         if m._coord is not None:
             mine = m
+    assert mine is not None, "every rank of the world lies in one block"
     return mine
 
 
-def uses_hp_semantics(mesh) -> bool:
+def uses_hp_semantics(mesh: Any) -> bool:
     """Whether DTensors on ``mesh`` follow HyperParallel's semantics rather than PyTorch's.
 
     True for meshes made by HyperParallel's entry points (``hyper_parallel.init_device_mesh``,

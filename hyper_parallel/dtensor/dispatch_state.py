@@ -50,6 +50,12 @@ def disable_dtensor_dispatch(no_skip=()):
         SKIP_ANY[0] += 1
 
 
+def get_dtensor_dispatch() -> bool:
+    """Whether DTensor dispatch is on in this thread (no ``SkipDTensorDispatch`` /
+    ``disable_dtensor_dispatch()`` active); HyperParallel's name."""
+    return current_skip() is None
+
+
 def enable_dtensor_dispatch():
     st = skip_state()
     st[0] -= 1
@@ -141,4 +147,5 @@ class implicit_replication:
 
 
 __all__ = ["SkipDTensorDispatch", "implicit_replication", "disable_dtensor_dispatch", "enable_dtensor_dispatch",
+           "get_dtensor_dispatch",
            "add_no_skip_ops", "remove_no_skip_ops", "get_no_skip_ops"]

@@ -18,7 +18,6 @@ Design (why it is fast):
 from __future__ import annotations
 
 import copy
-import sys
 from typing import Optional, Sequence
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
@@ -40,28 +39,21 @@ from hyper_parallel.compat.hp_dtensor_names import _build_layout, _is_alias_plac
 from hyper_parallel.dtensor import torch_internals
 import torch
 from hyper_parallel.dtensor import vmap_bridge
+from hyper_parallel.dtensor import fast_path
 from hyper_parallel.compile import compile_mode
 
 _Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling  # held True by torch.compile for a whole compilation
 _Size = torch.Size
 _make_wrapper = _Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
 
-_getframe = sys._getframe
-_FRAMEWORK_PKG = "torch"  # "torch"
-_FRAMEWORK_PREFIX = _FRAMEWORK_PKG + "."
 
 
 def _dcp():
     """The DTensor hooks of torch.distributed.checkpoint (hyper_parallel/checkpoint/dcp.py), imported on first use."""
     from hyper_parallel.checkpoint import dcp
     return dcp
-
-
-def _caller_is_framework(frame) -> bool:
-    """Whether ``frame`` runs code of the framework package itself (not user or hyper_parallel code)."""
-    name = frame.f_globals.get("__name__", "")
-    return bool(_FRAMEWORK_PKG) and (name.startswith(_FRAMEWORK_PREFIX) or name == _FRAMEWORK_PKG)
 
 
 # ------------------------------------------------------------------ the op dispatcher
@@ -89,29 +81,25 @@ class _NoDispatcher:
 
 
 _DISPATCHER = _NoDispatcher
-_FAST_METHODS: dict = {}   # the dispatcher's eager fast methods (name -> function), defined on the class in eager mode
+_FAST_METHODS: dict = {}   # the fast methods (fast_path.py; name -> function), on the class except in compile mode
 _EAGER_ONLY = ("size", "dim", "numel", "to", "float")  # overrides dynamo cannot inline: absent in compile mode
 _TRACED: dict = {}         # API methods with their dynamo branch (compile mode), made below the class
 _EAGER_ATTRS: dict = {}    # what set_mode("compile") took off the class, for set_mode("eager")
 
 
-def set_dispatcher(dispatcher, fast_methods=None) -> None:
+def set_dispatcher(dispatcher) -> None:
     """Hand DTensor its op dispatcher (called once, by ``dispatch/dispatcher.py`` on import).
 
     ``dispatcher`` has ``torch_function(cls, func, types, args, kwargs)`` (what ``__torch_function__``
     calls) and ``handle(func, types, args, kwargs)`` (the slow path, for ``DTensor.to`` and the vmap
-    bridge); ``fast_methods`` maps Tensor method names to the dispatcher's Python-level fast methods
-    (``dispatch/fast_methods.py``), defined on the class while the dispatcher is in eager mode.
+    bridge). The class itself does not change: its fast methods (``fast_path.py``) are defined when this
+    module is imported and read the cache the dispatcher fills.
     """
     global _DISPATCHER
     for attr in ("torch_function", "handle"):
         if not callable(getattr(dispatcher, attr, None)):
             raise TypeError(f"set_dispatcher: dispatcher must have a callable {attr!r}, got {dispatcher!r}")
     _DISPATCHER = dispatcher
-    _FAST_METHODS.clear()
-    _FAST_METHODS.update(fast_methods or {})
-    for name, fn in _FAST_METHODS.items():
-        setattr(DTensor, name, fn)
 
 
 def set_mode(mode: str) -> None:
@@ -172,6 +160,11 @@ class DTensor(torch.Tensor):
     # slots: the per-op wrapper sets these five on every output, cheaper than __dict__ entries
     # (rare attributes - caches, Parameter flags - still go to the instance __dict__)
     __slots__ = ("_local_tensor", "_mesh", "_layout", "_gshape", "_spec")
+    _local_tensor: torch.Tensor
+    _mesh: DeviceMesh
+    _layout: Layout
+    _gshape: torch.Size
+    _spec: Spec
 
     @staticmethod
     def __new__(cls, local_tensor, device_mesh: DeviceMesh = None, placements=None, *, shape=None, stride=None):
@@ -208,15 +201,22 @@ class DTensor(torch.Tensor):
         return self._layout.placements
 
     @property
-    def layout(self) -> Layout:
-        """The :class:`Layout` (mesh, placements, aliases, tensor map) of this DTensor.
+    def layout(self):
+        """What ``.layout`` means depends on the mesh's semantics (docs/design.md, "DTensor.layout").
 
-        Read from inside the framework's own Python code (``torch.testing``,
-        serialization...) it is the framework's memory layout (``torch.strided``), as
-        for any dense tensor; see docs/design.md, "DTensor.layout".
+        On a HyperParallel mesh (``hyper_parallel.init_device_mesh``, HyperParallel's paths) it is the
+        :class:`Layout` (mesh, placements, aliases, tensor map), as in HyperParallel. On a PyTorch mesh
+        (``hyper_parallel.device_mesh.init_device_mesh``, a torch mesh, the swap) it is the memory layout
+        ``torch.strided``, as for torch's DTensor and any dense tensor; so it is while ``torch.compile``
+        runs (dynamo and AOTAutograd read it as the memory layout). The distribution layout is always
+        :meth:`dist_layout`.
         """
-        if _caller_is_framework(_getframe(1)):
-            return _STRIDED
+        if self._mesh._hp_flag and not _compiling():
+            return self._layout
+        return _STRIDED
+
+    def dist_layout(self) -> Layout:
+        """The distribution :class:`Layout` (mesh, placements, aliases, tensor map), on any mesh."""
         return self._layout
 
     @property
@@ -696,6 +696,15 @@ def _rebuild_dtensor(local, mesh, layout, shape, is_param=False):
 
 # what a pickled DTensor refers to (the mesh registers its own rebuild function)
 torch.serialization.add_safe_globals([_rebuild_dtensor, _rebuild_layout, Shard, Replicate, Partial])
+
+
+# ------------------------------------------------------------------ fast methods
+# Python-level fast paths of common Tensor methods (dtensor/fast_path.py), part of the class from the start.
+# Only compile mode takes them off (set_mode): dynamo graph-breaks on Tensor methods a subclass overrides.
+_FAST_METHODS.update(fast_path.make_methods(DTensor))
+for _name, _method in _FAST_METHODS.items():
+    setattr(DTensor, _name, _method)
+del _name, _method
 
 
 # ------------------------------------------------------------------ special-cased methods

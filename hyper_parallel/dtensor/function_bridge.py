@@ -10,7 +10,7 @@ wraps the incoming local gradients as DTensors (gradient layout of each output;
 calls the user's ``backward`` and hands each DTensor gradient back laid out as its
 input's gradient. The user's ``ctx`` is the inner node's ctx, so
 ``save_for_backward``, ``needs_input_grad`` and ``set_materialize_grads`` work.
-The platform routes the calls here (``platform.function_hook()``).
+``patch_function_apply.py`` routes the calls here.
 """
 from __future__ import annotations
 

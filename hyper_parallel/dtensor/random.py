@@ -25,6 +25,7 @@ which this module does not reproduce: the layout-independent stream is kept ther
 from __future__ import annotations
 
 import hashlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 import warnings
 
 from hyper_parallel.distributed import rng
@@ -34,10 +35,10 @@ import torch
 _BLOCK_ELEMS = 1 << 16
 _state = {"seed": None, "counter": 0, "scheme": "hyper_parallel"}
 SCHEMES = ("hyper_parallel", "torch")
-_SCHEME_HOOKS = []   # called when the scheme changes (the dispatcher's cached random-op strategies depend on it)
+_SCHEME_HOOKS: list = []   # called when the scheme changes (the dispatcher's cached random-op strategies depend on it)
 
 
-def on_scheme_change(fn) -> None:
+def on_scheme_change(fn: Callable[[], None]) -> None:
     if not callable(fn):
         raise TypeError(f"on_scheme_change: fn must be callable, got {fn!r}")
     _SCHEME_HOOKS.append(fn)
@@ -48,6 +49,12 @@ def _set(scheme):
         _state["scheme"] = scheme
         for h in _SCHEME_HOOKS:
             h()
+
+
+def reset_seed_state() -> None:
+    """Unseed the layout-independent stream (as in a fresh process); the scheme is kept."""
+    _state["seed"] = None
+    _state["counter"] = 0
 
 
 def manual_seed(seed: int) -> None:
@@ -68,7 +75,7 @@ def set_scheme(scheme: str) -> None:
 
 
 def get_scheme() -> str:
-    return _state["scheme"]
+    return str(_state["scheme"])
 
 
 def device_has_rng(device_type: str) -> bool:
@@ -77,7 +84,7 @@ def device_has_rng(device_type: str) -> bool:
     return bool(handle is not None and hasattr(handle, "set_rng_state"))
 
 
-def torch_manual_seed(seed: int, device_mesh) -> None:
+def torch_manual_seed(seed: int, device_mesh: Any) -> None:
     """``torch.distributed.tensor._random.manual_seed(seed, device_mesh)`` with torch 2.13's behaviour.
 
     On a mesh whose device has no settable generator (CPU) torch only warns: it seeds nothing and
@@ -103,7 +110,7 @@ def torch_manual_seed(seed: int, device_mesh) -> None:
     _set("torch")
 
 
-def draws_locally(device_type: str, layouts) -> bool:
+def draws_locally(device_type: str, layouts: Sequence[Any]) -> bool:
     """Whether a random op on DTensors of ``layouts`` runs on each local shard with the rank's own generator:
     torch's scheme on a device without a DTensor RNG tracker, and no Partial input."""
     return (_state["scheme"] == "torch" and not device_has_rng(device_type)
@@ -146,7 +153,8 @@ def _block_seed(seed, counter, block):
     return int.from_bytes(h, "little")
 
 
-def random_local(kind: str, global_shape, local_shape, offset, dtype=None, device=None):
+def random_local(kind: str, global_shape: Sequence[int], local_shape: Sequence[int], offset: Sequence[int],
+                 dtype: Optional[torch.dtype] = None, device: Any = None) -> torch.Tensor:
     """This rank's piece (``local_shape`` at ``offset``) of a layout-independent random tensor."""
     seed, counter = _next_key()
     global_shape = tuple(global_shape)
@@ -180,7 +188,8 @@ def consume_key() -> None:
     _next_key()
 
 
-def random_rows(kind: str, n_rows: int, row_len: int, ranges, dtype=None, device=None):
+def random_rows(kind: str, n_rows: int, row_len: int, ranges: List[Tuple[int, int]],
+                dtype: Optional[torch.dtype] = None, device: Any = None) -> torch.Tensor:
     """Rows ``ranges`` (a list of ``(start, stop)``) of a layout-independent ``(n_rows, row_len)`` random matrix.
 
     One call of the stream (one key), concatenated in the order of ``ranges``:
@@ -193,7 +202,7 @@ def random_rows(kind: str, n_rows: int, row_len: int, ranges, dtype=None, device
     if total == 0 or row_len == 0:
         return torch.zeros((total, row_len), dtype=dtype, device=device)
     rows_per_block = max(1, _BLOCK_ELEMS // max(row_len, 1))
-    cache = {}
+    cache: dict = {}
     pieces = []
     for a, b in ranges:
         if a < 0 or b > n_rows:
@@ -213,7 +222,7 @@ def random_rows(kind: str, n_rows: int, row_len: int, ranges, dtype=None, device
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
 
 
-def is_rng_supported_mesh(device_mesh=None) -> bool:
+def is_rng_supported_mesh(device_mesh: Any = None) -> bool:
     """HyperParallel's / PyTorch's check before using DTensor random ops: always True here.
 
     The DTensor random stream is computed from (seed, call counter, global position),

@@ -1,6 +1,6 @@
 """Executes redistribution plans on local tensors with differentiable collectives.
 
-Every step maps to one autograd function of the platform layer whose backward
+Every step maps to one autograd function of the ground floor (``distributed/differentiable.py``) whose backward
 is the step's adjoint under the DTensor gradient convention, so the backward of
 a redistribution is the reverse plan (with Replicate -> Partial skipped, as in
 PyTorch). The output of an all_gather remembers its source so that consumers
@@ -68,7 +68,7 @@ def partial_grad_view(local, group, leave_partial: bool = True):
     parallel pairing) instead of an all_reduce. If ``local`` is a leaf (a
     parameter), the sum is deferred to the end of ``backward()`` and done for all
     such parameters in one flat all_reduce per group (Megatron's
-    ``allreduce_layernorm_grads``; see the platform's ``deferred_grads``); a
+    ``allreduce_layernorm_grads``; see ``distributed/deferred_grads.py``); a
     DTensor parameter's ``.grad`` is even left ``Partial`` until its first use,
     as in PyTorch, unless ``leave_partial`` is False (``to_local(grad_placements=)``,
     whose backward PyTorch reduces at once).

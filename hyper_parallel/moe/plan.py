@@ -1,7 +1,7 @@
 """Framework-neutral planning for expert parallelism: checks, split math, the capacity rule.
 
 Everything here is plain Python on ints and lists (no framework import), so the same
-arithmetic serves every platform and can be tested without processes.
+arithmetic imports no framework and can be tested without processes.
 """
 from __future__ import annotations
 

@@ -289,7 +289,6 @@ class _Schedule:
 
     def run(self, *args, **kwargs):
         """One training step: forward and backward of every microbatch; the last stage's outputs concatenated."""
-        impl = _impl()
         if not self._has_backward:
             outs = self._schedule.eval(*(args if self._has_first else ()), **kwargs)
             return outs if self._has_last else None

@@ -22,15 +22,21 @@ def test_public_homes_are_the_same_objects():
     from hyper_parallel.core.shard import _op_dispatch, skip
     from hyper_parallel.dispatch import dispatcher
     from hyper_parallel.dispatch import modes
-    for name in ("implicit_replication", "add_no_skip_ops", "remove_no_skip_ops", "get_no_skip_ops",
-                 "disable_dtensor_dispatch", "enable_dtensor_dispatch"):
+    for name in ("add_no_skip_ops", "remove_no_skip_ops", "get_no_skip_ops",
+                 "disable_dtensor_dispatch", "enable_dtensor_dispatch", "get_dtensor_dispatch"):
         assert getattr(modes, name) is getattr(dispatch_state, name) is getattr(_op_dispatch, name), name
+    assert modes.implicit_replication is dispatch_state.implicit_replication
     assert modes.SkipDTensorDispatch is skip.SkipDTensorDispatch is dtensor.SkipDTensorDispatch \
         is hyper_parallel.SkipDTensorDispatch
     assert hyper_parallel.implicit_replication is modes.implicit_replication
-    assert hyper_parallel.allow_replicate_fallback is modes.allow_replicate_fallback is \
-        _op_dispatch.allow_replicate_fallback
-    assert _op_dispatch._handle is dispatcher._handle and _op_dispatch._CACHE is dispatcher._CACHE
+    assert hyper_parallel.allow_replicate_fallback is modes.allow_replicate_fallback
+    assert _op_dispatch.OpDispatcher is dispatcher.OpDispatcher
+    assert _op_dispatch._OP_DISPATCHER is dispatcher._RULE_DISPATCHER  # HyperParallel's instance name
+    assert _op_dispatch.get_dtensor_dispatch()
+    with hyper_parallel.SkipDTensorDispatch():
+        assert not _op_dispatch.get_dtensor_dispatch()
+    for own_private in ("_CACHE", "_FAST", "_STATS", "_handle", "_signature"):  # not HyperParallel's names
+        assert not hasattr(_op_dispatch, own_private), own_private
     assert dtensor.distribute_tensor is hyper_parallel.distribute_tensor
     import hyper_parallel.core.dtensor as pkg
     assert pkg.CommDebugMode is hyper_parallel.CommDebugMode

@@ -9,8 +9,8 @@ documented behaviour (values compared with the same computation on one process):
   ``distribute_tensor(t, mesh, [Partial()])``, from_local on a tensor subclass;
 * sub-mesh DTensors (ranks outside the mesh: empty local tensors, no collective,
   right global metadata) - see ``_sub_mesh``;
-* ``.layout``: torch code (assert_close, torch.save/load) sees ``torch.strided``,
-  our code sees the Layout;
+* ``.layout`` on a PyTorch mesh is ``torch.strided`` (assert_close, torch.save/load work);
+  ``dist_layout()`` is the distribution Layout;
 * ``as_strided`` / ``new_empty_strided`` / ``equal`` / ``allclose``; ``torch.vmap`` over simple programs
   (an error naming vmap otherwise); meta DTensors and ``to_empty``; from_local backward layouts;
 * one-element plain tensors taken as replicated; ``stride()`` is the global stride;
@@ -227,9 +227,10 @@ def _layout_and_ops(mesh):
     full = _global(2, 2 * ws, 4)
     a = distribute_tensor(full, mesh, [Shard(0)])
     b = distribute_tensor(full, mesh, [Replicate()])
-    # .layout: ours for us, torch.strided for torch (assert_close, save/load)
-    assert isinstance(a.layout, hp.Layout) and a.layout.placements == (Shard(0),)
-    assert a.layout == torch.strided
+    # .layout on a PyTorch mesh: the memory layout, as torch's DTensor (docs/design.md, "DTensor.layout");
+    # the distribution layout is dist_layout(). On a HyperParallel mesh .layout is the Layout (compat tests).
+    assert a.layout is torch.strided
+    assert isinstance(a.dist_layout(), hp.Layout) and a.dist_layout().placements == (Shard(0),)
     torch.testing.assert_close(a, a)
     with pytest.raises(AssertionError, match="DTensor placements do not match"):
         torch.testing.assert_close(a, b)  # different placements: torch 2.13 refuses (test_assert_equal_dtensor)
@@ -304,7 +305,7 @@ def _layout_and_ops(mesh):
     assert close.dtype == torch.bool and bool(close.full_tensor().all())
 
     # one-element plain tensors mixed with DTensors are replicated (torch's test_auto_implicit_replication);
-    # on a PyTorch mesh other plain tensors raise (HyperParallel's meshes: tests/compat/test_hp_semantics_b.py)
+    # on a PyTorch mesh other plain tensors raise (HyperParallel's meshes: tests/compat/test_hp_device_moves_and_mixed_inputs.py)
     from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
     loc = torch.ones(ws, 3)
     s = DTensor.from_local(loc, torch_init_device_mesh("cpu", (ws,)), [Shard(0)])

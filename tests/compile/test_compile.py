@@ -216,20 +216,20 @@ def test_compile_parity_two_ranks(dist_runner):
 
 def test_compile_mode_restores_fast_methods():
     """Compile mode removes the eager fast methods (dynamo cannot inline them); the reset puts them back."""
-    from hyper_parallel.dispatch import fast_methods as _fast_methods
+    from hyper_parallel.dtensor import fast_path as _fast_methods
     cs = compile_mode
     assert all(n in hp.DTensor.__dict__ for n in _fast_methods.METHODS if hasattr(torch.Tensor, n))
-    from hyper_parallel.dispatch.dispatcher import DISPATCHER
+    from hyper_parallel.dispatch.dispatcher import ENTRY
     eager = {n: hp.DTensor.__dict__[n] for n in ("to_local", "redistribute")}
-    entry, eager_tf = hp.DTensor.__dict__["__torch_function__"], DISPATCHER.torch_function
+    entry, eager_tf = hp.DTensor.__dict__["__torch_function__"], ENTRY.torch_function
     cs._enter_compile_mode()
     assert cs.in_compile_mode() and "__add__" not in hp.DTensor.__dict__ and "size" not in hp.DTensor.__dict__
     assert all(hp.DTensor.__dict__[n] is not f for n, f in eager.items())  # dynamo branches installed
     # compile is the dispatcher's mode: the class's entry point is the same object, the dispatcher's is not
-    assert DISPATCHER.mode == "compile" and DISPATCHER.torch_function is not eager_tf
+    assert ENTRY.mode == "compile" and ENTRY.torch_function is not eager_tf
     assert hp.DTensor.__dict__["__torch_function__"] is entry
     cs.restore_eager_fast_paths()
     assert not cs.in_compile_mode() and "__add__" in hp.DTensor.__dict__ and "size" in hp.DTensor.__dict__
     assert all(hp.DTensor.__dict__[n] is f for n, f in eager.items())
-    assert DISPATCHER.mode == "eager" and DISPATCHER.torch_function is eager_tf
+    assert ENTRY.mode == "eager" and ENTRY.torch_function is eager_tf
     assert hp.DTensor.__dict__["__torch_function__"] is entry

@@ -199,8 +199,8 @@ def _skip_threads():
     assert not errors, errors[:3]
     assert _op_dispatch._SKIP_ANY[0] == 0
     # specials (detach, item, tolist) run on the local tensor inside the context when dispatch reaches
-    # them through _handle; printing keeps its DTensor meaning; no_skip keeps DTensor behaviour
-    h = _op_dispatch._handle
+    # them through _slow_path; printing keeps its DTensor meaning; no_skip keeps DTensor behaviour
+    h = _op_dispatch._slow_path
     one = hp.ones(2, device_mesh=mesh, placements=[Shard(0)])
     with SkipDTensorDispatch():
         assert type(h(torch.Tensor.detach, (), (dt,), {})) is torch.Tensor

@@ -1,4 +1,4 @@
-"""Dispatcher core: elementwise and matmul parity (values and grads) vs single process."""
+"""EntryDispatcher core: elementwise and matmul parity (values and grads) vs single process."""
 import pytest
 import torch
 import torch.distributed as dist

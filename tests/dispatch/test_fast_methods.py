@@ -1,6 +1,6 @@
 """Python-level Tensor methods on DTensor (``a + b``, ``x @ w``, ``x.view(...)``): same results, fewer entries.
 
-The methods defined by ``hyper_parallel.dispatch.fast_methods`` skip the
+The methods defined by ``hyper_parallel.dtensor.fast_path`` skip the
 C++ ``__torch_function__`` entry on a fast-cache hit. These tests check that a
 hit really bypasses ``__torch_function__``, that the result (values, layout,
 gradients, including partial gradients of replicated inputs) is the one the
@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import hyper_parallel as hp
 from hyper_parallel import Replicate, Shard
-from hyper_parallel.dispatch import fast_methods as _fast_methods
+from hyper_parallel.dtensor import fast_path as _fast_methods
 from hyper_parallel.dispatch import dispatcher as _op_dispatch
 
 TOL = dict(rtol=1e-6, atol=1e-6)

@@ -231,7 +231,7 @@ def _mesh():
     with pytest.raises(ValueError, match="different meshes"):
         x + hp.ones(4, 4, device_mesh=hp.init_device_mesh("cpu", (ws // 2, 2)), placements=[Replicate()] * 2)
     # on PyTorch's meshes distribute_tensor wants one placement per mesh dim; other APIs pad short lists
-    # (HyperParallel's meshes: tests/compat/test_hp_semantics_b.py)
+    # (HyperParallel's meshes: tests/compat/test_hp_device_moves_and_mixed_inputs.py)
     from hyper_parallel.device_mesh import init_device_mesh as torch_init_device_mesh
     tmesh = torch_init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match=r"`placements` must have the same length as `device_mesh.ndim`! "

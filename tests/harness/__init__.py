@@ -24,7 +24,7 @@ Design
   session.  Each worker sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT,
   ``torch.set_num_threads(1)`` and joins a gloo process group over
   ``tcp://127.0.0.1:<free port>``; then it loops: receive task, run it, send
-  the result, run the cleanup hook (``hyper_parallel._testing_reset()`` if the
+  the result, run the cleanup hook (``hyper_parallel.dispatch.modes.reset_process_state()`` if the
   package is loaded and defines it).
 * Parent <-> rank communication is one ``multiprocessing.Pipe`` per rank with
   plain ``pickle`` (tensors travel by value).  The parent waits on the pipes
@@ -139,12 +139,10 @@ def _run_cleanup_hook() -> None:
     if "hyper_parallel" not in sys.modules:
         return
     try:
-        import hyper_parallel
-
-        reset = hyper_parallel._testing_reset
-    except (ImportError, AttributeError):
+        from hyper_parallel.dispatch.modes import reset_process_state
+    except ImportError:
         return
-    reset()  # errors here are reported as a failure of the task
+    reset_process_state()  # errors here are reported as a failure of the task
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -218,7 +216,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection,
             _run_cleanup_hook()
         except BaseException:
             if reply[0] == "ok":
-                reply = ("error", "hyper_parallel._testing_reset() failed after the task:\n"
+                reply = ("error", "hyper_parallel.dispatch.modes.reset_process_state() failed after the task:\n"
                          + traceback.format_exc())
         try:
             sys.stdout.flush()

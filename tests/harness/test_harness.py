@@ -75,33 +75,36 @@ def _sleep_on_rank(slow_rank, seconds):
 
 
 def _install_fake_reset_hook():
-    """Put a stand-in `hyper_parallel` with a `_testing_reset` into sys.modules.
+    """Put a stand-in `hyper_parallel.dispatch.modes` with a `reset_process_state` into sys.modules.
 
     The hook records that it ran and puts the original module back, so the
     worker is left exactly as it was."""
     import sys
     import types
 
-    original = sys.modules.get("hyper_parallel")
-    fake = types.ModuleType("hyper_parallel")
+    import hyper_parallel  # noqa: F401  (the hook runs only when the package is loaded)
 
-    def _testing_reset():
+    name = "hyper_parallel.dispatch.modes"
+    original = sys.modules.get(name)
+    fake = types.ModuleType(name)
+
+    def reset_process_state():
         os.environ["HP_TEST_RESET_CALLS"] = str(int(os.environ.get("HP_TEST_RESET_CALLS", 0)) + 1)
         if original is None:
-            del sys.modules["hyper_parallel"]
+            del sys.modules[name]
         else:
-            sys.modules["hyper_parallel"] = original
+            sys.modules[name] = original
 
-    fake._testing_reset = _testing_reset
+    fake.reset_process_state = reset_process_state
     fake._hp_fake = True
-    sys.modules["hyper_parallel"] = fake
+    sys.modules[name] = fake
     return os.environ.get("HP_TEST_RESET_CALLS", "0")
 
 
 def _reset_calls():
     import sys
 
-    mod = sys.modules.get("hyper_parallel")
+    mod = sys.modules.get("hyper_parallel.dispatch.modes")
     return os.environ.get("HP_TEST_RESET_CALLS", "0"), not getattr(mod, "_hp_fake", False)
 
 

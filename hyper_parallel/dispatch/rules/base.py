@@ -17,7 +17,7 @@ Two levels of API:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.layout import Layout
@@ -209,10 +209,6 @@ def get_rule(name: str) -> Optional[DistributedOp]:
     return _REGISTRY.get(name)
 
 
-def registered_ops() -> Tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
-
-
 # ----------------------------------------------------------------------------- helpers for rules
 def redistribution_cost(src: Layout, dst: Layout, shape, itemsize: int) -> int:
     """Bytes the most loaded rank sends to turn ``src`` into ``dst`` (0 when equal)."""
@@ -294,16 +290,6 @@ def unshard_dims(layout: Layout, dims: Sequence[int]) -> Layout:
 
 def reduce_all_partial(layout: Layout) -> Layout:
     return layout.without_partial() if layout.has_partial() else layout
-
-
-def remap(layout: Layout, in_to_out: Dict[int, int], out_ndim: int, partial=None) -> Layout:
-    """Move shards of input tensor dims to output dims (dims missing from the map become unsharded)."""
-    dm = [()] * out_ndim
-    for t, mesh_dims in enumerate(layout.dim_map):
-        o = in_to_out.get(t)
-        if o is not None and mesh_dims:
-            dm[o] = mesh_dims
-    return layout.with_dim_map(dm, layout.partial if partial is None else partial)
 
 
 # ----------------------------------------------------------------------------- misc tables

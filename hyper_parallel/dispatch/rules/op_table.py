@@ -44,7 +44,10 @@ def load_all():
             mod = importlib.import_module(f"hyper_parallel.dispatch.rules.{fam}")
         except ModuleNotFoundError as exc:
             if exc.name == f"hyper_parallel.dispatch.rules.{fam}":
-                continue  # family not written yet
+                # a family listed here whose file is gone would silently drop every rule it held
+                raise ImportError(f"op_table.load_all: the rule family {fam!r} is listed in FAMILIES but "
+                                  f"hyper_parallel/dispatch/rules/{fam}.py is missing; restore the file or "
+                                  "remove the family from FAMILIES") from exc
             raise
         mod.register_all()
     _LOADED = True

@@ -59,7 +59,6 @@ class ScatterRule(DistributedOp):
         nd = len(x_shape)
         dim = v["dim"] % nd if nd else 0
         index_add = call.name.startswith("index_add")
-        src_key = "source" if index_add else ("src" if "src" in v else "value")
         others = [r for r in roles if r != "input"]
         dm = []
         for t in range(nd):

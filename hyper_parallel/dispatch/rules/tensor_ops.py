@@ -49,14 +49,6 @@ def _drop_dim(layout, dim):
     return layout.with_dim_map(dm, layout.partial)
 
 
-def _norm_dims(dims, nd):
-    if dims is None:
-        return None
-    if isinstance(dims, int):
-        dims = (dims,)
-    return sorted({d % nd for d in dims}) if nd else []
-
-
 # ----------------------------------------------------------------------------- cat / stack
 class CatRule(DistributedOp):
     """cat / concat / concatenate / stack (+ hstack-free): joined dim unsharded, other shards agree."""

@@ -8,9 +8,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch.nn as nn
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
-from hyper_parallel.compat.hp_placements import drop_extra_placements
+from hyper_parallel.dtensor.placement_lists import drop_extra_placements
 from hyper_parallel.dtensor.dtensor import DTensor, _check_strided_label, _off_mesh_local, build_layout
-from hyper_parallel.compat.hp_dtensor_names import provide_dtensor_names
+from hyper_parallel.dtensor.hp_module_names import provide_dtensor_names
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Replicate
 from hyper_parallel.dtensor import random as dt_random

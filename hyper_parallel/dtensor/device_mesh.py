@@ -12,7 +12,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.dtensor.mesh_coords import coordinate_of
-from hyper_parallel.compat.hp_mesh import DeviceMeshCompatMixin
+from hyper_parallel.dtensor.device_mesh_hp_methods import DeviceMeshCompatMixin
 from hyper_parallel.distributed import groups
 import torch
 

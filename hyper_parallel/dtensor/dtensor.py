@@ -21,7 +21,7 @@ import copy
 from typing import Optional, Sequence
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
-from hyper_parallel.compat.hp_placements import drop_extra_placements
+from hyper_parallel.dtensor.placement_lists import drop_extra_placements
 from hyper_parallel.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 from hyper_parallel.dtensor import strided_math
@@ -37,7 +37,7 @@ from hyper_parallel.dtensor.run_check import run_check as _run_check
 from hyper_parallel.dtensor.local_meta import _global_stride, _off_mesh_local, _to_like  # noqa: F401
 from hyper_parallel.dtensor.dispatch_state import implicit_replication
 from hyper_parallel.dtensor import special_methods as _special_methods
-from hyper_parallel.compat.hp_dtensor_names import _build_layout, _is_alias_placements, dtensor_module_getattr  # noqa: F401
+from hyper_parallel.dtensor.hp_module_names import _build_layout, _is_alias_placements, dtensor_module_getattr  # noqa: F401
 from hyper_parallel.dtensor import torch_internals
 import torch
 from hyper_parallel.dtensor import vmap_bridge

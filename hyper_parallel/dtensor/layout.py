@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Tuple
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 from hyper_parallel.dtensor import strided_math
 from hyper_parallel.dtensor.mesh_coords import coordinate_of  # noqa: F401  (its historical home)
-from hyper_parallel.compat.hp_layout import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
+from hyper_parallel.dtensor.layout_hp_methods import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
 from hyper_parallel.dtensor.device_mesh import DeviceMesh  # noqa: F401  (HyperParallel imports it from here)
 import sys
 

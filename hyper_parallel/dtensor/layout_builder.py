@@ -6,7 +6,7 @@ one per mesh dim; alias names, one per tensor dim) become a :class:`Layout`.
 from __future__ import annotations
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, uses_hp_semantics
-from hyper_parallel.compat.hp_placements import drop_extra_placements
+from hyper_parallel.dtensor.placement_lists import drop_extra_placements
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement
 
@@ -19,7 +19,7 @@ def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placement
         return placements
     try:
         key = (mesh, tuple(placements), ndim)
-        if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (hp_placements)
+        if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (placement_lists.py)
             key += (uses_hp_semantics(mesh),)
         hit = _LAYOUT_CACHE.get(key)
     except TypeError:

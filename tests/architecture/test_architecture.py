@@ -43,6 +43,8 @@ def test_lint_imports_contracts_hold():
     ("checkpoint/dcp.py", "import hyper_parallel.dtensor.dtensor", "Layers"),
     ("distributed/differentiable.py", "import hyper_parallel.dtensor.placement_types", "The ground floor"),
     ("dtensor/redistribute_plan.py", "import torch", "Layout math and the pure planners"),
+    ("dtensor/layout_builder.py", "import hyper_parallel.compat.hp_utils", "The core (ground floor, DTensor"),
+    ("dispatch/call_args.py", "import hyper_parallel.core.dtensor", "The core (ground floor, DTensor"),
     ("pipelining/split.py", "import hyper_parallel.fsdp.api", "Sibling parallelism packages are independent"),
     ("moe/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),
     ("context_parallel/plan.py", "import hyper_parallel.pipelining.split", "Sibling parallelism packages are independent"),

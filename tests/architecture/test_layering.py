@@ -44,7 +44,7 @@ def test_public_homes_are_the_same_objects():
 
 def test_hook_arguments_are_checked():
     from hyper_parallel.core.dtensor import dtensor, register_export
-    from hyper_parallel.compat import hp_dtensor_names as _hp_compat
+    from hyper_parallel.dtensor import hp_module_names as _hp_compat
     from hyper_parallel.dispatch import modes
     from hyper_parallel.dispatch.rules import base
     with pytest.raises(TypeError, match="set_dispatcher: dispatcher must have a callable 'torch_function', got 3"):

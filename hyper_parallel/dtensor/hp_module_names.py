@@ -1,6 +1,6 @@
 """HyperParallel's names in this package, in one place.
 
-* The Layout / DeviceMesh surfaces are mixins in :mod:`._hp_layout_compat` and
+* The Layout / DeviceMesh surfaces are mixins in :mod:`.layout_hp_methods` and
   :mod:`._hp_mesh_compat` (re-exported here under their old path).
 * ``hyper_parallel.dtensor.dtensor`` answers HyperParallel's imports of
   ``_build_layout``, ``_is_alias_placements``, ``SkipDTensorDispatch`` and the
@@ -12,8 +12,8 @@
 """
 from __future__ import annotations
 
-from hyper_parallel.compat.hp_layout import LayoutCompatMixin, PlacementSpec, unit_repeat_num
-from hyper_parallel.compat.hp_mesh import DeviceMeshCompatMixin
+from hyper_parallel.dtensor.layout_hp_methods import LayoutCompatMixin, PlacementSpec, unit_repeat_num
+from hyper_parallel.dtensor.device_mesh_hp_methods import DeviceMeshCompatMixin
 from hyper_parallel.dtensor.dispatch_state import SkipDTensorDispatch
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
 from hyper_parallel.dtensor.layout_builder import build_layout

@@ -3,7 +3,7 @@
 HyperParallel programs read meshes through names that differ from ours
 (``mesh.rank``, ``axis_id``, ``get_rank_list_along_axis``...). Imports only the
 coordinate arithmetic (:mod:`._coords`), so ``device_mesh.py`` can use it without
-reaching the layout classes. (The Layout surface is :mod:`._hp_layout_compat`.)
+reaching the layout classes. (The Layout surface is :mod:`.layout_hp_methods`.)
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Sequence, Tuple
 
-from hyper_parallel.compat.hp_mesh import _ranks_along
+from hyper_parallel.dtensor.device_mesh_hp_methods import _ranks_along
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, _reshape
 from hyper_parallel.distributed import groups
 import torch

@@ -1,0 +1,86 @@
+"""The training loop of the Hugging Face example: a plan (or one process), AdamW, loss and gradient norm per step.
+
+``train_parallel`` runs on every rank of a launched world: it builds the model, applies the plan
+(``Plan.apply``), feeds each global batch through ``Plan.shard_batch`` and returns, per step, the
+global mean loss and the global gradient norm. ``train_reference`` is the same steps in one process.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from examples.hf.presets import batch, build_model, logits_of, loss_fn, vocab_size
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sq_norm(grads) -> float:
+    """Sum of squares of the gradients (local tensors of DTensors count once per distinct shard: the caller
+    reduces over the ranks that hold distinct pieces)."""
+    total = 0.0
+    for g in grads:
+        full = g.full_tensor() if hasattr(g, "full_tensor") else g
+        total += float(full.double().pow(2).sum())
+    return total
+
+
+def train_reference(config: str, *, steps: int, global_batch: int, seq_len: int, lr: float = 1e-3,
+                    seed: int = 0, dtype=torch.float64) -> List[Tuple[float, float]]:
+    """(loss, gradient norm) per step of ``steps`` AdamW steps in one process."""
+    model = build_model(config, seed, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    vocab, out = vocab_size(model), []
+    for step in range(steps):
+        x, y = batch(seed, step, global_batch, seq_len, vocab)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        norm = math.sqrt(_sq_norm(p.grad for p in model.parameters() if p.grad is not None))
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), norm))
+    return out
+
+
+def train_parallel(config: str, plan, *, steps: int, lr: float = 1e-3, seed: int = 0, dtype=torch.float64,
+                   roles=None) -> List[Tuple[float, float]]:
+    """(global mean loss, global gradient norm) per step of ``plan`` applied to the model (every rank)."""
+    model = build_model(config, seed, dtype)
+    vocab = vocab_size(model)
+    applied = plan.apply(model, roles=roles, loss_fn=loss_fn)
+    pipeline = plan.degrees["pp"] > 1
+    modules = applied.stage_modules if pipeline else [applied]
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr)
+    world, out = dist.get_world_size(), []
+    for step in range(steps):
+        x, y = plan.shard_batch(*batch(seed, step, plan.global_batch, plan.seq_len, vocab))
+        if pipeline:
+            losses = []
+            applied.step(*((x,) if applied.has_first else ()), target=y if applied.has_last else None, losses=losses)
+            loss = torch.stack([_local(l).detach() for l in losses]).mean() if losses else torch.zeros((), dtype=dtype)
+            share = world // plan.degrees["pp"]  # the last stage's ranks hold the losses
+        else:
+            loss = loss_fn(applied(x), y)
+            loss.backward()
+            loss, share = _local(loss).detach(), world
+        total = loss.detach().clone().double().reshape(1)
+        dist.all_reduce(total)
+        # every parameter's gradient is whole (full_tensor) on every rank of its stage; stages hold disjoint ones
+        sq = torch.tensor([_sq_norm(p.grad for p in params if p.grad is not None)], dtype=torch.float64)
+        if pipeline:
+            sq *= plan.degrees["pp"] / world  # sum over stages: each stage's ranks all hold its whole gradients
+        else:
+            sq /= world
+        dist.all_reduce(sq)
+        opt.step()
+        opt.zero_grad()
+        out.append((total.item() / share, math.sqrt(sq.item())))
+    return out
+
+
+__all__ = ["train_reference", "train_parallel", "logits_of"]

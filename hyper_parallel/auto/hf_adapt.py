@@ -106,11 +106,7 @@ def install_positions(model: nn.Module, token_embeddings, *, cp_mesh=None, seque
     seq = _SeqLen()
     if sequence_parallel:
         mods = dict(model.named_modules())
-        embeds = [mods[n] for n in token_embeddings if n in mods]
-        if not embeds:
-            raise NotImplementedError(
-                f"Plan.apply: sequence parallelism with the rotary module(s) {[n for n, _ in rotaries]} needs the "
-                "token embedding in the same module to learn the sequence length; use a plan without sp")
+        embeds = [mods[n] for n in token_embeddings if n in mods]  # none on later pipeline stages
 
         def on_tokens(mod, args):
             if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
@@ -136,10 +132,9 @@ def _rotary_hook(name, cp_mesh, seq, sequence_parallel):
             ids = args[1]
         else:
             raise TypeError(f"{what}: called without position_ids; expected forward(x, position_ids)")
-        if sequence_parallel and seq.value is None:
-            raise RuntimeError(f"{what}: with sequence parallelism the model must receive token ids (its embedding "
-                               "gives the sequence length); inputs_embeds are not supported")
-        n = seq.value if sequence_parallel else ids.shape[-1]
+        # the attention's sequence: the tokens the embedding received (sp: the rotary sees S/tp rows), else the
+        # ids' own length (a pipeline stage passes the ids of its whole sequence)
+        n = seq.value if sequence_parallel and seq.value is not None else ids.shape[-1]
         if cp_mesh is not None:
             from hyper_parallel.context_parallel.positions import true_position_ids
             new = true_position_ids(ids, cp_mesh, n, what)

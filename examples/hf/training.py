@@ -83,4 +83,35 @@ def train_parallel(config: str, plan, *, steps: int, lr: float = 1e-3, seed: int
     return out
 
 
-__all__ = ["train_reference", "train_parallel", "logits_of"]
+def moe_roles(model) -> dict:
+    """``roles=`` for HF MoE layers: each experts module and its router (a sibling leaf with a 2-D ``[E, dim]``
+    weight), for a planner that does not recognise them."""
+    from hyper_parallel.auto.hf_experts import is_hf_experts
+    out = {}
+    for name, mod in model.named_modules():
+        if not is_hf_experts(mod):
+            continue
+        out[name] = "experts"
+        parent = name.rpartition(".")[0]
+        for child, sub in model.get_submodule(parent).named_children():
+            if sub is not mod and not list(sub.children()) and any(p.dim() == 2 for p in sub.parameters()):
+                out[f"{parent}.{child}"] = "router"
+    return out
+
+
+def make_plan(config: str, world: int, degrees: dict, *, global_batch: int, seq_len: int, sequence_parallel=False,
+              cp_method=None, pp_schedule=None, microbatches=None):
+    """The plan of one layout for the model of ``config`` (``hyper_parallel.auto.evaluate_plan``). MoE models are
+    traced in bfloat16 with torch's grouped matmul (the meta kernel needs it) and given the experts' roles."""
+    from hyper_parallel.auto import Cluster, evaluate_plan
+    model = build_model(config, 0, torch.float32)
+    roles = moe_roles(model) or None
+    if roles:
+        model = build_model(config, 0, torch.bfloat16)
+    return evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=global_batch,
+                         seq_len=seq_len, sequence_parallel=sequence_parallel, cp_method=cp_method,
+                         pp_schedule=pp_schedule, microbatches=microbatches, roles=roles,
+                         loss=lambda out: logits_of(out).float().sum())
+
+
+__all__ = ["train_reference", "train_parallel", "logits_of", "make_plan", "moe_roles"]

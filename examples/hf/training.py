@@ -101,17 +101,24 @@ def moe_roles(model) -> dict:
 
 def make_plan(config: str, world: int, degrees: dict, *, global_batch: int, seq_len: int, sequence_parallel=False,
               cp_method=None, pp_schedule=None, microbatches=None):
-    """The plan of one layout for the model of ``config`` (``hyper_parallel.auto.evaluate_plan``). MoE models are
-    traced in bfloat16 with torch's grouped matmul (the meta kernel needs it) and given the experts' roles."""
+    """The plan of one layout for the model of ``config`` (``hyper_parallel.auto.evaluate_plan``)."""
     from hyper_parallel.auto import Cluster, evaluate_plan
+    kw = dict(degrees=degrees, global_batch=global_batch, seq_len=seq_len, sequence_parallel=sequence_parallel,
+              cp_method=cp_method, pp_schedule=pp_schedule, microbatches=microbatches)
+    cluster = Cluster(world, world, "1GiB")
     model = build_model(config, 0, torch.float32)
-    roles = moe_roles(model) or None
-    if roles:
-        model = build_model(config, 0, torch.bfloat16)
-    return evaluate_plan(model, Cluster(world, world, "1GiB"), degrees=degrees, global_batch=global_batch,
-                         seq_len=seq_len, sequence_parallel=sequence_parallel, cp_method=cp_method,
-                         pp_schedule=pp_schedule, microbatches=microbatches, roles=roles,
-                         loss=lambda out: logits_of(out).float().sum())
+    try:
+        return evaluate_plan(model, cluster, **kw)
+    except (AttributeError, NotImplementedError, RuntimeError, ValueError) as first:
+        # a planner that does not read HF outputs or MoE blocks yet: the loss of the logits, the experts' roles,
+        # and MoE models traced in bfloat16 with torch's grouped matmul (its meta kernel needs it)
+        roles = moe_roles(model) or None
+        if roles:
+            model = build_model(config, 0, torch.bfloat16)
+        try:
+            return evaluate_plan(model, cluster, roles=roles, loss=lambda out: logits_of(out).float().sum(), **kw)
+        except Exception as second:
+            raise second from first
 
 
 __all__ = ["train_reference", "train_parallel", "logits_of", "make_plan", "moe_roles"]

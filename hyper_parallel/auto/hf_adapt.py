@@ -28,6 +28,13 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "model_type")
 
 
+def output_logits(out):
+    """The logits of a model's output: HF's ``ModelOutput`` (``.logits``), a tuple's first item, or the tensor."""
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 def first_input_name(module: nn.Module) -> Optional[str]:
     """The name of ``module.forward``'s first parameter (the hidden state of HF attention: ``hidden_states``)."""
     try:
@@ -149,4 +156,4 @@ def _rotary_hook(name, cp_mesh, seq, sequence_parallel):
     return pre
 
 
-__all__ = ["is_hf_model", "first_input_name", "rotary_modules", "check_context_parallel", "install_positions"]
+__all__ = ["is_hf_model", "output_logits", "first_input_name", "rotary_modules", "check_context_parallel", "install_positions"]

@@ -203,5 +203,7 @@ PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleave
 
 
 def ce_loss(out, target):
+    from hyper_parallel.auto.hf_adapt import output_logits
+    out = output_logits(out)  # HF's CausalLMOutputWithPast: its logits
     out = out.full_tensor() if isinstance(out, hp.DTensor) else out
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))

@@ -99,6 +99,34 @@ def moe_roles(model) -> dict:
     return out
 
 
+def _plan_hf(fn, model, config):
+    """``fn(model, **kw)`` (``plan`` / ``evaluate_plan``) on an HF model; a planner that does not read HF outputs or
+    MoE blocks yet gets the loss of the logits, the experts' roles, and MoE models traced in bfloat16 with
+    torch's grouped matmul (its meta kernel needs it)."""
+    try:
+        return fn(model)
+    except (AttributeError, NotImplementedError, RuntimeError, ValueError) as first:
+        roles = moe_roles(model) or None
+        if roles:
+            model = build_model(config, 0, torch.bfloat16)
+        try:
+            return fn(model, roles=roles, loss=lambda out: logits_of(out).float().sum())
+        except Exception as second:
+            raise second from first
+
+
+def choose_plan(config: str, world: int, *, global_batch: int, seq_len: int, device_memory="4GiB"):
+    """The planner's best layout for the model of ``config`` on the launched world (call on every rank: the
+    cluster is calibrated with collectives, every rank gets the same numbers and so the same plan)."""
+    import os
+    from hyper_parallel.auto import Cluster, plan
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cluster = Cluster(world, per_node, device_memory).measure()
+    model = build_model(config, 0, torch.float32)
+    return _plan_hf(lambda m, **kw: plan(m, cluster, global_batch=global_batch, seq_len=seq_len,
+                                         activation_checkpointing="none", top_k=1, **kw)[0], model, config)
+
+
 def make_plan(config: str, world: int, degrees: dict, *, global_batch: int, seq_len: int, sequence_parallel=False,
               cp_method=None, pp_schedule=None, microbatches=None):
     """The plan of one layout for the model of ``config`` (``hyper_parallel.auto.evaluate_plan``)."""
@@ -106,19 +134,8 @@ def make_plan(config: str, world: int, degrees: dict, *, global_batch: int, seq_
     kw = dict(degrees=degrees, global_batch=global_batch, seq_len=seq_len, sequence_parallel=sequence_parallel,
               cp_method=cp_method, pp_schedule=pp_schedule, microbatches=microbatches)
     cluster = Cluster(world, world, "1GiB")
-    model = build_model(config, 0, torch.float32)
-    try:
-        return evaluate_plan(model, cluster, **kw)
-    except (AttributeError, NotImplementedError, RuntimeError, ValueError) as first:
-        # a planner that does not read HF outputs or MoE blocks yet: the loss of the logits, the experts' roles,
-        # and MoE models traced in bfloat16 with torch's grouped matmul (its meta kernel needs it)
-        roles = moe_roles(model) or None
-        if roles:
-            model = build_model(config, 0, torch.bfloat16)
-        try:
-            return evaluate_plan(model, cluster, roles=roles, loss=lambda out: logits_of(out).float().sum(), **kw)
-        except Exception as second:
-            raise second from first
+    return _plan_hf(lambda m, **extra: evaluate_plan(m, cluster, **kw, **extra),
+                    build_model(config, 0, torch.float32), config)
 
 
-__all__ = ["train_reference", "train_parallel", "logits_of", "make_plan", "moe_roles"]
+__all__ = ["train_reference", "train_parallel", "logits_of", "make_plan", "choose_plan", "moe_roles"]

@@ -50,6 +50,13 @@ def rotary_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if "inv_freq" in m._buffers]
 
 
+def _takes_position_ids(module: nn.Module) -> bool:
+    try:
+        return "position_ids" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _position_embeddings(model, token_embeddings):
     cfg = getattr(model, "config", None)
     max_pos = getattr(cfg, "max_position_embeddings", None)
@@ -78,11 +85,7 @@ def check_context_parallel(model: nn.Module, token_embeddings) -> None:
             "positions are not placed on each rank's sequence shard (only rotary modules with forward(x, position_ids) "
             "and root position tables are). Use a plan without cp for this model")
     for n, m in rotary_modules(model):
-        try:
-            names = inspect.signature(m.forward).parameters
-        except (TypeError, ValueError):
-            names = {}
-        if "position_ids" not in names:
+        if not _takes_position_ids(m):
             raise NotImplementedError(
                 f"Plan.apply: the rotary module {n!r} ({type(m).__name__}) takes no position_ids, so its positions "
                 "cannot be placed on each rank's sequence shard under context parallelism; use a plan without cp")
@@ -107,7 +110,7 @@ def _replace_arg(args, kwargs, name, index, value):
 def install_positions(model: nn.Module, token_embeddings, *, cp_mesh=None, sequence_parallel: bool = False) -> None:
     """Hook every rotary module of ``model`` to see the positions of its attention's sequence (see the module
     docstring). No-op without cp and sp or without rotary modules."""
-    rotaries = rotary_modules(model)
+    rotaries = [(n, m) for n, m in rotary_modules(model) if _takes_position_ids(m)]  # others: checked under cp
     if (cp_mesh is None and not sequence_parallel) or not rotaries:
         return
     seq = _SeqLen()

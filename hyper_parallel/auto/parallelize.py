@@ -91,7 +91,7 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
                     bp[_rel(b, f)] = ColwiseParallel()
                 elif r in ("attention_o", "mlp_down"):
                     bp[_rel(b, f)] = RowwiseParallel(output_layouts=Replicate() if shared else seq)
-                elif r == "norm" and _in_attention(f, info):  # per-head norm (Qwen3's q_norm): heads sharded
+                elif r == "norm" and _in_attention(f, info, mods):  # per-head norm (Qwen3's q_norm): heads sharded
                     bp[_rel(b, f)] = SequenceParallel(sequence_dim=-2, use_local_output=True)
                 elif r == "norm" and sp:
                     bp[_rel(b, f)] = SequenceParallel()
@@ -155,8 +155,15 @@ def _attention_input(module, n_args, seq):
                               desired_input_layouts=(Replicate(),) + (None,) * (k - 1), use_local_output=True)
 
 
-def _in_attention(fqn, info):
-    return any(fqn.startswith(a + ".") for a in info.attention_modules)
+def _in_attention(fqn, info, mods):
+    """A per-head norm inside attention (Qwen3's q_norm / k_norm: weight of head_dim entries, on head-sharded
+    tensors under tp); the planner's ``head_norms`` when it lists them."""
+    listed = getattr(info, "head_norms", None)
+    if listed is not None:
+        return fqn in listed
+    weight = getattr(mods.get(fqn), "weight", None)
+    return (any(fqn.startswith(a + ".") for a in info.attention_modules) and weight is not None
+            and weight.numel() == info.head_dim)
 
 
 def _sp_stage_boundaries(model, info, mods, roles_of, blocks, tp_mesh, seq):

@@ -88,4 +88,15 @@ class HFExpertParallel(ParallelStyle):
         return module
 
 
-__all__ = ["HFExpertParallel", "is_hf_experts"]
+class AnyExpertParallel(ParallelStyle):
+    """Expert parallelism for either kind of experts module: HF's (:class:`HFExpertParallel`) or torchtitan's
+    GroupedExperts contract (``hyper_parallel.moe.ExpertParallel``), chosen per module at apply."""
+
+    def apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from hyper_parallel.moe import ExpertParallel
+        style = HFExpertParallel() if is_hf_experts(module) else ExpertParallel()
+        style.src_data_rank = self.src_data_rank
+        return style.apply(module, device_mesh)
+
+
+__all__ = ["HFExpertParallel", "AnyExpertParallel", "is_hf_experts"]

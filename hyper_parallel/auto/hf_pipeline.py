@@ -100,17 +100,41 @@ class HFStage(nn.Module):
         return h
 
 
-def split_hf_stages(model: nn.Module, blocks_path: str, pp_mesh, num_stages: int, schedule: str
-                    ) -> List[Tuple[int, nn.Module]]:
-    """This rank's ``(stage index, HFStage)`` pairs (the stage map of ``split_into_stages``)."""
-    from hyper_parallel.pipelining.schedules import schedule_kind
-    from hyper_parallel.pipelining.split import plan_stages, stage_ids_on_rank
-    base_path = check_pipeline_model(model, blocks_path)
-    keys = [k for k, _ in model.get_submodule(blocks_path).named_children()]
-    plan = plan_stages(keys, num_stages, None, input_weight=1, output_weight=1)
-    style, _ = schedule_kind(schedule)
-    mine = stage_ids_on_rank(pp_mesh.get_local_rank(), pp_mesh.size(), len(plan), style)
-    return [(s, HFStage(model, base_path, plan[s], s == 0, s == len(plan) - 1)) for s in mine]
+class HFPipelining:
+    """``hyper_parallel.pipelining`` with ``split_into_stages`` splitting a HF model into :class:`HFStage` s (same
+    arguments; the input / output module names are HF's own and ignored); everything else is the package's."""
+
+    def __init__(self, pipelining, blocks_path: str):
+        self._pp, self._blocks_path = pipelining, blocks_path
+
+    def __getattr__(self, name):
+        return getattr(self._pp, name)
+
+    def split_into_stages(self, model, pp_mesh, num_stages=None, layers_per_stage=None, schedule="1F1B", *,
+                          layers=None, input_modules=(), output_modules=(), stage_layers=None
+                          ) -> List[Tuple[int, nn.Module]]:
+        """This rank's ``(stage index, HFStage)`` pairs, on the stage map of the package's ``split_into_stages``
+        (``stage_layers``: every stage's block count)."""
+        from hyper_parallel.pipelining.schedules import schedule_kind
+        from hyper_parallel.pipelining.split import plan_stages, stage_ids_on_rank
+        base_path = check_pipeline_model(model, self._blocks_path)
+        keys = [k for k, _ in model.get_submodule(self._blocks_path).named_children()]
+        if stage_layers is not None:
+            if sum(stage_layers) != len(keys) or min(stage_layers) < 0:
+                raise ValueError(f"split_into_stages: stage_layers={list(stage_layers)} must be block counts summing "
+                                 f"to the model's {len(keys)} blocks")
+            starts = [sum(stage_layers[:i]) for i in range(len(stage_layers))]
+            plan = [keys[a:a + n] for a, n in zip(starts, stage_layers)]
+        else:
+            plan = plan_stages(keys, num_stages, layers_per_stage, input_weight=1, output_weight=1)
+        style, _ = schedule_kind(schedule)
+        mine = stage_ids_on_rank(pp_mesh.get_local_rank(), pp_mesh.size(), len(plan), style)
+        return [(s, HFStage(model, base_path, plan[s], s == 0, s == len(plan) - 1)) for s in mine]
 
 
-__all__ = ["PIPELINE_MODEL_TYPES", "check_pipeline_model", "HFStage", "split_hf_stages"]
+def split_hf_stages(pipelining, blocks_path: str) -> HFPipelining:
+    """The pipelining package as ``Plan.apply`` uses it, splitting HF models (see :class:`HFPipelining`)."""
+    return HFPipelining(pipelining, blocks_path)
+
+
+__all__ = ["PIPELINE_MODEL_TYPES", "check_pipeline_model", "HFStage", "HFPipelining", "split_hf_stages"]

@@ -113,12 +113,10 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
         for b, _ in blocks:
             checkpoint_selective(mods[b])
     if ep > 1:
-        from hyper_parallel.auto.hf_experts import HFExpertParallel, is_hf_experts
-        from hyper_parallel.moe import ExpertParallel
+        from hyper_parallel.auto.hf_experts import AnyExpertParallel as ExpertParallel  # also HF's experts modules
         for f, r in roles_of.items():
             if r == "experts":
-                style = HFExpertParallel() if is_hf_experts(mods[f]) else ExpertParallel()  # HF: (x, ids, weights)
-                parallelize_module(mods[f], mesh["ep"], style, src_data_rank=None)
+                parallelize_module(mods[f], mesh["ep"], ExpertParallel(), src_data_rank=None)
                 hp.fully_shard(mods[f], mesh=mesh["efsdp"])
                 # each ep rank's expert gradients sum over every data-parallel rank's tokens: average over all
                 mods[f].set_gradient_divide_factor(d["fsdp"])

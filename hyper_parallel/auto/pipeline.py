@@ -47,23 +47,21 @@ def apply_pipeline(plan, model, info, mesh, *, loss_fn=None, stage_cls=None):
     ``hyper_parallel.pipelining.clip_grad_norm_``), ``has_first`` / ``has_last`` say what it feeds."""
     from hyper_parallel import pipelining as pp
     from hyper_parallel.auto.hf_adapt import is_hf_model
-    hf = is_hf_model(model)
-    if ("." in info.blocks_path or not info.blocks_path) and not hf:
+    if ("." in info.blocks_path or not info.blocks_path) and not is_hf_model(model):
         raise NotImplementedError(f"Plan.apply: pipelining needs the blocks as a ModuleDict attribute of the model "
                                   f"root (or a Hugging Face decoder LM), found them at {info.blocks_path!r}")
+    inputs = tuple(n for n, r in info.module_roles.items() if r == "embedding" and "." not in n)
+    outputs = tuple(n for n, c in model.named_children()
+                    if n not in inputs and n != info.blocks_path and any(True for _ in c.parameters()))
     name = PP_SCHEDULES[plan.pp_schedule]
     n_stages = len(plan.layers_per_stage)
     tokens, hidden, logits = boundary_args(plan, info, model, plan.coordinates(torch.distributed.get_rank()),
                                            mesh["tp"] if plan.degrees["tp"] > 1 else None)
-    if hf:  # Hugging Face: stages that run the decoder loop, names kept (hf_pipeline)
+    if is_hf_model(model):  # Hugging Face: stages that run the decoder loop, names kept (hf_pipeline)
         from hyper_parallel.auto.hf_pipeline import split_hf_stages
-        parts = split_hf_stages(model, info.blocks_path, mesh["pp"], n_stages, name)
-    else:
-        inputs = tuple(n for n, r in info.module_roles.items() if r == "embedding" and "." not in n)
-        outputs = tuple(n for n, c in model.named_children()
-                        if n not in inputs and n != info.blocks_path and any(True for _ in c.parameters()))
-        parts = pp.split_into_stages(model, mesh["pp"], num_stages=n_stages, schedule=name, layers=info.blocks_path,
-                                     input_modules=inputs, output_modules=outputs)
+        pp = split_hf_stages(pp, info.blocks_path)
+    parts = pp.split_into_stages(model, mesh["pp"], num_stages=n_stages, schedule=name, layers=info.blocks_path,
+                                 input_modules=inputs, output_modules=outputs)
     for _, m in parts:
         parallelize_part(plan, m, info, mesh)
     dev = torch.device(mesh.device_type)

@@ -1,32 +1,13 @@
 """``examples/hf/train.py`` end to end under torchrun (as a user runs it): a preset under a hand-written layout on 4
 ranks, and a saved checkpoint directory under ``--plan auto`` on 2 ranks; both print the comparison with one
 process and exit 0 (the script exits 1 above its tolerance)."""
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-from tests.harness.launch import run_launch
-
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 300
+from tests.harness.launch import torchrun
 
 
 def _torchrun(n, *args):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-           str(ROOT / "examples" / "hf" / "train.py"), *map(str, args)]
-    try:
-        proc = run_launch(cmd, cwd=ROOT, env=env, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"examples/hf/train.py did not finish within {TIMEOUT}s:\n{exc.stdout}\n{exc.stderr}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return proc.stdout
+    return torchrun("examples/hf/train.py", n, *args)
 
 
 def _differences(out):

@@ -63,4 +63,25 @@ def true_position_ids(position_ids: torch.Tensor, mesh, local_len: int, what: st
     return out if position_ids.dim() == 2 else out[0]
 
 
-__all__ = ["rank_positions", "true_position_ids"]
+def hook_position_ids(module, mesh, *, name: str = "position_ids", index: int = 1):
+    """Make ``module`` (e.g. a Hugging Face rotary embedding, ``forward(x, position_ids)``) see this rank's global
+    positions under context parallelism: a forward pre-hook maps its ``name`` argument (keyword, or positional
+    ``index``) with :func:`true_position_ids`. For models parallelized by hand (``Plan.apply`` does it itself).
+    Returns the hook handle."""
+    what = f"{type(module).__name__} (hook_position_ids)"
+
+    def pre(mod, args, kwargs):
+        if name in kwargs:
+            kwargs = dict(kwargs)
+            kwargs[name] = true_position_ids(kwargs[name], mesh, kwargs[name].shape[-1], what)
+            return args, kwargs
+        if len(args) <= index:
+            raise TypeError(f"{what}: called without {name!r} (expected it as keyword or positional input {index})")
+        args = list(args)
+        args[index] = true_position_ids(args[index], mesh, args[index].shape[-1], what)
+        return tuple(args), kwargs
+
+    return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+__all__ = ["rank_positions", "true_position_ids", "hook_position_ids"]

@@ -106,3 +106,29 @@ def test_dry_run_reads_hf_outputs(degrees, sp):
     plan = make_plan("llama-tiny", 4, degrees, global_batch=8, seq_len=16, sequence_parallel=sp)
     result = dry_run(plan, lambda: build_model("llama-tiny"), world_size=4)
     assert result.peak_memory > 0
+
+
+def _manual_cp_body(hook):
+    """An HF Llama parallelized by hand (ContextParallel on every attention, cp_shard of the batch), with or without
+    hook_position_ids on its rotary module: the loss of one forward, summed over the cp ranks."""
+    import hyper_parallel as hp
+    from hyper_parallel.context_parallel import ContextParallel, cp_shard, hook_position_ids
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = build_model("llama-tiny")
+    hp.parallelize_module(model, mesh, {"model.layers.*.self_attn": ContextParallel(method="ring")})
+    if hook:
+        hook_position_ids(model.model.rotary_emb, mesh)
+    x, y = batch(0, 0, 2, 16, 96)
+    xs, ys = cp_shard(mesh, [x, y], [1, 1])
+    loss = loss_fn(model(xs), ys).detach().reshape(1)
+    dist.all_reduce(loss)
+    return loss.item() / 2
+
+
+def test_hook_position_ids_makes_hand_parallelized_hf_cp_exact(dist_runner):
+    x, y = batch(0, 0, 2, 16, 96)
+    ref = loss_fn(build_model("llama-tiny")(x), y).item()
+    hooked = dist_runner.run(2, _manual_cp_body, True)[0]
+    bare = dist_runner.run(2, _manual_cp_body, False)[0]
+    assert abs(hooked - ref) <= 1e-12 * abs(ref), (hooked, ref)
+    assert abs(bare - ref) > 1e-8 * abs(ref), (bare, ref)   # without the hook: rotary of positions 0..S/cp

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,7 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "model_type")
 
 
-def output_logits(out):
+def output_logits(out: Any) -> torch.Tensor:
     """The logits of a model's output: HF's ``ModelOutput`` (``.logits``), a tuple's first item, or the tensor."""
     if hasattr(out, "logits"):
         return out.logits
@@ -69,7 +69,7 @@ def _position_embeddings(model, token_embeddings):
     return out
 
 
-def check_context_parallel(model: nn.Module, token_embeddings) -> None:
+def check_context_parallel(model: nn.Module, token_embeddings: Sequence[str]) -> None:
     """Raise (at apply) where context parallelism would compute with positions or attention it cannot place."""
     if is_hf_model(model):
         impl = getattr(model.config, "_attn_implementation", None)
@@ -107,7 +107,7 @@ def _replace_arg(args, kwargs, name, index, value):
     return tuple(args), kwargs
 
 
-def install_positions(model: nn.Module, token_embeddings, *, cp_mesh=None, sequence_parallel: bool = False) -> None:
+def install_positions(model: nn.Module, token_embeddings: Sequence[str], *, cp_mesh: Any = None, sequence_parallel: bool = False) -> None:
     """Hook every rotary module of ``model`` to see the positions of its attention's sequence (see the module
     docstring). No-op without cp and sp or without rotary modules."""
     rotaries = [(n, m) for n, m in rotary_modules(model) if _takes_position_ids(m)]  # others: checked under cp

@@ -16,7 +16,7 @@ anything else raises at ``apply`` rather than train another function.
 from __future__ import annotations
 
 import copy
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -132,7 +132,7 @@ class HFPipelining:
         return [(s, HFStage(model, base_path, plan[s], s == 0, s == len(plan) - 1)) for s in mine]
 
 
-def split_hf_stages(pipelining, blocks_path: str) -> HFPipelining:
+def split_hf_stages(pipelining: Any, blocks_path: str) -> HFPipelining:
     """The pipelining package as ``Plan.apply`` uses it, splitting HF models (see :class:`HFPipelining`)."""
     return HFPipelining(pipelining, blocks_path)
 

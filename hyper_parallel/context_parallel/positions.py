@@ -10,6 +10,8 @@ naming the module and the fix: it never guesses.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hyper_parallel.context_parallel.api import _flat_index
@@ -18,7 +20,7 @@ from hyper_parallel.context_parallel.plan import positions
 from hyper_parallel.dtensor.device_mesh import resolve_mesh
 
 
-def rank_positions(mesh, local_len: int, what: str = "context parallelism") -> torch.Tensor:
+def rank_positions(mesh: Any, local_len: int, what: str = "context parallelism") -> torch.Tensor:
     """``[rows, local_len]`` int64: the global position of each of this rank's ``local_len`` sequence rows
     (one row, or one per batch row when the recorded order differs along the batch)."""
     mesh = resolve_mesh(mesh, what)
@@ -36,7 +38,7 @@ def rank_positions(mesh, local_len: int, what: str = "context parallelism") -> t
     return torch.tensor(rows, dtype=torch.long)
 
 
-def true_position_ids(position_ids: torch.Tensor, mesh, local_len: int, what: str) -> torch.Tensor:
+def true_position_ids(position_ids: torch.Tensor, mesh: Any, local_len: int, what: str) -> torch.Tensor:
     """The position ids a model should use on this rank: its default ``offset + arange(n)`` (n = the rows it
     sees, ``local_len`` the rows of the attention's sequence shard, larger with sequence parallelism) becomes
     ``offset +`` the rank's global positions; ids already equal to those are kept. Anything else raises."""
@@ -63,7 +65,7 @@ def true_position_ids(position_ids: torch.Tensor, mesh, local_len: int, what: st
     return out if position_ids.dim() == 2 else out[0]
 
 
-def hook_position_ids(module, mesh, *, name: str = "position_ids", index: int = 1):
+def hook_position_ids(module: torch.nn.Module, mesh: Any, *, name: str = "position_ids", index: int = 1) -> Any:
     """Make ``module`` (e.g. a Hugging Face rotary embedding, ``forward(x, position_ids)``) see this rank's global
     positions under context parallelism: a forward pre-hook maps its ``name`` argument (keyword, or positional
     ``index``) with :func:`true_position_ids`. For models parallelized by hand (``Plan.apply`` does it itself).

@@ -120,6 +120,8 @@ def _fake_world_stage_cls():
 
 
 def _loss(out, y):
+    from hyper_parallel.auto.hf_adapt import output_logits
+    out = output_logits(out)  # HF's CausalLMOutputWithPast: its logits
     out = out.full_tensor() if isinstance(out, hp.DTensor) else out
     return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten())
 

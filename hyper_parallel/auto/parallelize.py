@@ -72,10 +72,7 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
             bp = {}
             for a in info.attention_modules:
                 if a.startswith(b + "."):
-                    k = max(info.n_args.get(a, 1), 1)
-                    bp[_rel(b, a)] = PrepareModuleInput(input_layouts=(seq,) + (None,) * (k - 1),
-                                                        desired_input_layouts=(Replicate(),) + (None,) * (k - 1),
-                                                        use_local_output=True)
+                    bp[_rel(b, a)] = _attention_input(mods[a], info.n_args.get(a, 1), seq)
             moes = [m for m in info.moe_modules if m.startswith(b + ".")]
             for mlp in info.mlp_modules:
                 if mlp.startswith(b + ".") and not any(mlp.startswith(m + ".") for m in moes):
@@ -94,6 +91,8 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
                     bp[_rel(b, f)] = ColwiseParallel()
                 elif r in ("attention_o", "mlp_down"):
                     bp[_rel(b, f)] = RowwiseParallel(output_layouts=Replicate() if shared else seq)
+                elif r == "norm" and _in_attention(f, info, mods):  # per-head norm (Qwen3's q_norm): heads sharded
+                    bp[_rel(b, f)] = SequenceParallel(sequence_dim=-2, use_local_output=True)
                 elif r == "norm" and sp:
                     bp[_rel(b, f)] = SequenceParallel()
             parallelize_module(mods[b], tp_mesh, bp, src_data_rank=None)
@@ -101,6 +100,10 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
             _sp_stage_boundaries(model, info, mods, roles_of, blocks, tp_mesh, seq)
     if cp > 1:
         _apply_cp(plan, model, info, mesh, mods)
+    if cp > 1 or (tp > 1 and sp):  # rotary tables of the attention's positions (hf_adapt)
+        from hyper_parallel.auto.hf_adapt import install_positions
+        install_positions(model, [f for f, r in roles_of.items() if r == "embedding"],
+                          cp_mesh=mesh["cp"] if cp > 1 else None, sequence_parallel=tp > 1 and sp)
     if plan.activation_checkpointing == "full":
         k = getattr(plan, "recompute_layers", None)
         for b, _ in (blocks if k is None else blocks[:k]):  # Megatron's block method: the stage's first k
@@ -114,7 +117,7 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     # forward to the last backward of the step, as torchtitan does (reshard_after_forward=False with pp)
     keep = False if d["pp"] > 1 else None
     if ep > 1:
-        from hyper_parallel.moe import ExpertParallel
+        from hyper_parallel.auto.hf_experts import AnyExpertParallel as ExpertParallel  # also HF's experts modules
         for f, r in roles_of.items():
             if r == "experts":
                 parallelize_module(mods[f], mesh["ep"], ExpertParallel(), src_data_rank=None)
@@ -140,6 +143,31 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     return model
 
 
+def _attention_input(module, n_args, seq):
+    """The attention module's input gathered over tp: its first positional input, or, for keyword-only calls
+    (Hugging Face: ``self_attn(hidden_states=...)``), the keyword of its forward's first parameter."""
+    if n_args == 0:
+        from hyper_parallel.auto.hf_adapt import first_input_name
+        name = first_input_name(module)
+        if name is not None:
+            return PrepareModuleInput(input_kwarg_layouts={name: seq}, desired_input_kwarg_layouts={name: Replicate()},
+                                      use_local_output=True)
+    k = max(n_args, 1)
+    return PrepareModuleInput(input_layouts=(seq,) + (None,) * (k - 1),
+                              desired_input_layouts=(Replicate(),) + (None,) * (k - 1), use_local_output=True)
+
+
+def _in_attention(fqn, info, mods):
+    """A per-head norm inside attention (Qwen3's q_norm / k_norm: weight of head_dim entries, on head-sharded
+    tensors under tp); the planner's ``head_norms`` when it lists them."""
+    listed = getattr(info, "head_norms", None)
+    if listed is not None:
+        return fqn in listed
+    weight = getattr(mods.get(fqn), "weight", None)
+    return (any(fqn.startswith(a + ".") for a in info.attention_modules) and weight is not None
+            and weight.numel() == info.head_dim)
+
+
 def _sp_stage_boundaries(model, info, mods, roles_of, blocks, tp_mesh, seq):
     """A pipeline stage with SP: the hidden state crossing a stage boundary is a ``Shard(1)`` DTensor (the
     stage sends its local shard and the layout; the next stage rebuilds it), so that a stage's forward sees
@@ -163,7 +191,9 @@ def positional_buffers(model, seq_len):
 
 
 def _apply_cp(plan, model, info, mesh, mods):
+    from hyper_parallel.auto.hf_adapt import check_context_parallel
     from hyper_parallel.context_parallel import ContextParallel, cp_shard
+    check_context_parallel(model, [f for f, r in info.module_roles.items() if r == "embedding"])
     cp_mesh = mesh["cp"]
     style = {}
     for a in info.attention_modules:
@@ -182,5 +212,7 @@ PP_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleave
 
 
 def ce_loss(out, target):
+    from hyper_parallel.auto.hf_adapt import output_logits
+    out = output_logits(out)  # HF's CausalLMOutputWithPast: its logits
     out = out.full_tensor() if isinstance(out, hp.DTensor) else out
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))

@@ -46,9 +46,10 @@ def apply_pipeline(plan, model, info, mesh, *, loss_fn=None, stage_cls=None):
     ``stage_modules`` hold this rank's modules (for the optimizer), ``pp_group`` the pipeline mesh (for
     ``hyper_parallel.pipelining.clip_grad_norm_``), ``has_first`` / ``has_last`` say what it feeds."""
     from hyper_parallel import pipelining as pp
-    if "." in info.blocks_path or not info.blocks_path:
+    from hyper_parallel.auto.hf_adapt import is_hf_model
+    if ("." in info.blocks_path or not info.blocks_path) and not is_hf_model(model):
         raise NotImplementedError(f"Plan.apply: pipelining needs the blocks as a ModuleDict attribute of the model "
-                                  f"root, found them at {info.blocks_path!r}")
+                                  f"root (or a Hugging Face decoder LM), found them at {info.blocks_path!r}")
     inputs = tuple(n for n, r in info.module_roles.items() if r == "embedding" and "." not in n)
     outputs = tuple(n for n, c in model.named_children()
                     if n not in inputs and n != info.blocks_path and any(True for _ in c.parameters()))
@@ -56,6 +57,9 @@ def apply_pipeline(plan, model, info, mesh, *, loss_fn=None, stage_cls=None):
     n_stages = len(plan.layers_per_stage)
     tokens, hidden, logits = boundary_args(plan, info, model, plan.coordinates(torch.distributed.get_rank()),
                                            mesh["tp"] if plan.degrees["tp"] > 1 else None)
+    if is_hf_model(model):  # Hugging Face: stages that run the decoder loop, names kept (hf_pipeline)
+        from hyper_parallel.auto.hf_pipeline import split_hf_stages
+        pp = split_hf_stages(pp, info.blocks_path)
     parts = pp.split_into_stages(model, mesh["pp"], num_stages=n_stages, schedule=name, layers=info.blocks_path,
                                  input_modules=inputs, output_modules=outputs,
                                  stage_layers=list(plan.layers_per_stage))  # the split the planner costed

@@ -50,10 +50,12 @@ from hyper_parallel.context_parallel.masks import CausalMask, DocumentMask, Mask
 from hyper_parallel.context_parallel.plan import shard_layout
 from hyper_parallel.context_parallel.style import ContextParallel
 from hyper_parallel.context_parallel.order import SequenceOrder
+from hyper_parallel.context_parallel.positions import hook_position_ids, rank_positions
 from hyper_parallel.context_parallel.torch_private import recorded_order
 
 __all__ = [
     "ContextParallel", "cp_shard", "cp_unshard", "context_parallel_attention", "ring_attention",
     "ulysses_attention", "hybrid_attention", "attention_mask", "Mask", "NoMask", "CausalMask",
     "SlidingWindowMask", "DocumentMask", "shard_layout", "options", "SequenceOrder", "recorded_order",
+    "rank_positions", "hook_position_ids",
 ]

@@ -38,7 +38,7 @@ class ContextParallel(ParallelStyle):
         device_mesh = resolve_mesh(device_mesh, what)
         _api._mesh_dims(device_mesh, self.method, what)   # checks the mesh's dims (and membership) now
         handler = sdpa_handler(device_mesh, self.method, self.load_balance, None, what)
-        handles = _tm.hook_module(module, handler)
+        handles = _tm.hook_module(module, handler, what)
         module.__dict__.setdefault("_hp_context_parallel", []).append((self, handles))
         return module
 

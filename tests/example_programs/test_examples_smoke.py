@@ -8,35 +8,18 @@
   describes, and its own check of every shard and full_tensor() against the full tensor.
 """
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 
 from examples.llama.plot import read_loss_csv
 
-from tests.harness.launch import run_launch
+from tests.harness.launch import torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300  # generous: 4 processes on a loaded 2-core machine; ~10 s each when idle
 
 
 def _torchrun(script, *args):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(ROOT / script), *map(str, args)]
-    try:
-        proc = run_launch(cmd, cwd=ROOT, env=env, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{script} did not finish within {TIMEOUT}s; output so far:\n{exc.stdout}\n{exc.stderr}")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
-    return proc.stdout
+    return torchrun(script, 4, *args, timeout=TIMEOUT)
 
 
 def test_train_llama_dp_shard2_tp2_sp(tmp_path):

@@ -18,3 +18,27 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 def run_launch(cmd, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` (no retry)."""
     return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+
+
+def torchrun(script, nproc: int, *args, timeout: float = 300) -> str:
+    """``python -m torch.distributed.run --standalone --nproc_per_node nproc script args`` from the repository root
+    (one thread per process, no inherited rank variables); fails the test on a timeout or a non-zero exit and
+    returns the stdout."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import pytest
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(root / script), *map(str, args)]
+    try:
+        proc = run_launch(cmd, cwd=root, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} did not finish within {timeout}s; output so far:\n{exc.stdout}\n{exc.stderr}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
+    return proc.stdout

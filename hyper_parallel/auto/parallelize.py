@@ -51,6 +51,7 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     roles_of = {f: r for f, r in info.module_roles.items() if f in mods}
     dense = _dense_mesh(plan, mesh) if ep > 1 else None
     if tp > 1:
+        _refuse_unsharded_roles(roles_of)
         tp_mesh = (dense if dense is not None else mesh)["tp"]
         for n in info.norm_modules:
             if n in mods:
@@ -141,6 +142,24 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
     elif d["dp"] > 1 or cp > 1:
         hp.replicate(model, _flat(plan, mesh, tuple(k for k in ("dp", "cp") if d[k] > 1)))
     return model
+
+
+# Roles the planner recognises and costs but Plan.apply does not shard over tp yet: a fused q/k/v or gate/up
+# projection (its output is split by the model's code at global sizes, so its columns cannot simply be cut)
+# and MLA's key/value up-projection (untested under tp). Left replicated, the model would fail with a shape
+# error or, worse, mix sharded and whole heads: refuse them by name instead.
+_NOT_SHARDED_BY_APPLY = {"attention_qkv": "a fused q/k/v projection", "mlp_gate_up": "a fused gate/up projection",
+                         "attention_kv": "MLA's key/value up-projection (kv_b_proj)"}
+
+
+def _refuse_unsharded_roles(roles_of):
+    found = {f: r for f, r in roles_of.items() if r in _NOT_SHARDED_BY_APPLY}
+    if found:
+        named = ", ".join(f"{f!r} ({_NOT_SHARDED_BY_APPLY[r]}, role {r!r})" for f, r in sorted(found.items()))
+        raise NotImplementedError(
+            f"Plan.apply: tensor parallelism cannot yet shard {named}. Choose a plan without tp: "
+            "plan(model, cluster, ..., parallelisms=('dp', 'fsdp', 'pp', 'cp', 'ep')), or split the fused "
+            "projection into separate Linear modules")
 
 
 def _attention_input(module, n_args, seq):

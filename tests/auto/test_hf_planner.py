@@ -462,3 +462,14 @@ def test_real_size_meta_config_plans_at_world_256(name):
     info = plans[0]._model_info
     assert info.num_experts == model.config.num_local_experts
     assert sum(info.block_is_moe) == model.config.num_hidden_layers - getattr(model.config, "first_k_dense_replace", 0)
+
+
+def test_apply_refuses_tp_on_fused_projections_by_name():
+    """The planner costs fused projections under tp, but Plan.apply cannot cut them yet: it names each one and
+    the fix (a plan without tp) before any parameter changes, instead of a shape error or mixed heads."""
+    from hyper_parallel.auto.parallelize import _refuse_unsharded_roles
+    info = _info(_hf_tiny("Phi3Config"))
+    with pytest.raises(NotImplementedError, match=r"self_attn\.qkv_proj' \(a fused q/k/v projection.*"
+                                                  r"parallelisms=\('dp', 'fsdp', 'pp', 'cp', 'ep'\)"):
+        _refuse_unsharded_roles(info.module_roles)
+    _refuse_unsharded_roles({"model.layers.0.self_attn.q_proj": "attention_q"})  # separate projections pass

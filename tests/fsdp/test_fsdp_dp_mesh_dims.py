@@ -157,7 +157,9 @@ def _nested_body():
                                        rtol=1e-10, atol=1e-12)
         model.zero_grad()
     assert tuple(model.head.placements) == (Shard(0), Replicate())
-    assert tuple(model.blocks[0].a.placements) == (Shard(0), Shard(0))
+    # dim 0 sharded by tp first, then by dp_shard (the outer mesh dim): torch's label for that order
+    from hyper_parallel.dtensor.placement_types import _StridedShard
+    assert tuple(model.blocks[0].a.placements) == (_StridedShard(0, split_factor=ws // 2), Shard(0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, xb in enumerate(batches):
         x = hp.DTensor.from_local(xb.chunk(k)[f], full, [Shard(0), Replicate()])

@@ -371,6 +371,44 @@ def _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard):
     return t + n_dt * dtensor + (n_all - n_dt) * plain
 
 
+def _rank_agg(ms: ModelSummary, stages, pp: int, v: int, r: int, group):
+    """What evaluate reads of pipeline rank ``r``'s stages that no candidate choice changes (cached per split):
+    the candidate loop then does arithmetic only, in the same order as on the stage dicts (identical floats)."""
+    cache = ms.__dict__.setdefault("_rank_cache", {})
+    key = (id(stages), pp, v, r)
+    agg = cache.get(key)
+    if agg is not None:
+        return key, agg
+    nsm = pp * v
+    st_ids = [r + k * pp for k in range(v)]
+    mine = [stages[s] for s in st_ids]
+    agg = dict(
+        key=key, group=group, st_ids=st_ids, mine=mine, first=0 in st_ids, last=(nsm - 1) in st_ids,
+        nblk=sum(x["n"] for x in mine), blocks=[x["n"] for x in mine],
+        iog=[(x["inner"], x["outer"], x["gathered"]) for x in mine],
+        reps=[rep for x in mine for rep in x["reps"]],
+        kinds=tuple({k for x in mine for k in x["kind_counts"]}),
+        mm_fe=sum(x["fwd"] - x["exp"] - x["attn"] for x in mine), exp=sum(x["exp"] for x in mine),
+        attn=sum(x["attn"] for x in mine), ops=sum(x["ops"] for x in mine),
+        ew=[(x["ew_in"], x["ew_out"]) for x in mine],
+        sites=sum(x["sites"] for x in mine), re_sites=sum(x["re_sites"] for x in mine),
+        p_norm=sum(x["p_norm"] for x in mine), n_moe=sum(x["n_moe"] for x in mine),
+        state={}, blk={},
+    )
+    cache[key] = agg
+    return key, agg
+
+
+def _agg_state(ms: ModelSummary, agg, degrees, optimizer: str):
+    """:func:`_rank_state` of a rank's aggregates, cached per (tp, shard, ep, expert shard, optimizer)."""
+    shard, expert_shard = shard_degrees(degrees)
+    key = (degrees["tp"], degrees["ep"], shard, expert_shard, optimizer)
+    out = agg["state"].get(key)
+    if out is None:
+        out = agg["state"][key] = _rank_state(ms.groups, degrees, agg["mine"], agg["first"], agg["last"], optimizer)
+    return out
+
+
 def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
              reduce_item: int):
     """-> (Memory, StepTime, layers per stage module, per-rank rows) of candidate ``c``: every pipeline rank is
@@ -406,14 +444,13 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     spans = _spans(pp, dp, fsdp, cp, tp)
     _span_of = lambda _order, _sizes, dim: spans[dim]
     for r, group in groups_cache[gkey]:  # ranks alike but for their in-flight count: the first holds most
-        st_ids = [r + k * pp for k in range(v)]
-        mine = [stages[s] for s in st_ids]
-        first, last = 0 in st_ids, (nsm - 1) in st_ids
+        akey, agg = _rank_agg(ms, stages, pp, v, r, group)
+        st_ids, mine, first, last = agg["st_ids"], agg["mine"], agg["first"], agg["last"]
         # ------------------------------------------------------------ memory of this rank
-        params, _, opt, ntens = _rank_state(g, d, mine, first, last, optimizer)
+        params, _, opt, ntens = _agg_state(ms, agg, d, optimizer)
         if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
-            unsharded = _rank_state(g, d1, mine, first, last, optimizer)[0]
-        nblk = sum(x["n"] for x in mine)
+            unsharded = _agg_state(ms, agg, d1, optimizer)[0]
+        nblk = agg["nblk"]
         if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
             ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
             rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
@@ -422,12 +459,12 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             working = max((full_acts(i) for i in ck), default=0.0)
         elif c.ac == "full":
             kept = nblk * hidden_bytes / sp_div / act_scale
-            working = max(((i / tp + o / sp_div + gg) for x in mine for i, o, gg in x["reps"]), default=0) / cp
+            working = max(((i / tp + o / sp_div + gg) for i, o, gg in agg["reps"]), default=0) / cp
         elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
             from hyper_parallel.auto.selective_ac import selective_parts
             kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
         else:
-            kept = sum(x["inner"] / tp + x["outer"] / sp_div + x["gathered"] for x in mine) / cp
+            kept = sum(i / tp + o / sp_div + gg for i, o, gg in agg["iog"]) / cp
             working = 0.0
         if first:
             kept += ms.first_saved / sp_div / cp
@@ -436,9 +473,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             # right after its forward (1F1B, interleaved), GPipe keeps all m
             working += ms.last_saved / cp * (m if c.schedule == "gpipe" else 1)
         acts = act_scale * b_mb * (held * kept + working)  # the recompute working set lives once
-        kinds = {k for x in mine for k in x["kind_counts"]}
-        blk = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1) for k in kinds),
-                  default=0) / ms.act_item
+        blk = agg["blk"].get((tp, ep))
+        if blk is None:
+            blk = agg["blk"][(tp, ep)] = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1)
+                                              for k in agg["kinds"]), default=0) / ms.act_item
         if shard > 1 and pp > 1:  # gathered once per step, kept to the last backward; unsharded gradients
             whole = unsharded / ms.act_item
             bufs = whole * (param_item + reduce_item)
@@ -451,11 +489,10 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         bufs += 4 * ntens + ms.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
         # ------------------------------------------------------------ compute of this rank
-        mm = sum(x["fwd"] - x["exp"] - x["attn"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
-        attn = sum(x["attn"] for x in mine) / (tp * cp)
+        re_mm = mm = agg["mm_fe"] / (tp * cp) + agg["exp"] / cp
+        attn = agg["attn"] / (tp * cp)
         if last or pp == 1:
             mm += ms.head_fwd / (tp * cp)
-        re_mm = sum(x["fwd"] - x["exp"] - x["attn"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
         re_attn = attn
         if c.ac != "full":  # selective AC recomputes no matmul and no attention
             re_mm = re_attn = 0.0
@@ -465,8 +502,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
                      + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
         flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
-        ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
-        re_ops = sum(x["ops"] for x in mine) if full_ac else 0
+        ops = agg["ops"] + (ms.head_ops if last or pp == 1 else 0)
+        re_ops = agg["ops"] if full_ac else 0
         if c.ac == "full" and c.recompute_layers is not None:
             re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
         if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
@@ -479,7 +516,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
                                 + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
             hbm = 0.0
             if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
-                ew = sum(x["ew_in"] / tp + x["ew_out"] / sp_div for x in mine) / cp
+                ew = sum(e_in / tp + e_out / sp_div for e_in, e_out in agg["ew"]) / cp
                 ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
                 ew_re = ew if full_ac else 0.0
                 hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
@@ -493,12 +530,12 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             span = _span_of(order, sizes, "tp")
             logits = b_mb * S / cp * info.vocab * param_item
             size = {"act": a, "logits": logits}
-            counts = _tp_counts(sum(x["sites"] for x in mine), sum(x["re_sites"] for x in mine), c.sp, full_ac,
+            counts = _tp_counts(agg["sites"], agg["re_sites"], c.sp, full_ac,
                                 first or pp == 1, last or pp == 1)
             t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
             comm["tp"] = t * m
             if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
-                comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(x["p_norm"] for x in mine) + hc.top_p_norm),
+                comm["tp"] += ct("all_reduce", 4 * info.dim * (agg["p_norm"] + hc.top_p_norm),
                                  tp, intra(span))
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
             span = _span_of(order, sizes, "cp")
@@ -511,7 +548,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             else:
                 a = b_mb * S / cp * info.dim / tp * param_item
                 comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * nblk * m
-        n_moe = sum(x["n_moe"] for x in mine)
+        n_moe = agg["n_moe"]
         if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
             rows_b = b_mb * S / cp * info.top_k * info.dim * param_item
             comm["ep"] = 4 * ct("all_to_all", rows_b, ep, intra(ep * cp * tp)) * n_moe * m
@@ -520,14 +557,15 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             units = nblk + sum(1 for s in st_ids if s == 0 or s == nsm - 1 or pp == 1)
             calls = {"all_gather": units if pp > 1 else 2 * nblk + 1, "reduce_scatter": units}
             comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
-                                      compute, m, v, order, sizes, intra)
+                                      compute, m, v, order, sizes, intra,
+                                      memo_key=(akey, dp, fsdp, tp, pp, cp, ep, v, param_item, reduce_item))
         elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
             span = _span_of(order, sizes, "dp") if dp > 1 else _span_of(order, sizes, "cp")
             comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
         if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
             span = _span_of(order, sizes, "pp")
             comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
-        rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=[x["n"] for x in mine], in_flight=held, memory=mem,
+        rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=list(agg["blocks"]), in_flight=held, memory=mem,
                          fsdp_calls=calls,
                          flops=flops, compute=compute, comm=comm, busy=compute + sum(comm.values())))
     worst_mem = max(rows, key=lambda x: x["memory"].total)["memory"]
@@ -544,13 +582,35 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
 
 
 def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, order,
-               sizes, intra):
+               sizes, intra, memo_key=None):
     """Exposed seconds of FSDP's collectives on one rank. Without pp: all_gather (forward and again in
     backward) and reduce_scatter per block, prefetch hiding all but the first behind compute. With pp: the
     stage is gathered once per step and its gradients reduce-scattered once (no reshard after forward, as
     torchtitan): the gathers beyond the first hide behind the first microbatch's forward, the reduce-scatters
     behind the last one's backward. A calibrated CPU world (gloo on the cores that compute) overlaps nothing
-    and pays the measured per-unit host cost."""
+    and pays the measured per-unit host cost.
+
+    ``memo_key``: the rank and layout, to reuse the collectives' sums (they do not depend on ``compute`` or ``m``)
+    within one ``plan()`` search (the cluster's ``_cost_memo``, which ``plan`` sets on its private copy)."""
+    memo = cluster.__dict__.get("_cost_memo") if memo_key is not None else None
+    parts = memo.get(memo_key) if memo is not None else None
+    if parts is None:
+        parts = _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, sizes,
+                            intra)
+        if memo is not None:
+            memo[memo_key] = parts
+    if shard in cluster.fsdp_unit:
+        return parts
+    first, ag, rs = parts
+    if d["pp"] > 1:
+        fwd_mb = compute / m / 3  # one microbatch's forward (about a third of its forward + backward)
+        return first + max(0.0, ag - first - fwd_mb) + max(0.0, rs - 2 * fwd_mb)
+    return first + max(0.0, ag + rs - first - compute)
+
+
+def _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, sizes, intra):
+    """:func:`_fsdp_time`'s sums: the measured per-unit total (calibrated CPU world), else (the first gather,
+    all gathers, all reduce-scatters) in seconds."""
     g = ms.groups
     dp = d["dp"]
     pp = d["pp"]
@@ -589,7 +649,4 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
             ag += cnt * gathers * one_ag
             rs += cnt * one_rs
             first = first or one_ag
-    if pp > 1:
-        fwd_mb = compute / m / 3  # one microbatch's forward (about a third of its forward + backward)
-        return first + max(0.0, ag - first - fwd_mb) + max(0.0, rs - 2 * fwd_mb)
-    return first + max(0.0, ag + rs - first - compute)
+    return first, ag, rs

@@ -383,7 +383,7 @@ def _rank_agg(ms: ModelSummary, stages, pp: int, v: int, r: int, group):
     st_ids = [r + k * pp for k in range(v)]
     mine = [stages[s] for s in st_ids]
     agg = dict(
-        key=key, group=group, st_ids=st_ids, mine=mine, first=0 in st_ids, last=(nsm - 1) in st_ids,
+        key=key, rank=r, group=group, st_ids=st_ids, mine=mine, first=0 in st_ids, last=(nsm - 1) in st_ids,
         nblk=sum(x["n"] for x in mine), blocks=[x["n"] for x in mine],
         iog=[(x["inner"], x["outer"], x["gathered"]) for x in mine],
         reps=[rep for x in mine for rep in x["reps"]],
@@ -399,10 +399,9 @@ def _rank_agg(ms: ModelSummary, stages, pp: int, v: int, r: int, group):
     return key, agg
 
 
-def _agg_state(ms: ModelSummary, agg, degrees, optimizer: str):
-    """:func:`_rank_state` of a rank's aggregates, cached per (tp, shard, ep, expert shard, optimizer)."""
-    shard, expert_shard = shard_degrees(degrees)
-    key = (degrees["tp"], degrees["ep"], shard, expert_shard, optimizer)
+def _agg_state(ms: ModelSummary, agg, degrees, optimizer: str, key: tuple):
+    """:func:`_rank_state` of a rank's aggregates, cached per ``key``: (tp, ep, shard, expert shard, optimizer)
+    of ``degrees``."""
     out = agg["state"].get(key)
     if out is None:
         out = agg["state"][key] = _rank_state(ms.groups, degrees, agg["mine"], agg["first"], agg["last"], optimizer)
@@ -429,8 +428,6 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     act_scale = param_item / ms.act_item  # activations in the compute dtype
     S = ms.seq_len
     hidden_bytes = S / cp * info.dim * param_item  # one sample's hidden state [S/cp, dim]
-    order = ["pp", "dp", "fsdp", "cp", "tp"]
-    sizes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
     dpn = cluster.devices_per_node
     intra = lambda span: span <= dpn
     ct = cluster.collective_time
@@ -439,17 +436,20 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     rows = []
     groups_cache = ms.__dict__.setdefault("_group_cache", {})
     gkey = (id(stages), pp, v)
-    if gkey not in groups_cache:
-        groups_cache[gkey] = _rank_groups(stages, pp, v)
+    aggs = groups_cache.get(gkey)
+    if aggs is None:
+        aggs = groups_cache[gkey] = [_rank_agg(ms, stages, pp, v, r, group) for r, group in _rank_groups(stages, pp, v)]
     spans = _spans(pp, dp, fsdp, cp, tp)
-    _span_of = lambda _order, _sizes, dim: spans[dim]
-    for r, group in groups_cache[gkey]:  # ranks alike but for their in-flight count: the first holds most
-        akey, agg = _rank_agg(ms, stages, pp, v, r, group)
+    state_key = (tp, ep, shard, expert_shard, optimizer)
+    if shard > 1 and pp > 1:
+        whole_key = (tp, ep) + shard_degrees(d1) + (optimizer,)
+    for akey, agg in aggs:  # ranks alike but for their in-flight count: the first holds most
+        r, group = agg["rank"], agg["group"]
         st_ids, mine, first, last = agg["st_ids"], agg["mine"], agg["first"], agg["last"]
         # ------------------------------------------------------------ memory of this rank
-        params, _, opt, ntens = _agg_state(ms, agg, d, optimizer)
+        params, _, opt, ntens = _agg_state(ms, agg, d, optimizer, state_key)
         if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
-            unsharded = _agg_state(ms, agg, d1, optimizer)[0]
+            unsharded = _agg_state(ms, agg, d1, optimizer, whole_key)[0]
         nblk = agg["nblk"]
         if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
             ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
@@ -527,7 +527,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         hc = ms.host
         if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
             a = b_mb * hidden_bytes
-            span = _span_of(order, sizes, "tp")
+            span = spans["tp"]
             logits = b_mb * S / cp * info.vocab * param_item
             size = {"act": a, "logits": logits}
             counts = _tp_counts(agg["sites"], agg["re_sites"], c.sp, full_ac,
@@ -538,7 +538,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
                 comm["tp"] += ct("all_reduce", 4 * info.dim * (agg["p_norm"] + hc.top_p_norm),
                                  tp, intra(span))
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
-            span = _span_of(order, sizes, "cp")
+            span = spans["cp"]
             if c.cp_method == "ring":
                 kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
                 ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
@@ -557,13 +557,13 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             units = nblk + sum(1 for s in st_ids if s == 0 or s == nsm - 1 or pp == 1)
             calls = {"all_gather": units if pp > 1 else 2 * nblk + 1, "reduce_scatter": units}
             comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
-                                      compute, m, v, order, sizes, intra,
+                                      compute, m, v, spans, intra,
                                       memo_key=(akey, dp, fsdp, tp, pp, cp, ep, v, param_item, reduce_item))
         elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
-            span = _span_of(order, sizes, "dp") if dp > 1 else _span_of(order, sizes, "cp")
+            span = spans["dp"] if dp > 1 else spans["cp"]
             comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
         if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
-            span = _span_of(order, sizes, "pp")
+            span = spans["pp"]
             comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
         rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=list(agg["blocks"]), in_flight=held, memory=mem,
                          fsdp_calls=calls,
@@ -581,8 +581,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     return worst_mem, st, [x["n"] for x in stages], rows
 
 
-def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, order,
-               sizes, intra, memo_key=None):
+def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, spans,
+               intra, memo_key=None):
     """Exposed seconds of FSDP's collectives on one rank. Without pp: all_gather (forward and again in
     backward) and reduce_scatter per block, prefetch hiding all but the first behind compute. With pp: the
     stage is gathered once per step and its gradients reduce-scattered once (no reshard after forward, as
@@ -595,7 +595,7 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
     memo = cluster.__dict__.get("_cost_memo") if memo_key is not None else None
     parts = memo.get(memo_key) if memo is not None else None
     if parts is None:
-        parts = _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, sizes,
+        parts = _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, spans,
                             intra)
         if memo is not None:
             memo[memo_key] = parts
@@ -608,13 +608,12 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
     return first + max(0.0, ag + rs - first - compute)
 
 
-def _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, sizes, intra):
+def _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, spans, intra):
     """:func:`_fsdp_time`'s sums: the measured per-unit total (calibrated CPU world), else (the first gather,
     all gathers, all reduce-scatters) in seconds."""
     g = ms.groups
     dp = d["dp"]
     pp = d["pp"]
-    spans = _spans(*(sizes[k] for k in ("pp", "dp", "fsdp", "cp", "tp")))
     span = spans["fsdp"]
     ct = cluster.collective_time
     gathers = 1 if pp > 1 else 2

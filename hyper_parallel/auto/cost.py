@@ -432,6 +432,9 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     intra = lambda span: span <= dpn
     ct = cluster.collective_time
     calibrated_host = bool(cluster.op_overhead)  # a CPU world measured by Cluster.measure()
+    memo = cluster.__dict__.get("_cost_memo")  # a plan() search shares sub-results between its candidates
+    if memo is None:
+        memo = {}
     full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
     rows = []
     groups_cache = ms.__dict__.setdefault("_group_cache", {})
@@ -451,23 +454,28 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
             unsharded = _agg_state(ms, agg, d1, optimizer, whole_key)[0]
         nblk = agg["nblk"]
-        if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
-            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
-            rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
-            full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
-            kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
-            working = max((full_acts(i) for i in ck), default=0.0)
-        elif c.ac == "full":
-            kept = nblk * hidden_bytes / sp_div / act_scale
-            working = max(((i / tp + o / sp_div + gg) for i, o, gg in agg["reps"]), default=0) / cp
-        elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
-            from hyper_parallel.auto.selective_ac import selective_parts
-            kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
-        else:
-            kept = sum(i / tp + o / sp_div + gg for i, o, gg in agg["iog"]) / cp
-            working = 0.0
-        if first:
-            kept += ms.first_saved / sp_div / cp
+        acts_key = ("acts", akey, tp, cp, c.sp, c.ac, c.recompute_layers, param_item)
+        parts = memo.get(acts_key)
+        if parts is None:  # the same for every dp / fsdp / ep split, microbatch count and schedule of this rank
+            if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
+                ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+                rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
+                full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
+                kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
+                working = max((full_acts(i) for i in ck), default=0.0)
+            elif c.ac == "full":
+                kept = nblk * hidden_bytes / sp_div / act_scale
+                working = max(((i / tp + o / sp_div + gg) for i, o, gg in agg["reps"]), default=0) / cp
+            elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
+                from hyper_parallel.auto.selective_ac import selective_parts
+                kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
+            else:
+                kept = sum(i / tp + o / sp_div + gg for i, o, gg in agg["iog"]) / cp
+                working = 0.0
+            if first:
+                kept += ms.first_saved / sp_div / cp
+            parts = memo[acts_key] = (kept, working)
+        kept, working = parts
         held = in_flight(c.schedule, m, pp, v, r)
         if last or pp == 1:  # the head's activations (logits): the last stage runs each microbatch's backward
             # right after its forward (1F1B, interleaved), GPipe keeps all m
@@ -489,54 +497,65 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         bufs += 4 * ntens + ms.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
         # ------------------------------------------------------------ compute of this rank
-        re_mm = mm = agg["mm_fe"] / (tp * cp) + agg["exp"] / cp
-        attn = agg["attn"] / (tp * cp)
-        if last or pp == 1:
-            mm += ms.head_fwd / (tp * cp)
-        re_attn = attn
-        if c.ac != "full":  # selective AC recomputes no matmul and no attention
-            re_mm = re_attn = 0.0
-        elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
-            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
-            re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
-            re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
-                     + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
-        flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
-        ops = agg["ops"] + (ms.head_ops if last or pp == 1 else 0)
-        re_ops = agg["ops"] if full_ac else 0
-        if c.ac == "full" and c.recompute_layers is not None:
-            re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
-        if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
-            compute = flops / cluster.flops
-            compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
-                            + re_ops * (cluster.ac_op or cluster.op_overhead))
-            compute += _host_time(ms, cluster, c, st_ids, blocks_of(mine), nsm, m, tp, shard)
-        else:  # a device: kernels (matmul, attention, memory-bound ops); the host launches ahead of them
-            kernel = b_local * ((mm * (1 + ms.bwd_ratio) + re_mm) / cluster.flops
-                                + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
-            hbm = 0.0
-            if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
-                ew = sum(e_in / tp + e_out / sp_div for e_in, e_out in agg["ew"]) / cp
-                ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
-                ew_re = ew if full_ac else 0.0
-                hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
-            host = m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.launch
-            compute = max(kernel + hbm, host)
+        compute_key = ("compute", akey, tp, cp, b_local, c.ac, c.recompute_layers, c.sp, m, param_item,
+                       shard if calibrated_host else None)
+        parts = memo.get(compute_key)
+        if parts is None:  # the same for every dp / fsdp / ep split of this local batch and the cp method
+            re_mm = mm = agg["mm_fe"] / (tp * cp) + agg["exp"] / cp
+            attn = agg["attn"] / (tp * cp)
+            if last or pp == 1:
+                mm += ms.head_fwd / (tp * cp)
+            re_attn = attn
+            if c.ac != "full":  # selective AC recomputes no matmul and no attention
+                re_mm = re_attn = 0.0
+            elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
+                ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+                re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                         + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
+            flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
+            ops = agg["ops"] + (ms.head_ops if last or pp == 1 else 0)
+            re_ops = agg["ops"] if full_ac else 0
+            if c.ac == "full" and c.recompute_layers is not None:
+                re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
+            if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
+                compute = flops / cluster.flops
+                compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
+                                + re_ops * (cluster.ac_op or cluster.op_overhead))
+                compute += _host_time(ms, cluster, c, st_ids, blocks_of(mine), nsm, m, tp, shard)
+            else:  # a device: kernels (matmul, attention, memory-bound ops); the host launches ahead of them
+                kernel = b_local * ((mm * (1 + ms.bwd_ratio) + re_mm) / cluster.flops
+                                    + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
+                hbm = 0.0
+                if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
+                    ew = sum(e_in / tp + e_out / sp_div for e_in, e_out in agg["ew"]) / cp
+                    ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
+                    ew_re = ew if full_ac else 0.0
+                    hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
+                host = m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.launch
+                compute = max(kernel + hbm, host)
+            parts = memo[compute_key] = (flops, compute, attn)
+        flops, compute, attn = parts
         # ------------------------------------------------------------ communication of this rank
         comm: Dict[str, float] = {}
         hc = ms.host
         if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
-            a = b_mb * hidden_bytes
-            span = spans["tp"]
-            logits = b_mb * S / cp * info.vocab * param_item
-            size = {"act": a, "logits": logits}
-            counts = _tp_counts(agg["sites"], agg["re_sites"], c.sp, full_ac,
-                                first or pp == 1, last or pp == 1)
-            t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
-            comm["tp"] = t * m
-            if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
-                comm["tp"] += ct("all_reduce", 4 * info.dim * (agg["p_norm"] + hc.top_p_norm),
-                                 tp, intra(span))
+            tp_key = ("tp", akey, tp, cp, c.sp, full_ac, m, b_local, param_item)
+            if tp_key in memo:
+                comm["tp"] = memo[tp_key]
+            else:
+                a = b_mb * hidden_bytes
+                span = spans["tp"]
+                logits = b_mb * S / cp * info.vocab * param_item
+                size = {"act": a, "logits": logits}
+                counts = _tp_counts(agg["sites"], agg["re_sites"], c.sp, full_ac,
+                                    first or pp == 1, last or pp == 1)
+                t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
+                comm["tp"] = t * m
+                if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
+                    comm["tp"] += ct("all_reduce", 4 * info.dim * (agg["p_norm"] + hc.top_p_norm),
+                                     tp, intra(span))
+                memo[tp_key] = comm["tp"]
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
             span = spans["cp"]
             if c.cp_method == "ring":

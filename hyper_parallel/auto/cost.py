@@ -409,10 +409,11 @@ def _agg_state(ms: ModelSummary, agg, degrees, optimizer: str, key: tuple):
 
 
 def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
-             reduce_item: int):
+             reduce_item: int, memory_limit: float = None):
     """-> (Memory, StepTime, layers per stage module, per-rank rows) of candidate ``c``: every pipeline rank is
     modelled (its blocks, in-flight activations, collectives); the memory is the largest rank's, the step the
-    slowest rank's plus the bubble (docs/auto_parallel.md "Cost model")."""
+    slowest rank's plus the bubble (docs/auto_parallel.md "Cost model"). A candidate whose memory exceeds
+    ``memory_limit`` (bytes; ``plan()``'s device memory) gets no step time (``None``) and rows with memory only."""
     d = c.degrees
     dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
     info, g = ms.info, ms.groups
@@ -446,6 +447,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     state_key = (tp, ep, shard, expert_shard, optimizer)
     if shard > 1 and pp > 1:
         whole_key = (tp, ep) + shard_degrees(d1) + (optimizer,)
+    pre = []  # per rank: its memory first (a candidate over ``memory_limit`` stops there), then its time
     for akey, agg in aggs:  # ranks alike but for their in-flight count: the first holds most
         r, group = agg["rank"], agg["group"]
         st_ids, mine, first, last = agg["st_ids"], agg["mine"], agg["first"], agg["last"]
@@ -496,6 +498,12 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             bufs = 0
         bufs += 4 * ntens + ms.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
+        pre.append((akey, agg, r, group, st_ids, mine, first, last, params, nblk, held, mem))
+    worst_mem = max(pre, key=lambda x: x[-1].total)[-1]
+    if memory_limit is not None and worst_mem.total > memory_limit:  # does not fit: its step time is not needed
+        return worst_mem, None, [x["n"] for x in stages], [dict(rank=x[2], ranks=x[3], stages=x[4], memory=x[-1])
+                                                           for x in pre]
+    for akey, agg, r, group, st_ids, mine, first, last, params, nblk, held, mem in pre:
         # ------------------------------------------------------------ compute of this rank
         compute_key = ("compute", akey, tp, cp, b_local, c.ac, c.recompute_layers, c.sp, m, param_item,
                        shard if calibrated_host else None)
@@ -587,7 +595,6 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=list(agg["blocks"]), in_flight=held, memory=mem,
                          fsdp_calls=calls,
                          flops=flops, compute=compute, comm=comm, busy=compute + sum(comm.values())))
-    worst_mem = max(rows, key=lambda x: x["memory"].total)["memory"]
     slow = max(rows, key=lambda x: x["busy"])
     bubble = slow["busy"] * (pp - 1) / (m * v) if pp > 1 else 0.0
     st = StepTime(slow["compute"], sum(slow["comm"].values()), bubble, dict(slow["comm"]))

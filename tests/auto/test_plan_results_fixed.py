@@ -8,22 +8,12 @@ tests.auto.test_plan_results_fixed``; a speed-up must never change one."""
 import hashlib
 import json
 
-import torch
-
 from examples.llama.configs import get_config
-from examples.llama.model import ModelArgs, Transformer
+from examples.llama.model import ModelArgs
 from examples.llama.moe import MoEArgs
 from hyper_parallel.auto import Cluster, evaluate_plan, explain_rejections, plan
-
-
-def _meta(args):
-    with torch.device("meta"):
-        return Transformer(args, init_seed=None)
-
-
-def _llama_70b():
-    return ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
-                     ffn_dim_multiplier=1.3, max_seq_len=8192, rope_theta=500000.0)
+from tests.auto.test_planner import _meta
+from tests.auto.test_planner import llama_70b as _llama_70b
 
 
 def _moe_16b():

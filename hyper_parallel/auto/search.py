@@ -92,7 +92,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     allowed = set(parallelisms)
     scoring = copy.copy(cluster)  # the same cluster, its collective times memoised for this search
     scoring.collective_time = functools.lru_cache(maxsize=None)(cluster.collective_time)
-    scoring._cost_memo = {}  # the cost model's sums that several candidates share (cost._fsdp_time)
+    scoring._cost_memo = {}  # sub-results candidates of this search share (cost.evaluate, cost._fsdp_time)
     rejections: List[Tuple[str, str]] = []
     scored: List[Plan] = []
     E = info.num_experts

@@ -371,11 +371,49 @@ def _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard):
     return t + n_dt * dtensor + (n_all - n_dt) * plain
 
 
+def _rank_agg(ms: ModelSummary, stages, pp: int, v: int, r: int, group):
+    """What evaluate reads of pipeline rank ``r``'s stages that no candidate choice changes (cached per split):
+    the candidate loop then does arithmetic only, in the same order as on the stage dicts (identical floats)."""
+    cache = ms.__dict__.setdefault("_rank_cache", {})
+    key = (id(stages), pp, v, r)
+    agg = cache.get(key)
+    if agg is not None:
+        return key, agg
+    nsm = pp * v
+    st_ids = [r + k * pp for k in range(v)]
+    mine = [stages[s] for s in st_ids]
+    agg = dict(
+        key=key, rank=r, group=group, st_ids=st_ids, mine=mine, first=0 in st_ids, last=(nsm - 1) in st_ids,
+        nblk=sum(x["n"] for x in mine), blocks=[x["n"] for x in mine],
+        iog=[(x["inner"], x["outer"], x["gathered"]) for x in mine],
+        reps=[rep for x in mine for rep in x["reps"]],
+        kinds=tuple({k for x in mine for k in x["kind_counts"]}),
+        mm_fe=sum(x["fwd"] - x["exp"] - x["attn"] for x in mine), exp=sum(x["exp"] for x in mine),
+        attn=sum(x["attn"] for x in mine), ops=sum(x["ops"] for x in mine),
+        ew=[(x["ew_in"], x["ew_out"]) for x in mine],
+        sites=sum(x["sites"] for x in mine), re_sites=sum(x["re_sites"] for x in mine),
+        p_norm=sum(x["p_norm"] for x in mine), n_moe=sum(x["n_moe"] for x in mine),
+        state={}, blk={},
+    )
+    cache[key] = agg
+    return key, agg
+
+
+def _agg_state(ms: ModelSummary, agg, degrees, optimizer: str, key: tuple):
+    """:func:`_rank_state` of a rank's aggregates, cached per ``key``: (tp, ep, shard, expert shard, optimizer)
+    of ``degrees``."""
+    out = agg["state"].get(key)
+    if out is None:
+        out = agg["state"][key] = _rank_state(ms.groups, degrees, agg["mine"], agg["first"], agg["last"], optimizer)
+    return out
+
+
 def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
-             reduce_item: int):
+             reduce_item: int, memory_limit: float = None):
     """-> (Memory, StepTime, layers per stage module, per-rank rows) of candidate ``c``: every pipeline rank is
     modelled (its blocks, in-flight activations, collectives); the memory is the largest rank's, the step the
-    slowest rank's plus the bubble (docs/auto_parallel.md "Cost model")."""
+    slowest rank's plus the bubble (docs/auto_parallel.md "Cost model"). A candidate whose memory exceeds
+    ``memory_limit`` (bytes; ``plan()``'s device memory) gets no step time (``None``) and rows with memory only."""
     d = c.degrees
     dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
     info, g = ms.info, ms.groups
@@ -391,54 +429,64 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     act_scale = param_item / ms.act_item  # activations in the compute dtype
     S = ms.seq_len
     hidden_bytes = S / cp * info.dim * param_item  # one sample's hidden state [S/cp, dim]
-    order = ["pp", "dp", "fsdp", "cp", "tp"]
-    sizes = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
     dpn = cluster.devices_per_node
     intra = lambda span: span <= dpn
     ct = cluster.collective_time
     calibrated_host = bool(cluster.op_overhead)  # a CPU world measured by Cluster.measure()
+    memo = cluster.__dict__.get("_cost_memo")  # a plan() search shares sub-results between its candidates
+    if memo is None:
+        memo = {}
     full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
     rows = []
     groups_cache = ms.__dict__.setdefault("_group_cache", {})
     gkey = (id(stages), pp, v)
-    if gkey not in groups_cache:
-        groups_cache[gkey] = _rank_groups(stages, pp, v)
+    aggs = groups_cache.get(gkey)
+    if aggs is None:
+        aggs = groups_cache[gkey] = [_rank_agg(ms, stages, pp, v, r, group) for r, group in _rank_groups(stages, pp, v)]
     spans = _spans(pp, dp, fsdp, cp, tp)
-    _span_of = lambda _order, _sizes, dim: spans[dim]
-    for r, group in groups_cache[gkey]:  # ranks alike but for their in-flight count: the first holds most
-        st_ids = [r + k * pp for k in range(v)]
-        mine = [stages[s] for s in st_ids]
-        first, last = 0 in st_ids, (nsm - 1) in st_ids
+    state_key = (tp, ep, shard, expert_shard, optimizer)
+    if shard > 1 and pp > 1:
+        whole_key = (tp, ep) + shard_degrees(d1) + (optimizer,)
+    pre = []  # per rank: its memory first (a candidate over ``memory_limit`` stops there), then its time
+    for akey, agg in aggs:  # ranks alike but for their in-flight count: the first holds most
+        r, group = agg["rank"], agg["group"]
+        st_ids, mine, first, last = agg["st_ids"], agg["mine"], agg["first"], agg["last"]
         # ------------------------------------------------------------ memory of this rank
-        params, _, opt, ntens = _rank_state(g, d, mine, first, last, optimizer)
+        params, _, opt, ntens = _agg_state(ms, agg, d, optimizer, state_key)
         if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
-            unsharded = _rank_state(g, d1, mine, first, last, optimizer)[0]
-        nblk = sum(x["n"] for x in mine)
-        if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
-            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
-            rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
-            full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
-            kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
-            working = max((full_acts(i) for i in ck), default=0.0)
-        elif c.ac == "full":
-            kept = nblk * hidden_bytes / sp_div / act_scale
-            working = max(((i / tp + o / sp_div + gg) for x in mine for i, o, gg in x["reps"]), default=0) / cp
-        elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
-            from hyper_parallel.auto.selective_ac import selective_parts
-            kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
-        else:
-            kept = sum(x["inner"] / tp + x["outer"] / sp_div + x["gathered"] for x in mine) / cp
-            working = 0.0
-        if first:
-            kept += ms.first_saved / sp_div / cp
+            unsharded = _agg_state(ms, agg, d1, optimizer, whole_key)[0]
+        nblk = agg["nblk"]
+        acts_key = ("acts", akey, tp, cp, c.sp, c.ac, c.recompute_layers, param_item)
+        parts = memo.get(acts_key)
+        if parts is None:  # the same for every dp / fsdp / ep split, microbatch count and schedule of this rank
+            if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
+                ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+                rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
+                full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
+                kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
+                working = max((full_acts(i) for i in ck), default=0.0)
+            elif c.ac == "full":
+                kept = nblk * hidden_bytes / sp_div / act_scale
+                working = max(((i / tp + o / sp_div + gg) for i, o, gg in agg["reps"]), default=0) / cp
+            elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
+                from hyper_parallel.auto.selective_ac import selective_parts
+                kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
+            else:
+                kept = sum(i / tp + o / sp_div + gg for i, o, gg in agg["iog"]) / cp
+                working = 0.0
+            if first:
+                kept += ms.first_saved / sp_div / cp
+            parts = memo[acts_key] = (kept, working)
+        kept, working = parts
         held = in_flight(c.schedule, m, pp, v, r)
         if last or pp == 1:  # the head's activations (logits): the last stage runs each microbatch's backward
             # right after its forward (1F1B, interleaved), GPipe keeps all m
             working += ms.last_saved / cp * (m if c.schedule == "gpipe" else 1)
         acts = act_scale * b_mb * (held * kept + working)  # the recompute working set lives once
-        kinds = {k for x in mine for k in x["kind_counts"]}
-        blk = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1) for k in kinds),
-                  default=0) / ms.act_item
+        blk = agg["blk"].get((tp, ep))
+        if blk is None:
+            blk = agg["blk"][(tp, ep)] = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1)
+                                              for k in agg["kinds"]), default=0) / ms.act_item
         if shard > 1 and pp > 1:  # gathered once per step, kept to the last backward; unsharded gradients
             whole = unsharded / ms.act_item
             bufs = whole * (param_item + reduce_item)
@@ -450,58 +498,74 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             bufs = 0
         bufs += 4 * ntens + ms.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
+        pre.append((akey, agg, r, group, st_ids, mine, first, last, params, nblk, held, mem))
+    worst_mem = max(pre, key=lambda x: x[-1].total)[-1]
+    if memory_limit is not None and worst_mem.total > memory_limit:  # does not fit: its step time is not needed
+        return worst_mem, None, [x["n"] for x in stages], [dict(rank=x[2], ranks=x[3], stages=x[4], memory=x[-1])
+                                                           for x in pre]
+    for akey, agg, r, group, st_ids, mine, first, last, params, nblk, held, mem in pre:
         # ------------------------------------------------------------ compute of this rank
-        mm = sum(x["fwd"] - x["exp"] - x["attn"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
-        attn = sum(x["attn"] for x in mine) / (tp * cp)
-        if last or pp == 1:
-            mm += ms.head_fwd / (tp * cp)
-        re_mm = sum(x["fwd"] - x["exp"] - x["attn"] for x in mine) / (tp * cp) + sum(x["exp"] for x in mine) / cp
-        re_attn = attn
-        if c.ac != "full":  # selective AC recomputes no matmul and no attention
-            re_mm = re_attn = 0.0
-        elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
-            ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
-            re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
-            re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
-                     + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
-        flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
-        ops = sum(x["ops"] for x in mine) + (ms.head_ops if last or pp == 1 else 0)
-        re_ops = sum(x["ops"] for x in mine) if full_ac else 0
-        if c.ac == "full" and c.recompute_layers is not None:
-            re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
-        if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
-            compute = flops / cluster.flops
-            compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
-                            + re_ops * (cluster.ac_op or cluster.op_overhead))
-            compute += _host_time(ms, cluster, c, st_ids, blocks_of(mine), nsm, m, tp, shard)
-        else:  # a device: kernels (matmul, attention, memory-bound ops); the host launches ahead of them
-            kernel = b_local * ((mm * (1 + ms.bwd_ratio) + re_mm) / cluster.flops
-                                + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
-            hbm = 0.0
-            if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
-                ew = sum(x["ew_in"] / tp + x["ew_out"] / sp_div for x in mine) / cp
-                ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
-                ew_re = ew if full_ac else 0.0
-                hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
-            host = m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.launch
-            compute = max(kernel + hbm, host)
+        compute_key = ("compute", akey, tp, cp, b_local, c.ac, c.recompute_layers, c.sp, m, param_item,
+                       shard if calibrated_host else None)
+        parts = memo.get(compute_key)
+        if parts is None:  # the same for every dp / fsdp / ep split of this local batch and the cp method
+            re_mm = mm = agg["mm_fe"] / (tp * cp) + agg["exp"] / cp
+            attn = agg["attn"] / (tp * cp)
+            if last or pp == 1:
+                mm += ms.head_fwd / (tp * cp)
+            re_attn = attn
+            if c.ac != "full":  # selective AC recomputes no matmul and no attention
+                re_mm = re_attn = 0.0
+            elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
+                ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
+                re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                         + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
+            flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
+            ops = agg["ops"] + (ms.head_ops if last or pp == 1 else 0)
+            re_ops = agg["ops"] if full_ac else 0
+            if c.ac == "full" and c.recompute_layers is not None:
+                re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
+            if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
+                compute = flops / cluster.flops
+                compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
+                                + re_ops * (cluster.ac_op or cluster.op_overhead))
+                compute += _host_time(ms, cluster, c, st_ids, blocks_of(mine), nsm, m, tp, shard)
+            else:  # a device: kernels (matmul, attention, memory-bound ops); the host launches ahead of them
+                kernel = b_local * ((mm * (1 + ms.bwd_ratio) + re_mm) / cluster.flops
+                                    + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
+                hbm = 0.0
+                if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
+                    ew = sum(e_in / tp + e_out / sp_div for e_in, e_out in agg["ew"]) / cp
+                    ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
+                    ew_re = ew if full_ac else 0.0
+                    hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
+                host = m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.launch
+                compute = max(kernel + hbm, host)
+            parts = memo[compute_key] = (flops, compute, attn)
+        flops, compute, attn = parts
         # ------------------------------------------------------------ communication of this rank
         comm: Dict[str, float] = {}
         hc = ms.host
         if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
-            a = b_mb * hidden_bytes
-            span = _span_of(order, sizes, "tp")
-            logits = b_mb * S / cp * info.vocab * param_item
-            size = {"act": a, "logits": logits}
-            counts = _tp_counts(sum(x["sites"] for x in mine), sum(x["re_sites"] for x in mine), c.sp, full_ac,
-                                first or pp == 1, last or pp == 1)
-            t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
-            comm["tp"] = t * m
-            if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
-                comm["tp"] += ct("all_reduce", 4 * info.dim * (sum(x["p_norm"] for x in mine) + hc.top_p_norm),
-                                 tp, intra(span))
+            tp_key = ("tp", akey, tp, cp, c.sp, full_ac, m, b_local, param_item)
+            if tp_key in memo:
+                comm["tp"] = memo[tp_key]
+            else:
+                a = b_mb * hidden_bytes
+                span = spans["tp"]
+                logits = b_mb * S / cp * info.vocab * param_item
+                size = {"act": a, "logits": logits}
+                counts = _tp_counts(agg["sites"], agg["re_sites"], c.sp, full_ac,
+                                    first or pp == 1, last or pp == 1)
+                t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
+                comm["tp"] = t * m
+                if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
+                    comm["tp"] += ct("all_reduce", 4 * info.dim * (agg["p_norm"] + hc.top_p_norm),
+                                     tp, intra(span))
+                memo[tp_key] = comm["tp"]
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
-            span = _span_of(order, sizes, "cp")
+            span = spans["cp"]
             if c.cp_method == "ring":
                 kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
                 ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
@@ -511,7 +575,7 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             else:
                 a = b_mb * S / cp * info.dim / tp * param_item
                 comm["cp"] = 8 * ct("all_to_all", a, cp, intra(span)) * nblk * m
-        n_moe = sum(x["n_moe"] for x in mine)
+        n_moe = agg["n_moe"]
         if ep > 1 and n_moe:  # EP: dispatch + combine all_to_all, forward and backward
             rows_b = b_mb * S / cp * info.top_k * info.dim * param_item
             comm["ep"] = 4 * ct("all_to_all", rows_b, ep, intra(ep * cp * tp)) * n_moe * m
@@ -520,17 +584,17 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
             units = nblk + sum(1 for s in st_ids if s == 0 or s == nsm - 1 or pp == 1)
             calls = {"all_gather": units if pp > 1 else 2 * nblk + 1, "reduce_scatter": units}
             comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
-                                      compute, m, v, order, sizes, intra)
+                                      compute, m, v, spans, intra,
+                                      memo_key=(akey, dp, fsdp, tp, pp, cp, ep, v, param_item, reduce_item))
         elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
-            span = _span_of(order, sizes, "dp") if dp > 1 else _span_of(order, sizes, "cp")
+            span = spans["dp"] if dp > 1 else spans["cp"]
             comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
         if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
-            span = _span_of(order, sizes, "pp")
+            span = spans["pp"]
             comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
-        rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=[x["n"] for x in mine], in_flight=held, memory=mem,
+        rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=list(agg["blocks"]), in_flight=held, memory=mem,
                          fsdp_calls=calls,
                          flops=flops, compute=compute, comm=comm, busy=compute + sum(comm.values())))
-    worst_mem = max(rows, key=lambda x: x["memory"].total)["memory"]
     slow = max(rows, key=lambda x: x["busy"])
     bubble = slow["busy"] * (pp - 1) / (m * v) if pp > 1 else 0.0
     st = StepTime(slow["compute"], sum(slow["comm"].values()), bubble, dict(slow["comm"]))
@@ -543,18 +607,39 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     return worst_mem, st, [x["n"] for x in stages], rows
 
 
-def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, order,
-               sizes, intra):
+def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, spans,
+               intra, memo_key=None):
     """Exposed seconds of FSDP's collectives on one rank. Without pp: all_gather (forward and again in
     backward) and reduce_scatter per block, prefetch hiding all but the first behind compute. With pp: the
     stage is gathered once per step and its gradients reduce-scattered once (no reshard after forward, as
     torchtitan): the gathers beyond the first hide behind the first microbatch's forward, the reduce-scatters
     behind the last one's backward. A calibrated CPU world (gloo on the cores that compute) overlaps nothing
-    and pays the measured per-unit host cost."""
+    and pays the measured per-unit host cost.
+
+    ``memo_key``: the rank and layout, to reuse the collectives' sums (they do not depend on ``compute`` or ``m``)
+    within one ``plan()`` search (the cluster's ``_cost_memo``, which ``plan`` sets on its private copy)."""
+    memo = cluster.__dict__.get("_cost_memo") if memo_key is not None else None
+    parts = memo.get(memo_key) if memo is not None else None
+    if parts is None:
+        parts = _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, spans,
+                            intra)
+        if memo is not None:
+            memo[memo_key] = parts
+    if shard in cluster.fsdp_unit:
+        return parts
+    first, ag, rs = parts
+    if d["pp"] > 1:
+        fwd_mb = compute / m / 3  # one microbatch's forward (about a third of its forward + backward)
+        return first + max(0.0, ag - first - fwd_mb) + max(0.0, rs - 2 * fwd_mb)
+    return first + max(0.0, ag + rs - first - compute)
+
+
+def _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, spans, intra):
+    """:func:`_fsdp_time`'s sums: the measured per-unit total (calibrated CPU world), else (the first gather,
+    all gathers, all reduce-scatters) in seconds."""
     g = ms.groups
     dp = d["dp"]
     pp = d["pp"]
-    spans = _spans(*(sizes[k] for k in ("pp", "dp", "fsdp", "cp", "tp")))
     span = spans["fsdp"]
     ct = cluster.collective_time
     gathers = 1 if pp > 1 else 2
@@ -589,7 +674,4 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
             ag += cnt * gathers * one_ag
             rs += cnt * one_rs
             first = first or one_ag
-    if pp > 1:
-        fwd_mb = compute / m / 3  # one microbatch's forward (about a third of its forward + backward)
-        return first + max(0.0, ag - first - fwd_mb) + max(0.0, rs - 2 * fwd_mb)
-    return first + max(0.0, ag + rs - first - compute)
+    return first, ag, rs

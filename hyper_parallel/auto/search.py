@@ -92,6 +92,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
     allowed = set(parallelisms)
     scoring = copy.copy(cluster)  # the same cluster, its collective times memoised for this search
     scoring.collective_time = functools.lru_cache(maxsize=None)(cluster.collective_time)
+    scoring._cost_memo = {}  # sub-results candidates of this search share (cost.evaluate, cost._fsdp_time)
     rejections: List[Tuple[str, str]] = []
     scored: List[Plan] = []
     E = info.num_experts
@@ -144,7 +145,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                                 continue
                             c = Candidate(d, sp, ac, sched, m, cpm, STAGES_PER_RANK.get(sched, 1))
                             scored.append(_score(ms, scoring, c, global_batch, optimizer, p_item, r_item, seq_len,
-                                                 param_dtype, reduce_dtype, info))
+                                                 param_dtype, reduce_dtype, info, scoring.device_memory))
         if not pruned or any(p.fits for p in scored):
             break
     _LAST_REJECTIONS = rejections
@@ -240,9 +241,11 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
                   param_dtype, reduce_dtype, info)
 
 
-def _score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len, param_dtype, reduce_dtype, info):
+def _score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len, param_dtype, reduce_dtype, info,
+           memory_limit=None):
+    """The candidate's Plan; over ``memory_limit`` (bytes) it is only a rejection: memory, no step time (None)."""
     mem, st, lps, rows = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
-                                  reduce_item=r_item)
+                                  reduce_item=r_item, memory_limit=memory_limit)
     p = _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
     p.stages_per_rank = c.stages_per_rank if c.degrees["pp"] > 1 else 1
     p.recompute_layers = c.recompute_layers

@@ -93,7 +93,7 @@ run_one() {  # stack row nproc config weightflag args...
 for row in $ROWS; do
     line=$(echo "$MATRIX" | awk -F'|' -v r="$row" '$1==r')
     if [ -z "$line" ]; then
-        [ "$row" = dcp ] && continue
+        [ "$row" = dcp ] || [[ "$row" == dcpx_* ]] && continue
         echo "unknown row $row" >&2; continue
     fi
     IFS='|' read -r name n cfg args ref <<<"$line"
@@ -122,4 +122,41 @@ if [[ " $ROWS " == *" dcp "* ]]; then
     run_one hp dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
         --checkpoint.interval 1000 --checkpoint.load_step 3
 fi
-"$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $ROWS
+# DCP interchange (issue 41): ROWS="dcpx_ROW" for a matrix row ROW (e.g. dcpx_fsdp2tp2, dcpx_moe_ep2_4).
+# Each stack trains CKPT_STEP steps from the same initial weights (torch writes them, hyper_parallel loads
+# them) and saves a full DCP checkpoint at CKPT_STEP; then each checkpoint (step-CKPT_STEP, copied into a
+# folder of its own per reader) is resumed by both stacks up to STEPS. Compared rows:
+#   dcpx_ROW_w  the two writers' steps 1..CKPT_STEP (the checkpoints hold equal states)
+#   dcpx_ROW_t  torch's checkpoint resumed by torch and by hyper_parallel (steps CKPT_STEP+1..STEPS)
+#   dcpx_ROW_h  hyper_parallel's checkpoint resumed by torch and by hyper_parallel
+CKPT_STEP="${CKPT_STEP:-3}"
+CMP_ROWS=""
+for row in $ROWS; do
+    case "$row" in dcp) CMP_ROWS="$CMP_ROWS dcp"; continue ;; dcpx_*) ;; *) CMP_ROWS="$CMP_ROWS $row"; continue ;; esac
+    base=${row#dcpx_}
+    line=$(echo "$MATRIX" | awk -F'|' -v r="$base" '$1==r')
+    [ -z "$line" ] && { echo "unknown row $row" >&2; continue; }
+    IFS='|' read -r name n cfg args ref <<<"$line"
+    echo "row $row ($n ranks): $args; each stack saves at step $CKPT_STEP, both resume each checkpoint"
+    for w in torch hp; do
+        rm -rf "$OUT/ckpt-$row-$w"
+        [ $w = torch ] && wf=--save-weights || wf=--load-weights
+        # shellcheck disable=SC2086
+        WEIGHTS="$OUT/weights-$row.pt" run_one $w "${row}_w" "$n" "$cfg" $wf --checkpoint.enable \
+            --checkpoint.folder "$OUT/ckpt-$row-$w" --checkpoint.interval "$CKPT_STEP" \
+            --checkpoint.no-last-save-model-only $args --training.steps "$CKPT_STEP"
+    done
+    for w in torch hp; do
+        for r in torch hp; do
+            d="$OUT/ckpt-$row-$w-by-$r"
+            rm -rf "$d" && mkdir -p "$d" && cp -r "$OUT/ckpt-$row-$w/step-$CKPT_STEP" "$d/" ||
+                { echo "  no checkpoint $OUT/ckpt-$row-$w/step-$CKPT_STEP" >&2; continue; }
+            # shellcheck disable=SC2086
+            WEIGHTS="$OUT/weights-$row-resume-$r.pt" run_one $r "${row}_${w:0:1}" "$n" "$cfg" --save-weights \
+                --checkpoint.enable --checkpoint.folder "$d" --checkpoint.load_only \
+                --checkpoint.no-last-save-model-only --checkpoint.load_step "$CKPT_STEP" $args
+        done
+    done
+    CMP_ROWS="$CMP_ROWS ${row}_w ${row}_t ${row}_h"
+done
+"$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $CMP_ROWS

@@ -93,7 +93,7 @@ run_one() {  # stack row nproc config weightflag args...
 for row in $ROWS; do
     line=$(echo "$MATRIX" | awk -F'|' -v r="$row" '$1==r')
     if [ -z "$line" ]; then
-        [ "$row" = dcp ] || [[ "$row" == dcpx_* ]] && continue
+        [ "$row" = dcp ] || [ "$row" = ft ] || [[ "$row" == dcpx_* ]] && continue
         echo "unknown row $row" >&2; continue
     fi
     IFS='|' read -r name n cfg args ref <<<"$line"
@@ -132,7 +132,7 @@ fi
 CKPT_STEP="${CKPT_STEP:-3}"
 CMP_ROWS=""
 for row in $ROWS; do
-    case "$row" in dcp) CMP_ROWS="$CMP_ROWS dcp"; continue ;; dcpx_*) ;; *) CMP_ROWS="$CMP_ROWS $row"; continue ;; esac
+    case "$row" in dcp) CMP_ROWS="$CMP_ROWS dcp"; continue ;; ft) continue ;; dcpx_*) ;; *) CMP_ROWS="$CMP_ROWS $row"; continue ;; esac
     base=${row#dcpx_}
     line=$(echo "$MATRIX" | awk -F'|' -v r="$base" '$1==r')
     [ -z "$line" ] && { echo "unknown row $row" >&2; continue; }
@@ -159,4 +159,41 @@ for row in $ROWS; do
     done
     CMP_ROWS="$CMP_ROWS ${row}_w ${row}_t ${row}_h"
 done
+# Fault tolerance (issue 40 item 5): torchtitan's own --fault_tolerance.enable (its torchft experiment,
+# FaultTolerantTrainer), 2 replica groups of FSDP2 x 2 ranks, a torchft lighthouse on 127.0.0.1. Per stack:
+# both groups start; group 1 dies after step FT_DIE (every rank exits 1); it is restarted at once and heals
+# from group 0 (torchft's live checkpoint transfer) while group 0 keeps training; FT_STEPS steps, FT_SLEEP s
+# pacing per step. Losses per group and life: scripts/torchtitan/ft_report.py.
+FT_STEPS="${FT_STEPS:-16}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1.5}"
+ft_group() {  # stack group life [extra run_titan args]
+    local stack=$1 g=$2 life=$3; shift 3
+    ( cd "$OUT" && exec timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node 2 \
+        --master_port "$(free_port)" "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" \
+        --record "$OUT/$stack-ft-g$g-$life.json" --step-sleep "$FT_SLEEP" "$@" -- \
+        --module titan_configs --config llama3_debugmodel_sdpa_noac_ft --hf_assets_path "$OUT/assets/tokenizer" \
+        --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$FT_STEPS" --training.seq_len 128 \
+        --training.local_batch_size 2 --training.mixed_precision_param float32 --validator.no-enable \
+        --parallelism.spmd-backend partial_dtensor --metrics.log_freq 1 --checkpoint.enable --checkpoint.interval 1000 \
+        --dump_folder "$OUT/dump-$stack-ft-g$g" --fault_tolerance.enable --fault_tolerance.replica_id "$g" \
+        --fault_tolerance.group_size 2 --fault_tolerance.process_group gloo --debug.seed 42 ) \
+        >"$OUT/$stack-ft-g$g-$life.log" 2>&1
+}
+if [[ " $ROWS " == *" ft "* ]]; then
+    echo "row ft (2 groups x 2 ranks): group 1 dies after step $FT_DIE and is restarted"
+    for stack in torch hp; do
+        port=$(free_port)
+        "$VENV/bin/torchft_lighthouse" --bind "127.0.0.1:$port" --min_replicas 1 --join_timeout_ms 2000 \
+            >"$OUT/$stack-ft-lighthouse.log" 2>&1 &
+        lh=$!
+        export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port"
+        rm -rf "$OUT/$stack"-ft-g*.json "$OUT/dump-$stack-ft-g"*
+        ft_group "$stack" 0 1 & g0=$!
+        ft_group "$stack" 1 1 --die-at-step "$FT_DIE"; echo "  $stack group 1 life 1: rc $?"
+        ft_group "$stack" 1 2; echo "  $stack group 1 life 2: rc $?"
+        wait $g0; echo "  $stack group 0: rc $?"
+        kill "$lh" 2>/dev/null; wait "$lh" 2>/dev/null
+        unset TORCHFT_LIGHTHOUSE
+    done
+    "$PY" scripts/torchtitan/ft_report.py "$OUT"
+fi
 "$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $CMP_ROWS

@@ -8,6 +8,8 @@
 #       initialise from the same seed (--debug.seed); their initial weights and step-1 losses are compared
 #   TOL=1e-6 ROWS="fsdp2_fd tp2_fd fsdp2tp2_fd" bash scripts/torchtitan_check.sh   # torchtitan's full_dtensor
 #   DUMP_GRADS=1 ...   # also write each stack's full step-1 gradients (grads-<stack>-<row>.pt)
+#   ROWS="dcpx_fsdp2tp2 dcpx_moe_ep2" ...   # DCP checkpoints across the stacks (see the dcpx block)
+#   ROWS=ft ...        # torchtitan fault tolerance, 2 replica groups, one killed and healed
 #   PROFILE=1 ...      # also a cProfile of train_step from step 2 on, rank 0 (prof-<stack>-<row>.pstats)
 #
 # * .venv-torchtitan (git-ignored, not the test suite's .venv): torch==2.13.0 (CPU), torchtitan==0.3.0,

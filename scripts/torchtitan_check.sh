@@ -39,7 +39,7 @@ if ! "$PY" -c "import torchtitan, hyper_parallel, torch; assert torch.__version_
     echo "torchtitan_check: creating $VENV (torch 2.13.0 CPU, torchtitan 0.3.0)" >&2
     [ -x "$PY" ] || python3.11 -m venv "$VENV" || python3 -m venv "$VENV"
     "$PY" -m pip install -q "torch==2.13.0" >"$OUT/pip.log" 2>&1 &&
-    "$PY" -m pip install -q "torchtitan==0.3.0" >>"$OUT/pip.log" 2>&1 &&
+    "$PY" -m pip install -q "torchtitan==0.3.0" "torchft==0.2.0" >>"$OUT/pip.log" 2>&1 &&
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/pip.log" 2>&1 ||
         { echo "torchtitan_check: pip failed, see $OUT/pip.log" >&2; tail -20 "$OUT/pip.log" >&2; exit 1; }
 fi
@@ -80,7 +80,7 @@ ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
 run_one() {  # stack row nproc config weightflag args...
     local stack=$1 row=$2 n=$3 cfg=$4 wflag=$5; shift 5
     rm -f "$OUT/$stack-$row.json"
-    ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
+    ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_port "$(free_port)" \
         "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
         ${DUMP_GRADS:+--dump-grads "$OUT/grads-$stack-$row.pt"} ${PROFILE:+--profile "$OUT/prof-$stack-$row.pstats"} \
         "$wflag" "${WEIGHTS:-$OUT/weights-$row.pt}" -- \
@@ -169,7 +169,7 @@ done
 FT_STEPS="${FT_STEPS:-16}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1.5}"
 ft_group() {  # stack group life [extra run_titan args]
     local stack=$1 g=$2 life=$3; shift 3
-    ( cd "$OUT" && exec timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node 2 \
+    ( cd "$OUT" && exec timeout "${ROW_TIMEOUT:-900}" "$PY" -m torch.distributed.run --nproc_per_node 2 \
         --master_port "$(free_port)" "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" \
         --record "$OUT/$stack-ft-g$g-$life.json" --step-sleep "$FT_SLEEP" "$@" -- \
         --module titan_configs --config llama3_debugmodel_sdpa_noac_ft --hf_assets_path "$OUT/assets/tokenizer" \

@@ -141,6 +141,7 @@ for row in $ROWS; do
     IFS='|' read -r name n cfg args ref <<<"$line"
     echo "row $row ($n ranks): $args; each stack saves at step $CKPT_STEP, both resume each checkpoint"
     for w in torch hp; do
+        [ -n "${DCPX_REUSE:-}" ] && [ -f "$OUT/ckpt-$row-$w/step-$CKPT_STEP/.metadata" ] && continue  # writers done
         rm -rf "$OUT/ckpt-$row-$w"
         [ $w = torch ] && wf=--save-weights || wf=--load-weights
         # shellcheck disable=SC2086
@@ -151,10 +152,10 @@ for row in $ROWS; do
     for w in torch hp; do
         for r in torch hp; do
             d="$OUT/ckpt-$row-$w-by-$r"
-            rm -rf "$d" && mkdir -p "$d" && cp -r "$OUT/ckpt-$row-$w/step-$CKPT_STEP" "$d/" ||
+            rm -rf "$d" && mkdir -p "$d" && ln -s "$OUT/ckpt-$row-$w/step-$CKPT_STEP" "$d/" ||
                 { echo "  no checkpoint $OUT/ckpt-$row-$w/step-$CKPT_STEP" >&2; continue; }
             # shellcheck disable=SC2086
-            WEIGHTS="$OUT/weights-$row-resume-$r.pt" run_one $r "${row}_${w:0:1}" "$n" "$cfg" --save-weights \
+            WEIGHTS=/dev/null run_one $r "${row}_${w:0:1}" "$n" "$cfg" --save-weights \
                 --checkpoint.enable --checkpoint.folder "$d" --checkpoint.load_only \
                 --checkpoint.no-last-save-model-only --checkpoint.load_step "$CKPT_STEP" $args
         done

@@ -8,6 +8,8 @@
 #       initialise from the same seed (--debug.seed); their initial weights and step-1 losses are compared
 #   TOL=1e-6 ROWS="fsdp2_fd tp2_fd fsdp2tp2_fd" bash scripts/torchtitan_check.sh   # torchtitan's full_dtensor
 #   DUMP_GRADS=1 ...   # also write each stack's full step-1 gradients (grads-<stack>-<row>.pt)
+#   ROWS="dcpx_fsdp2tp2 dcpx_moe_ep2" ...   # DCP checkpoints across the stacks (see the dcpx block)
+#   ROWS=ft ...        # torchtitan fault tolerance, 2 replica groups, one killed and healed
 #   PROFILE=1 ...      # also a cProfile of train_step from step 2 on, rank 0 (prof-<stack>-<row>.pstats)
 #
 # * .venv-torchtitan (git-ignored, not the test suite's .venv): torch==2.13.0 (CPU), torchtitan==0.3.0,
@@ -37,7 +39,7 @@ if ! "$PY" -c "import torchtitan, hyper_parallel, torch; assert torch.__version_
     echo "torchtitan_check: creating $VENV (torch 2.13.0 CPU, torchtitan 0.3.0)" >&2
     [ -x "$PY" ] || python3.11 -m venv "$VENV" || python3 -m venv "$VENV"
     "$PY" -m pip install -q "torch==2.13.0" >"$OUT/pip.log" 2>&1 &&
-    "$PY" -m pip install -q "torchtitan==0.3.0" >>"$OUT/pip.log" 2>&1 &&
+    "$PY" -m pip install -q "torchtitan==0.3.0" "torchft==0.2.0" >>"$OUT/pip.log" 2>&1 &&
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/pip.log" 2>&1 ||
         { echo "torchtitan_check: pip failed, see $OUT/pip.log" >&2; tail -20 "$OUT/pip.log" >&2; exit 1; }
 fi
@@ -78,7 +80,7 @@ ROWS="${ROWS:-$(echo "$MATRIX" | awk -F'|' 'NF>1{print $1}' | tr '\n' ' ') dcp}"
 run_one() {  # stack row nproc config weightflag args...
     local stack=$1 row=$2 n=$3 cfg=$4 wflag=$5; shift 5
     rm -f "$OUT/$stack-$row.json"
-    ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$(free_port)" \
+    ( cd "$OUT" && timeout "${ROW_TIMEOUT:-900}" "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_port "$(free_port)" \
         "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" --record "$OUT/$stack-$row.json" \
         ${DUMP_GRADS:+--dump-grads "$OUT/grads-$stack-$row.pt"} ${PROFILE:+--profile "$OUT/prof-$stack-$row.pstats"} \
         "$wflag" "${WEIGHTS:-$OUT/weights-$row.pt}" -- \
@@ -93,7 +95,7 @@ run_one() {  # stack row nproc config weightflag args...
 for row in $ROWS; do
     line=$(echo "$MATRIX" | awk -F'|' -v r="$row" '$1==r')
     if [ -z "$line" ]; then
-        [ "$row" = dcp ] && continue
+        [ "$row" = dcp ] || [ "$row" = ft ] || [[ "$row" == dcpx_* ]] && continue
         echo "unknown row $row" >&2; continue
     fi
     IFS='|' read -r name n cfg args ref <<<"$line"
@@ -122,4 +124,79 @@ if [[ " $ROWS " == *" dcp "* ]]; then
     run_one hp dcp 2 "$LLAMA" --save-weights --checkpoint.enable --checkpoint.folder "$OUT/ckpt-dcp" \
         --checkpoint.interval 1000 --checkpoint.load_step 3
 fi
-"$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $ROWS
+# DCP interchange (issue 41): ROWS="dcpx_ROW" for a matrix row ROW (e.g. dcpx_fsdp2tp2, dcpx_moe_ep2_4).
+# Each stack trains CKPT_STEP steps from the same initial weights (torch writes them, hyper_parallel loads
+# them) and saves a full DCP checkpoint at CKPT_STEP; then each checkpoint (step-CKPT_STEP, copied into a
+# folder of its own per reader) is resumed by both stacks up to STEPS. Compared rows:
+#   dcpx_ROW_w  the two writers' steps 1..CKPT_STEP (the checkpoints hold equal states)
+#   dcpx_ROW_t  torch's checkpoint resumed by torch and by hyper_parallel (steps CKPT_STEP+1..STEPS)
+#   dcpx_ROW_h  hyper_parallel's checkpoint resumed by torch and by hyper_parallel
+CKPT_STEP="${CKPT_STEP:-3}"
+CMP_ROWS=""
+for row in $ROWS; do
+    case "$row" in dcp) CMP_ROWS="$CMP_ROWS dcp"; continue ;; ft) continue ;; dcpx_*) ;; *) CMP_ROWS="$CMP_ROWS $row"; continue ;; esac
+    base=${row#dcpx_}
+    line=$(echo "$MATRIX" | awk -F'|' -v r="$base" '$1==r')
+    [ -z "$line" ] && { echo "unknown row $row" >&2; continue; }
+    IFS='|' read -r name n cfg args ref <<<"$line"
+    echo "row $row ($n ranks): $args; each stack saves at step $CKPT_STEP, both resume each checkpoint"
+    for w in torch hp; do
+        [ -n "${DCPX_REUSE:-}" ] && [ -f "$OUT/ckpt-$row-$w/step-$CKPT_STEP/.metadata" ] && continue  # writers done
+        rm -rf "$OUT/ckpt-$row-$w"
+        [ $w = torch ] && wf=--save-weights || wf=--load-weights
+        # shellcheck disable=SC2086
+        WEIGHTS="$OUT/weights-$row.pt" run_one $w "${row}_w" "$n" "$cfg" $wf --checkpoint.enable \
+            --checkpoint.folder "$OUT/ckpt-$row-$w" --checkpoint.interval "$CKPT_STEP" \
+            --checkpoint.no-last-save-model-only $args --training.steps "$CKPT_STEP"
+    done
+    for w in torch hp; do
+        for r in torch hp; do
+            d="$OUT/ckpt-$row-$w-by-$r"
+            rm -rf "$d" && mkdir -p "$d" && ln -s "$OUT/ckpt-$row-$w/step-$CKPT_STEP" "$d/" ||
+                { echo "  no checkpoint $OUT/ckpt-$row-$w/step-$CKPT_STEP" >&2; continue; }
+            # shellcheck disable=SC2086
+            WEIGHTS=/dev/null run_one $r "${row}_${w:0:1}" "$n" "$cfg" --save-weights \
+                --checkpoint.enable --checkpoint.folder "$d" --checkpoint.load_only \
+                --checkpoint.no-last-save-model-only --checkpoint.load_step "$CKPT_STEP" $args
+        done
+    done
+    CMP_ROWS="$CMP_ROWS ${row}_w ${row}_t ${row}_h"
+done
+# Fault tolerance (issue 40 item 5): torchtitan's own --fault_tolerance.enable (its torchft experiment,
+# FaultTolerantTrainer), 2 replica groups of FSDP2 x 2 ranks, a torchft lighthouse on 127.0.0.1. Per stack:
+# both groups start; group 1 dies after step FT_DIE (every rank exits 1); it is restarted at once and heals
+# from group 0 (torchft's live checkpoint transfer) while group 0 keeps training; FT_STEPS steps, FT_SLEEP s
+# pacing per step. Losses per group and life: scripts/torchtitan/ft_report.py.
+FT_STEPS="${FT_STEPS:-16}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1.5}"
+ft_group() {  # stack group life [extra run_titan args]
+    local stack=$1 g=$2 life=$3; shift 3
+    ( cd "$OUT" && exec timeout "${ROW_TIMEOUT:-900}" "$PY" -m torch.distributed.run --nproc_per_node 2 \
+        --master_port "$(free_port)" "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" \
+        --record "$OUT/$stack-ft-g$g-$life.json" --step-sleep "$FT_SLEEP" "$@" -- \
+        --module titan_configs --config llama3_debugmodel_sdpa_noac_ft --hf_assets_path "$OUT/assets/tokenizer" \
+        --dataloader.dataset_path "$OUT/assets/c4_test" --training.steps "$FT_STEPS" --training.seq_len 128 \
+        --training.local_batch_size 2 --training.mixed_precision_param float32 --validator.no-enable \
+        --parallelism.spmd-backend partial_dtensor --metrics.log_freq 1 --checkpoint.enable --checkpoint.interval 1000 \
+        --dump_folder "$OUT/dump-$stack-ft-g$g" --fault_tolerance.enable --fault_tolerance.replica_id "$g" \
+        --fault_tolerance.group_size 2 --fault_tolerance.process_group gloo --debug.seed 42 ) \
+        >"$OUT/$stack-ft-g$g-$life.log" 2>&1
+}
+if [[ " $ROWS " == *" ft "* ]]; then
+    echo "row ft (2 groups x 2 ranks): group 1 dies after step $FT_DIE and is restarted"
+    for stack in torch hp; do
+        port=$(free_port)
+        "$VENV/bin/torchft_lighthouse" --bind "127.0.0.1:$port" --min_replicas 1 --join_timeout_ms 2000 \
+            >"$OUT/$stack-ft-lighthouse.log" 2>&1 &
+        lh=$!
+        export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port"
+        rm -rf "$OUT/$stack"-ft-g*.json "$OUT/dump-$stack-ft-g"*
+        ft_group "$stack" 0 1 & g0=$!
+        ft_group "$stack" 1 1 --die-at-step "$FT_DIE"; echo "  $stack group 1 life 1: rc $?"
+        ft_group "$stack" 1 2; echo "  $stack group 1 life 2: rc $?"
+        wait $g0; echo "  $stack group 0: rc $?"
+        kill "$lh" 2>/dev/null; wait "$lh" 2>/dev/null
+        unset TORCHFT_LIGHTHOUSE
+    done
+    "$PY" scripts/torchtitan/ft_report.py "$OUT"
+fi
+"$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $CMP_ROWS

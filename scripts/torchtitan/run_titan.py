@@ -145,6 +145,10 @@ def main():
     ap.add_argument("--save-weights")
     ap.add_argument("--load-weights")
     ap.add_argument("--profile", help="cProfile of train_step from step 2 on (rank 0), written as pstats here")
+    ap.add_argument("--die-at-step", type=int, help="fault injection: every rank exits (status 1) after this "
+                    "step's train_step (the fault-tolerance row kills a replica group so)")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep after each train_step (pacing "
+                    "for the fault-tolerance row, so a restarted group rejoins before the others finish)")
     ap.add_argument("--dump-grads", help="write every parameter's full gradient of step 1 (before clipping)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -161,30 +165,34 @@ def main():
     T = titan_trainer.Trainer
     orig_train, orig_step, orig_log = T.train, T.train_step, titan_metrics.MetricsProcessor.log
 
-    def train(self):
+    def train(self, inner=orig_train):
         if args.dump_grads:
             _dump_grads_at_first_clip(self, args.dump_grads)
         if args.save_weights:
             save_weights(self, args.save_weights)
         if args.load_weights:
             record["loaded"] = len(load_weights(self, args.load_weights))
-        return orig_train(self)
+        return inner(self)
 
     prof = None
     if args.profile and int(os.environ.get("RANK", "0")) == 0:
         import cProfile
         prof = cProfile.Profile()
 
-    def train_step(self, *a, **k):
+    def train_step(self, *a, inner=orig_step, **k):
         t0 = time.perf_counter()
         on = prof is not None and len(record["steps"]) >= 1
         if on:
             prof.enable()
-        out = orig_step(self, *a, **k)
+        out = inner(self, *a, **k)
         if on:
             prof.disable()
             prof.dump_stats(args.profile)
         record["steps"][-1]["time_s"] = time.perf_counter() - t0
+        if args.die_at_step is not None and record["steps"][-1]["step"] >= args.die_at_step:
+            _write_record(args.record, record)
+            os._exit(1)
+        time.sleep(args.step_sleep)
         return out
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **k):
@@ -192,6 +200,11 @@ def main():
         return orig_log(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **k)
 
     T.train, T.train_step, titan_metrics.MetricsProcessor.log = train, train_step, log
+    if "--fault_tolerance.enable" in titan_args:  # torchtitan's fault-tolerant trainer overrides both
+        from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer as FT
+        ft_train, ft_step = FT.train, FT.train_step
+        FT.train = lambda self: train(self, inner=ft_train)
+        FT.train_step = lambda self, *a, **k: train_step(self, *a, inner=ft_step, **k)
     if args.stack == "hp":
         record["unsupported_names"] = []
     sys.argv = ["torchtitan.train"] + titan_args
@@ -200,8 +213,12 @@ def main():
     if args.stack == "hp":
         from hyper_parallel import swap
         record["unsupported_names"] = swap.unsupported_names()
+    _write_record(args.record, record)
+
+
+def _write_record(path, record):
     if int(os.environ.get("RANK", "0")) == 0:
-        with open(args.record, "w") as f:
+        with open(path, "w") as f:
             json.dump(record, f, indent=1)
 
 

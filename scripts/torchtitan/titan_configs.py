@@ -55,3 +55,23 @@ def qwen3_moe_debug_sdpa_noac():
     config = qwen3_moe_debug_sdpa()
     config.activation_checkpoint = None
     return config
+
+
+def _as(cls, cfg, **changes):
+    """``cfg``'s field values in the config class ``cls`` (a subclass of ``type(cfg)``)."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+    values.update(changes)
+    return cls(**values)
+
+
+def llama3_debugmodel_sdpa_noac_ft():
+    """llama3_debugmodel_sdpa_noac on torchtitan's fault-tolerant trainer (torchtitan.experiments.torchft:
+    ``--fault_tolerance.enable`` and its replica-group settings; the optimizer and checkpoint manager
+    are its torchft variants, as in its own ``llama3_torchft_debugmodel``)."""
+    from torchtitan.experiments.torchft.checkpoint import TorchFTCheckpointManager
+    from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
+    from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
+    base = llama3_debugmodel_sdpa_noac()
+    return _as(FaultTolerantTrainer.Config, base,
+               optimizer=_as(TorchFTOptimizersContainer.Config, base.optimizer),
+               checkpoint=_as(TorchFTCheckpointManager.Config, base.checkpoint))

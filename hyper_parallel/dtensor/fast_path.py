@@ -127,18 +127,7 @@ def make_methods(cls: type) -> Dict[str, Callable]:
 def _make(orig, kf, name, DT):
     fast, skip_any, scalars = FAST, SKIP_ANY, SCALARS
     tf_enabled, tf_mode_enabled = torch_internals.torch_function_enabled, torch_internals.torch_function_mode_enabled
-    run_pg, call_kw = run_with_partial_grads, fast_call_kw
-
-    def wrap(entry, out):
-        # wrap_entry inlined (the per-op hot path)
-        shape = entry.out_shapes
-        r = _make_wrapper(DT, shape, None, None, None, out.dtype, _STRIDED, out.device)
-        r._local_tensor = out
-        r._mesh = entry.mesh
-        r._layout = entry.out_layouts
-        r._gshape = shape
-        r._spec = entry.out_spec
-        return r
+    run_pg, call_kw, wrap = run_with_partial_grads, fast_call_kw, wrap_entry
 
     def method(self, *args, **kwargs):
         if skip_any[0] or type(self) is not DT or not tf_enabled() or tf_mode_enabled():
@@ -150,7 +139,7 @@ def _make(orig, kf, name, DT):
         if n == 0:
             entry = fast.get((kf, self._spec))
             if entry is not None and entry.partial_grad_inputs is None:
-                return wrap(entry, entry.fn(self._local_tensor))
+                return wrap(DT, entry, entry.fn(self._local_tensor))
         elif n == 1:
             b = args[0]
             tb = type(b)
@@ -161,17 +150,17 @@ def _make(orig, kf, name, DT):
                 lb = b._local_tensor if tb is DT else b
                 # partial-gradient views matter only for inputs that require grad
                 if entry.partial_grad_inputs is None or not (sl.requires_grad or (tb is DT and lb.requires_grad)):
-                    return wrap(entry, entry.fn(sl, lb))
-                return wrap(entry, run_pg(entry, [sl, lb]))
+                    return wrap(DT, entry, entry.fn(sl, lb))
+                return wrap(DT, entry, run_pg(entry, [sl, lb]))
         elif n == 2 and type(args[0]) in scalars and type(args[1]) in scalars:  # transpose(1, 2), view(a, b)
             entry = fast.get((kf, self._spec) + args)
             if entry is not None and entry.partial_grad_inputs is None:
-                return wrap(entry, entry.fn(self._local_tensor, *args))
+                return wrap(DT, entry, entry.fn(self._local_tensor, *args))
         else:
             key = fast_key(DT, kf, (self,) + args)
             entry = None if key is None else fast.get(key)
             if entry is not None and entry.partial_grad_inputs is None:
-                return wrap(entry, entry.fn(self._local_tensor, *[b._local_tensor if type(b) is DT else b
+                return wrap(DT, entry, entry.fn(self._local_tensor, *[b._local_tensor if type(b) is DT else b
                                                                   for b in args]))
         # a miss, or partial-gradient views to apply: the ordinary path (its fast path handles the latter)
         return orig(self, *args, **kwargs)

@@ -28,7 +28,7 @@ echo "$(date +%T) $VARIANT $* HEAD=$(git -C "$REPO" rev-parse --short HEAD) work
 run_one() {  # $1 = pytest target (file or node id), $2 = tag
   local target=$1 tag=$2 start rc
   start=$(date +%s)
-  ( cd "$HERE/$VARIANT" && timeout "${FILE_TIMEOUT:-900}" $PY -m pytest "$target" -v -p no:cacheprovider \
+  ( cd "$HERE/$VARIANT" && timeout "${FILE_TIMEOUT:-900}" $PY -m pytest "$target" -v --rootdir "$HERE/$VARIANT" -p no:cacheprovider \
       --timeout "${TEST_TIMEOUT:-600}" -o junit_family=xunit2 --junitxml "$OUT/$tag.xml" -p harness_plugin \
       ${K:+-k "$K"} ) > "$OUT/$tag.log" 2>&1
   rc=$?
@@ -39,7 +39,7 @@ for f in "${FILES[@]}"; do
   tag=${f//\//.}; tag=${tag%.py}${TAG_SUFFIX:-}
   echo "=== $VARIANT/$f  $(date +%T)"
   if [ "${PER_TEST:-0}" = "1" ] || [ "$f" = "test_api.py" ]; then
-    ids=$(cd "$HERE/$VARIANT" && $PY -m pytest "$f" --collect-only -q -p no:cacheprovider -p harness_plugin \
+    ids=$(cd "$HERE/$VARIANT" && $PY -m pytest "$f" --collect-only -q -o addopts= --rootdir "$HERE/$VARIANT" -p no:cacheprovider -p harness_plugin \
           ${K:+-k "$K"} 2>/dev/null | grep '::')
     for id in $ids; do
       run_one "$id" "${tag}__${id##*::}"

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -108,6 +109,13 @@ def worker():
 
 
 # ----------------------------------------------------------------------------------- parent
+def _free_port():
+    """A port the OS reports free on 127.0.0.1 right now (the job binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def list_cases():
     """Case names, loaded in a plain process (the case modules need no process group)."""
     code = ("import json,sys; sys.path.insert(0, %r);"
@@ -137,8 +145,8 @@ def drive(args):
             break
         progress.write_text("")
         env["HP_TESTS_TODO"] = json.dumps(todo)
-        port = 20000 + (os.getpid() * 7 + len(todo)) % 20000
-        cmd = [torchrun, "--master-port", str(port), "--nproc_per_node", str(args.nproc), __file__, "worker"]
+        cmd = [torchrun, "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "--nproc_per_node", str(args.nproc), __file__, "worker"]
         with log.open("a") as lf:
             lf.write(f"=== {time.strftime('%T')} {len(todo)} cases, mode {args.mode}\n")
             lf.flush()

@@ -742,7 +742,6 @@ del _name, _method
 # func -> implementation, looked up before any sharding rule (dtensor/special_methods.py);
 # other layers add entries with register_special()
 SPECIAL_METHODS = _special_methods.build_table(DTensor)
-_SPECIAL = SPECIAL_METHODS  # the old private name
 
 
 # torch.compile: the API methods' dynamo branch (one opaque node while dynamo traces). from_local carries it

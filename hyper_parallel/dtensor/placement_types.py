@@ -12,12 +12,14 @@ Small immutable value types, equal and hashable by value, mirroring
   was sharded "right to left" (FSDP's shard inside a TP or EP shard): the current
   piece is cut into ``k`` groups, each group into one chunk per rank, and a rank
   holds its chunk of every group. ``is_shard()`` is False for it, as in PyTorch.
+
+Pure Python: the module imports no framework (the ``pure-math`` import contract), so the
+layout math built on it stays torch-free. PyTorch's tensor helpers (``_split_tensor``)
+work through the methods of the tensor they are handed.
 """
 from __future__ import annotations
 from enum import IntEnum
-from typing import List, Tuple, Union
-
-import torch
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "prod", "all", "any")
 
@@ -105,14 +107,13 @@ class Shard(Placement):
         full = -(-tensor.shape[dim] // num_chunks)
         pads = []
         if with_padding:
-            cat = torch.cat
             for i, p in enumerate(pieces):
                 pad = full - p.shape[dim]
                 pads.append(pad)
                 if pad:
                     shape = list(p.shape)
                     shape[dim] = pad
-                    pieces[i] = cat([p, p.new_zeros(shape)], dim)
+                    pieces[i] = _concat([p, p.new_zeros(shape)], dim)
         if contiguous:
             pieces = [p.contiguous() for p in pieces]
         return pieces, pads
@@ -243,7 +244,7 @@ class _StridedShard(Placement):
         for idx in self.strided_indices(tensor.shape[dim], num_chunks):
             ranges = _runs(idx)
             parts = [tensor.narrow(dim, a, b - a) for a, b in ranges]
-            piece = torch.cat(parts, dim) if len(parts) > 1 else (parts[0] if parts else tensor.narrow(dim, 0, 0))
+            piece = _concat(parts, dim) if len(parts) > 1 else (parts[0] if parts else tensor.narrow(dim, 0, 0))
             pieces.append(piece.contiguous() if contiguous else piece)
         pads = []
         if with_padding:
@@ -265,6 +266,18 @@ class _StridedShard(Placement):
         return len(idx), list(idx)
 
     _local_shard_size_and_offset = local_shard_size_and_offset
+
+
+def _concat(parts: Sequence[Any], dim: int) -> Any:
+    """``torch.cat(parts, dim)`` of same-dtype tensors, through tensor methods (differentiable, a new tensor)."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = parts[0].new_empty(shape)
+    start = 0
+    for p in parts:
+        out.narrow(dim, start, p.shape[dim]).copy_(p)
+        start += p.shape[dim]
+    return out
 
 
 def _chunk_ranges(lo: int, hi: int, num_chunks: int) -> List[Tuple[int, int]]:

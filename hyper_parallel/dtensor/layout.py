@@ -19,7 +19,7 @@ re-exported from their historical home here.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple, Union
+from typing import Any, Sequence, Tuple, Union
 
 import torch
 
@@ -30,6 +30,10 @@ from hyper_parallel.dtensor.layout_math import (  # noqa: F401  (re-exported: th
 from hyper_parallel.dtensor.placement_types import Placement
 from hyper_parallel.dtensor.layout_hp_methods import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
 from hyper_parallel.dtensor.device_mesh import DeviceMesh  # noqa: F401  (HyperParallel imports it from here)
+
+#: what the API accepts as placements: placement objects (one per mesh dim), alias names (one per tensor
+#: dim), a tensor Layout (mesh and placements in one) or HyperParallel's ``layout(placements)``
+PlacementsLike = Union[Sequence[Any], LayoutMath, PlacementSpec]
 
 
 class Layout(LayoutMath, LayoutCompatMixin):

@@ -29,7 +29,7 @@ class Placement:
 
     __slots__ = ()
 
-    def is_shard(self, dim: int = None) -> bool:
+    def is_shard(self, dim: Optional[int] = None) -> bool:
         return False
 
     def is_replicate(self) -> bool:
@@ -50,6 +50,7 @@ class Placement:
 
 class Shard(Placement):
     __slots__ = ("dim",)
+    dim: int
 
     @staticmethod
     def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> Tuple[int, int]:
@@ -71,7 +72,7 @@ class Shard(Placement):
             raise TypeError(f"Shard(dim): dim must be an int, got {dim!r} ({type(dim).__name__})")
         object.__setattr__(self, "dim", dim)
 
-    def is_shard(self, dim: int = None) -> bool:
+    def is_shard(self, dim: Optional[int] = None) -> bool:
         return dim is None or dim == self.dim
 
     def __eq__(self, other):
@@ -143,6 +144,7 @@ class Replicate(Placement):
 
 class Partial(Placement):
     __slots__ = ("reduce_op",)
+    reduce_op: str
 
     def __init__(self, reduce_op: str = "sum"):
         if reduce_op not in _REDUCE_OPS:
@@ -187,8 +189,10 @@ class _StridedShard(Placement):
     """
 
     __slots__ = ("dim", "split_factor")
+    dim: int
+    split_factor: int
 
-    def __init__(self, dim: int, *, split_factor: int = 1, sf: int = None):
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: Optional[int] = None):
         if sf is not None:
             if split_factor != 1:
                 raise TypeError("_StridedShard received both split_factor and sf")
@@ -226,7 +230,7 @@ class _StridedShard(Placement):
     def strided_indices(self, size: int, num_chunks: int) -> List[List[int]]:
         """Per chunk, the indices (into a piece of extent ``size``) it holds, in order."""
         groups = _chunk_ranges(0, size, self.split_factor)
-        out = [[] for _ in range(num_chunks)]
+        out: List[List[int]] = [[] for _ in range(num_chunks)]
         for lo, hi in groups:
             for r, (a, b) in enumerate(_chunk_ranges(lo, hi, num_chunks)):
                 out[r].extend(range(a, b))
@@ -293,7 +297,7 @@ def _chunk_ranges(lo: int, hi: int, num_chunks: int) -> List[Tuple[int, int]]:
 
 def _runs(idx: List[int]) -> List[Tuple[int, int]]:
     """Consecutive runs of sorted-by-position indices as ``[start, end)`` ranges."""
-    out = []
+    out: List[Tuple[int, int]] = []
     for i in idx:
         if out and out[-1][1] == i:
             out[-1] = (out[-1][0], i + 1)

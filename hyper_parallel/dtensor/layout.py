@@ -31,12 +31,8 @@ from hyper_parallel.dtensor.placement_types import Placement
 from hyper_parallel.dtensor.layout_hp_methods import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
 from hyper_parallel.dtensor.device_mesh import DeviceMesh  # noqa: F401  (HyperParallel imports it from here)
 
-#: what the API accepts as placements: placement objects (one per mesh dim), alias names (one per tensor
-#: dim), a tensor Layout (mesh and placements in one) or HyperParallel's ``layout(placements)``
-PlacementsLike = Union[Sequence[Any], LayoutMath, PlacementSpec]
 
-
-class Layout(LayoutMath, LayoutCompatMixin):
+class Layout(LayoutCompatMixin, LayoutMath):
     """Device matrix plus (optionally) how one tensor is laid out on it.
 
     ``Layout(mesh_shape, alias_names)`` describes the device matrix only; call it
@@ -77,6 +73,11 @@ class Layout(LayoutMath, LayoutCompatMixin):
 
     def __reduce__(self) -> Tuple[Any, tuple]:
         return (_rebuild_layout, self._rebuild_args())
+
+
+#: what the API accepts as placements: placement objects (one per mesh dim), alias names (one per tensor
+#: dim), a tensor Layout (mesh and placements in one) or HyperParallel's ``layout(placements)``
+PlacementsLike = Union[Sequence[Any], Layout, PlacementSpec]
 
 
 def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True, strided=None):

@@ -25,7 +25,7 @@ placement form ``layout([Shard(0)])`` and equality with ``torch.strided``.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, List, NoReturn, Optional, Sequence, Tuple, TypeVar, Union
 
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 from hyper_parallel.dtensor import strided_math
@@ -249,15 +249,13 @@ class LayoutMath:
     # ---------------------------------------------------------------- views
     def _require_tensor(self) -> None:
         if self.dim_map is None:
-            raise ValueError("this Layout describes only the device matrix; call it with aliases first, "
-                             "e.g. layout('dp', 'None')")
+            _no_tensor_map()
 
     def _dims(self) -> DimMap:
         """The dim map of a tensor layout (a clear error for a device-matrix layout)."""
         dim_map = self.dim_map
         if dim_map is None:
-            self._require_tensor()
-            raise AssertionError("unreachable")  # pragma: no cover
+            _no_tensor_map()
         return dim_map
 
     @property
@@ -325,7 +323,10 @@ class LayoutMath:
     @property
     def is_mesh_ordered(self) -> bool:
         """True when placements alone describe this layout (multi-axis shards in mesh-dim order)."""
-        return all(list(d) == sorted(d) for d in self._dims())
+        dim_map = self.dim_map
+        if dim_map is None:
+            _no_tensor_map()
+        return all(list(d) == sorted(d) for d in dim_map)
 
     def has_partial(self) -> bool:
         """True when a mesh dim holds a pending reduction."""
@@ -333,15 +334,24 @@ class LayoutMath:
 
     def is_replicated(self) -> bool:
         """True when every rank holds the whole value (no shard, no pending reduction)."""
-        return not self.has_partial() and all(not d for d in self._dims())
+        dim_map = self.dim_map
+        if dim_map is None:
+            _no_tensor_map()
+        return not self.has_partial() and all(not d for d in dim_map)
 
     def sharded_mesh_dims(self) -> Tuple[int, ...]:
         """The mesh dims that shard some tensor dim, in tensor-dim order."""
-        return tuple(d for dims in self._dims() for d in dims)
+        dim_map = self.dim_map
+        if dim_map is None:
+            _no_tensor_map()
+        return tuple(d for dims in dim_map for d in dims)
 
     def tensor_dim_of(self, mesh_dim: int) -> Optional[int]:
         """The tensor dim that ``mesh_dim`` shards, or None."""
-        for t, dims in enumerate(self._dims()):
+        dim_map = self.dim_map
+        if dim_map is None:
+            _no_tensor_map()
+        for t, dims in enumerate(dim_map):
             if mesh_dim in dims:
                 return t
         return None
@@ -405,7 +415,10 @@ class LayoutMath:
 
     def is_even(self, global_shape: Sequence[int]) -> bool:
         """True when every sharded dim of ``global_shape`` divides evenly over its mesh dims."""
-        for n, dims in zip(global_shape, self._dims()):
+        dim_map = self.dim_map
+        if dim_map is None:
+            _no_tensor_map()
+        for n, dims in zip(global_shape, dim_map):
             for d in dims:
                 if n % self.mesh_shape[d]:
                     return False
@@ -434,6 +447,11 @@ class LayoutMath:
         pl = ", ".join(str(p) for p in self.placements)
         extra = "" if self.is_mesh_ordered else f", alias={self.alias_placements}"
         return f"Layout(mesh={dict(zip(self.alias_names, self.mesh_shape))}, placements=[{pl}]{extra})"
+
+
+def _no_tensor_map() -> NoReturn:
+    raise ValueError("this Layout describes only the device matrix; call it with aliases first, "
+                     "e.g. layout('dp', 'None')")
 
 
 def _fit_placements(placements: Tuple[Placement, ...], mesh_shape: Sequence[int]) -> Tuple[Placement, ...]:

@@ -5,8 +5,9 @@ Design (one screen)
 * **One home for every data-parallel flavour.** ``ddp.py``: ``replicate`` (parameters replicated,
   gradients averaged in one flat all_reduce per backward, through ``distributed/deferred_grads.py``).
   ``api.py``: ``fully_shard`` / ``FSDPModule`` / ``UnshardHandle``, every argument checked and the plan of
-  which parameter is sharded on which dim made before anything changes. ``hsdp.py``: HyperParallel's
-  ``hsdp`` (levels 1/2/3 = ZeRO-1/2/3, ``threshold``, ``shard_size``) on the same mechanics.
+  which parameter is sharded on which dim made before anything changes. ``hsdp.py``: an alias of
+  HyperParallel's ``hsdp`` (levels 1/2/3 = ZeRO-1/2/3, ``threshold``, ``shard_size``), whose code on these
+  mechanics lives in ``compat/hyperparallel/hsdp.py``.
   ``policies.py``: ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``. ``mesh_info.py``:
   torch 2.13's ``ShardPlacementResult`` / ``FSDPMeshInfo`` (a parameter sharded on another dp mesh,
   e.g. MoE experts on the expert-data-parallel mesh) and ``_get_mesh_info`` (``get_mesh_info``).

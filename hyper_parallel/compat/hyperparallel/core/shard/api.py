@@ -1,6 +1,6 @@
-"""HyperParallel's module path ``hyper_parallel.core.shard.api``: an alias of :mod:`hyper_parallel.dispatch.shard_module` (the file lives in ``hyper_parallel/compat/hyperparallel/core/``)."""
+"""HyperParallel's module path ``hyper_parallel.core.shard.api``: an alias of :mod:`hyper_parallel.compat.hyperparallel.shard_module` (the file lives in ``hyper_parallel/compat/hyperparallel/core/``)."""
 import sys
 
-from hyper_parallel.dispatch import shard_module as _home
+from hyper_parallel.compat.hyperparallel import shard_module as _home
 
 sys.modules[__name__] = _home

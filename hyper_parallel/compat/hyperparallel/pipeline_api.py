@@ -29,7 +29,7 @@ from enum import Enum, auto
 
 import torch
 
-from hyper_parallel.pipelining import hp_runtime
+from hyper_parallel.compat.hyperparallel import pipeline_runtime
 
 __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "MetaStep",
            "MetaStepType", "BatchDimSpec"]
@@ -216,9 +216,9 @@ class PipelineStage:
                 raise ValueError(f"PipelineStage {self.stage_index}: already used by a schedule with "
                                  f"{self._chunks} stage(s) per rank, now given to one with {virtual_chunk_num}")
             return self.stage
-        group, _ = hp_runtime.pp_group(self.stage_index, self.stage_num, virtual_chunk_num, self.mesh, self.group,
+        group, _ = pipeline_runtime.pp_group(self.stage_index, self.stage_num, virtual_chunk_num, self.mesh, self.group,
                                     f"PipelineStage {self.stage_index}")
-        device = self.device if self.device is not None else hp_runtime.default_device()
+        device = self.device if self.device is not None else pipeline_runtime.default_device()
         self.stage = impl.PipelineStage(self.submodule, self.stage_index, self.stage_num, device, group=group)
         self._chunks = virtual_chunk_num
         self.device = device
@@ -254,8 +254,8 @@ class _Schedule:
                              f"{name} runs one stage per rank (use ScheduleInterleaved1F1B for several)")
         impl = _impl()
         torch_stages = [s.init(n_local) for s in self.stages]
-        a, k = hp_runtime.chunk_specs(_args_dims(args_batch_dim, name), _kwargs_dims(kwargs_batch_dim, name))
-        self._collect = hp_runtime.StageOutputs()
+        a, k = pipeline_runtime.chunk_specs(_args_dims(args_batch_dim, name), _kwargs_dims(kwargs_batch_dim, name))
+        self._collect = pipeline_runtime.StageOutputs()
         has_backward = all(s.has_backward for s in self.stages)
         cls = impl.get_schedule_class(cls_name)
         first = torch_stages[0] if n_local == 1 and cls_name != "Interleaved1F1B" else torch_stages
@@ -275,7 +275,7 @@ class _Schedule:
     def exec_order(self):
         """Each pipeline rank's actions as lists of :class:`MetaStep` (``None``: an idle slot)."""
         out = {}
-        for rank, row in hp_runtime.exec_order(self._schedule).items():
+        for rank, row in pipeline_runtime.exec_order(self._schedule).items():
             steps = []
             for item in row:
                 if item is None:
@@ -292,7 +292,7 @@ class _Schedule:
         if not self._has_backward:
             outs = self._schedule.eval(*(args if self._has_first else ()), **kwargs)
             return outs if self._has_last else None
-        return hp_runtime.run(self._schedule, self._collect, self.micro_batch_num, self._has_first, self._has_last,
+        return pipeline_runtime.run(self._schedule, self._collect, self.micro_batch_num, self._has_first, self._has_last,
                            self._output_concat_dim, self.stages[0].device, args, kwargs)
 
 

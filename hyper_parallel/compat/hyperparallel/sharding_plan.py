@@ -1,6 +1,6 @@
 """ShardingPlan: HyperParallel's declarative description of how to shard a module.
 
-Pure data, consumed by :func:`hyper_parallel.dispatch.shard_module.shard_module`:
+Pure data, consumed by :func:`hyper_parallel.compat.hyperparallel.shard_module.shard_module`:
 
 * ``plan``: parameter name (as in ``named_parameters()``) -> layout, written as
   placements (``(Replicate(), Shard(1))``), alias names (``("None", "tp")``,

@@ -1,8 +1,8 @@
 """torch mechanics behind HyperParallel's pipeline API (``hyper_parallel.core.pipeline_parallel``).
 
-The HyperParallel-style classes (``hyper_parallel/pipelining/hp_api.py``) are framework-neutral
+The HyperParallel-style classes (``pipeline_api.py`` beside this file) are framework-neutral
 wrappers; what needs torch is here, and all of it drives the same objects as the PyTorch-style
-API: this package's :class:`~.stage.PipelineStage` and torch's schedule runtime.
+API: :class:`hyper_parallel.pipelining.PipelineStage` and torch's schedule runtime.
 
 * :func:`pp_group` - the pipeline process group of a HyperParallel stage (its ``group``, its
   1-D ``mesh``, or HyperParallel's rank arithmetic: pipeline outermost, ``world / pp`` ranks

@@ -29,7 +29,7 @@ from hyper_parallel.dtensor.api import distribute_module, distribute_tensor
 from hyper_parallel.dtensor.layout import Layout
 from hyper_parallel.dtensor.layout_hp_methods import PlacementSpec
 from hyper_parallel.dtensor.placement_types import Placement, Replicate
-from hyper_parallel.dispatch.sharding_plan import ShardingPlan
+from hyper_parallel.compat.hyperparallel.sharding_plan import ShardingPlan
 import torch
 
 

@@ -24,7 +24,6 @@ Docs: ``docs/fsdp.md``.
 from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy
 from hyper_parallel.fsdp.api import fully_shard, FSDPModule, UnshardHandle
 from hyper_parallel.fsdp.ddp import data_parallel, replicate
-from hyper_parallel.fsdp.hsdp import hsdp
 from hyper_parallel.fsdp.spmd_mesh import DataParallelMeshDims
 from hyper_parallel.fsdp.mesh_info import (ShardPlacementResult, DataParallelMeshInfo, FSDPMeshInfo, HSDPMeshInfo,
                                            DDPMeshInfo, get_mesh_info)
@@ -32,3 +31,16 @@ from hyper_parallel.fsdp.mesh_info import (ShardPlacementResult, DataParallelMes
 __all__ = ["replicate", "data_parallel", "hsdp", "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
            "CPUOffloadPolicy", "DataParallelMeshDims", "ShardPlacementResult", "DataParallelMeshInfo", "FSDPMeshInfo",
            "HSDPMeshInfo", "DDPMeshInfo", "get_mesh_info"]
+
+
+def __getattr__(name: str):
+    """``hsdp``: HyperParallel's entry point, a facade of its code in ``compat/hyperparallel/hsdp.py``.
+
+    Resolved on first use, not at import: that module builds on this package (``FSDPModule``), so an
+    eager import here would be circular when it is imported first.
+    """
+    if name == "hsdp":
+        from hyper_parallel.compat.hyperparallel.hsdp import hsdp
+        globals()["hsdp"] = hsdp
+        return hsdp
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,12 +66,16 @@ def _compose():
 
     ``torch.testing``'s DTensor comparison rule (``dtensor/patch_testing.py``) learns our class, and
     ``async_save``'s stager learns to copy it (``checkpoint/staging.py``). Both are patches of torch
-    globals, listed with their reasons in docs/design.md ("Patches of torch").
+    globals, listed with their reasons in docs/design.md ("Patches of torch"). HyperParallel's semantics
+    (``compat/hyperparallel/semantics.py``) are handed to the core here, its one registration point
+    (``dtensor/mesh_semantics.py``): meshes made by HyperParallel's entry points follow them.
     """
     from hyper_parallel.dtensor import patch_testing
     from hyper_parallel.checkpoint import staging
+    from hyper_parallel.compat.hyperparallel import semantics as hp_semantics
     patch_testing.register_dtensor_class(DTensor)
     staging.install()
+    hp_semantics.register()
 
 
 _compose()

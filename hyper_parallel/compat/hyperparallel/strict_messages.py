@@ -1,8 +1,11 @@
 """HyperParallel's own error messages for the calls strict layouts refuse (issue 33, item 3).
 
+The core reaches these through the registered HyperParallel semantics (``semantics.py`` beside this
+file: ``strict_message`` / ``strict_semantic``), never by importing this module.
+
 HyperParallel's shard-op rules (``hyper_parallel/core/shard/ops/parallel_*.py`` in
 mindspore-ai/hyper-parallel) raise from their layout inference, and its tests assert the exception
-type **and** a substring of the message. Under strict layouts (:mod:`._strict`) our error starts
+type **and** a substring of the message. Under strict layouts (``dispatch/strict_layouts.py``) our error starts
 with the message HyperParallel's rule raises for that call, word for word (the fixed text of its
 ``raise`` statement with the same values: its op name, the dim as its rule normalises it, its
 ``tensor_map`` / ``alias_tensor_map`` spellings and its layout dump), then our own detail (the
@@ -395,7 +398,7 @@ def semantic(name, dts, args, kwargs):
     """HyperParallel's refusal of a call that needs no implicit gather: SDPA Q/K/V and scatter index/src layouts.
 
     ``(exception class, HyperParallel's message)`` or None. Only the layout-agreement checks count here
-    (the others are refusals of an implicit redistribution, which :mod:`._strict` finds itself).
+    (the others are refusals of an implicit redistribution, which ``dispatch/strict_layouts.py`` finds itself).
     """
     if name not in ("scaled_dot_product_attention", "scatter"):
         return None

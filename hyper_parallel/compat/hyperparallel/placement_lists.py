@@ -1,32 +1,29 @@
 """Placement lists longer than the mesh, HyperParallel's way (docs/migrating_from_hyperparallel.md).
 
-HyperParallel pairs placements with mesh dims and ignores the entries past the
-mesh's last dim, whatever they are. On a mesh that follows HyperParallel's
-semantics (:func:`~hyper_parallel.dtensor.device_mesh.uses_hp_semantics`)
-``distribute_tensor``, ``from_local``, ``redistribute``, the factories and
-``_build_layout`` all do the same, with one warning per distinct list naming the
-ignored entries. On PyTorch's meshes nothing changes here: ``distribute_tensor``
-wants exactly one placement per mesh dim, the others drop extra trailing
-``Replicate()`` entries and raise for an extra ``Shard``/``Partial``.
+HyperParallel pairs placements with mesh dims and ignores the entries past the mesh's last dim,
+whatever they are. On a mesh that follows HyperParallel's semantics, ``distribute_tensor``,
+``from_local``, ``redistribute``, the factories and ``build_layout`` all do the same, with one warning
+per distinct list naming the ignored entries: they call ``semantics_of(mesh).trim_placements``, which
+is :func:`drop_extra_placements` for HyperParallel's meshes (``semantics.py``). On PyTorch's meshes
+nothing changes: ``distribute_tensor`` wants exactly one placement per mesh dim, the others drop extra
+trailing ``Replicate()`` entries and raise for an extra ``Shard``/``Partial``.
 """
 from __future__ import annotations
 
 import warnings
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
-
 _WARNED: set = set()
 
 
-def drop_extra_placements(mesh, placements, what: str = "placements"):
-    """``placements`` cut to ``mesh.ndim`` entries on a HyperParallel mesh (warning once); else unchanged.
+def drop_extra_placements(mesh, placements, what: str = "placements", stacklevel: int = 3):
+    """``placements`` cut to ``mesh.ndim`` entries (warning once), for a mesh with HyperParallel's semantics.
 
     Only placement-object lists are touched (alias names are one per tensor dim).
     """
     if not isinstance(placements, (list, tuple)):
         return placements
     n = mesh.ndim
-    if len(placements) <= n or not uses_hp_semantics(mesh):
+    if len(placements) <= n:
         return placements
     if any(isinstance(p, str) or (isinstance(p, tuple) and p and isinstance(p[0], str)) for p in placements):
         return placements  # alias spelling (or a mix, which build_layout rejects with its own message)
@@ -36,7 +33,7 @@ def drop_extra_placements(mesh, placements, what: str = "placements"):
         _WARNED.add(key)
         warnings.warn(f"{what}: {tuple(placements)} has {len(placements)} entries for a {n}-d mesh; as in "
                       f"HyperParallel the entries past the mesh's last dim are ignored: {extra} (placements[{n}:]); "
-                      f"using {kept}", UserWarning, stacklevel=3)
+                      f"using {kept}", UserWarning, stacklevel=stacklevel)
     return kept
 
 

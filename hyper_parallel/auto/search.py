@@ -206,7 +206,8 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     if prod != cluster.world_size:
         raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
     info, ms = _analyse(model, seq_len, example_input, loss, roles)
-    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
+    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts,
+                 searching=False)
     if why:
         raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
     if d["pp"] > 1:
@@ -292,7 +293,10 @@ def _summary(info, trace, model):
     return ms
 
 
-def _check(degrees, info, cluster, global_batch, seq_len, allowed, n_layers, n_experts) -> Optional[str]:
+def _check(degrees, info, cluster, global_batch, seq_len, allowed, n_layers, n_experts,
+           searching: bool = True) -> Optional[str]:
+    """Why layout ``degrees`` cannot run, or None. ``searching``: also prune what runs but never wins (tp across
+    nodes); ``evaluate_plan`` evaluates such a layout when asked (its TP collectives at the inter-node rate)."""
     for k, flag in (("dp", "dp"), ("fsdp", "fsdp"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
         if degrees[k] > 1 and flag not in allowed:
             return f"{k}={degrees[k]} but {flag!r} is not in parallelisms"
@@ -304,7 +308,7 @@ def _check(degrees, info, cluster, global_batch, seq_len, allowed, n_layers, n_e
                         ("the vocabulary", info.vocab)):
             if n % tp:
                 return f"tp={tp} does not divide {what} ({n})"
-        if tp > cluster.devices_per_node:
+        if searching and tp > cluster.devices_per_node:
             return f"tp={tp} > devices_per_node={cluster.devices_per_node} (tensor parallelism stays within a node)"
     if pp > n_layers:
         return f"pp={pp} > {n_layers} layers"

@@ -32,6 +32,7 @@ are therefore taken from the local (plain) tensor.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -112,7 +113,7 @@ def _write_item(fqn, offsets, sizes, local, gshape):
     )
 
 
-def create_write_items(fqn: str, dt) -> list:
+def create_write_items(fqn: str, dt: Any) -> list:
     """The write items (this rank's box, or boxes for a residual strided layout) of ``dt`` saved under ``fqn``."""
     _check_savable(fqn, dt)
     if dt._layout.is_strided:
@@ -130,7 +131,7 @@ def create_write_items(fqn: str, dt) -> list:
     return [_write_item(fqn, offsets, sizes, local, dt._gshape)]
 
 
-def create_chunk_list(dt) -> list:
+def create_chunk_list(dt: Any) -> list:
     """The boxes of the global tensor this rank holds (one, or none off the mesh)."""
     if dt._layout.is_strided:
         return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for sizes, offsets, _ in _strided_boxes(dt)
@@ -142,7 +143,7 @@ def create_chunk_list(dt) -> list:
     return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
 
 
-def get_tensor_shard(dt, index) -> torch.Tensor:
+def get_tensor_shard(dt: Any, index: MetadataIndex) -> torch.Tensor:
     """The plain local tensor behind the box ``index`` names (DCP reads/writes it in place)."""
     if dt._layout.is_strided:
         for sizes, offsets, starts in _strided_boxes(dt):

@@ -169,7 +169,7 @@ done
 # the quorum and heals from group 0 (torchft's live state transfer) while group 0 goes on; FT_STEPS steps,
 # FT_SLEEP s pacing per step. The fixes to torchtitan's trainer (both stacks): scripts/torchtitan/titan_ft.py.
 # Losses, commits, state digests and heal time per group and life: scripts/torchtitan/ft_report.py.
-FT_STEPS="${FT_STEPS:-16}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1.5}"
+FT_STEPS="${FT_STEPS:-12}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1}"
 ft_group() {  # stack group life [extra run_titan args]
     local stack=$1 g=$2 life=$3; shift 3
     ( cd "$OUT" && export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" &&   # this checkout's hyper_parallel

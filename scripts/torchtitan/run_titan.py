@@ -211,7 +211,10 @@ def main():
             out = train_step(self, *a, inner=ft_step, **k)
             record["steps"][-1].update(titan_ft.step_state(self))
             return out
-        FT.train = lambda self: train(self, inner=ft_train)
+        def ft_train_(self):
+            record.update(titan_ft.stack_of(self))
+            return train(self, inner=ft_train)
+        FT.train = ft_train_
         FT.train_step = ft_train_step
         record["every_rank"] = True
         if args.start_gate:

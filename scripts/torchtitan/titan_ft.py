@@ -115,6 +115,15 @@ def state_digests(trainer) -> dict:
     return {"model": model.hexdigest(), "optim": optim.hexdigest()}
 
 
+def stack_of(trainer) -> dict:
+    """Whose FSDP and DTensor the run used (the check that the swap took effect): the module of the model's
+    ``FSDPModule`` base class and of its parameters' class."""
+    (model,) = trainer.model_parts
+    fsdp = next((c.__module__ for c in type(model).__mro__ if c.__name__ == "FSDPModule"), None)
+    param = next(model.parameters())
+    return {"fsdp_module": fsdp, "param_class": f"{type(param).__module__}.{type(param).__name__}"}
+
+
 def step_state(trainer) -> dict:
     """What the row records per step besides loss and grad norm: torchft's decision and step, the groups in
     the quorum, the wall-clock time, the learning rate and this rank's state digests."""

@@ -30,10 +30,10 @@ def _mean(step):
 
 
 def _heal_seconds(out, stack):
-    text = open(os.path.join(out, f"{stack}-ft-g1-2.log"), errors="replace").read() \
-        if os.path.exists(os.path.join(out, f"{stack}-ft-g1-2.log")) else ""
-    took = [float(t) for t in re.findall(r"fetching checkpoint from \S+ took ([0-9.]+)s", text)]
-    return took
+    """torchft's checkpoint transfer time per healed rank, from the spare's log."""
+    path = os.path.join(out, f"{stack}-ft-g1-2.log")
+    text = open(path, errors="replace").read() if os.path.exists(path) else ""
+    return [float(t) for t in re.findall(r"fetching checkpoint from \S+ took ([0-9.]+)s", text)]
 
 
 def report(out, stack):
@@ -78,7 +78,8 @@ def report(out, stack):
         ours = {s["step"]: s["digest"] for s in (runs["g0-1"][rank] or []) if s.get("committed")}
         for name, title in (("g1-1", "group 1 before the kill"), ("g1-2", "the spare")):
             theirs = [s for s in (runs[name][rank] or []) if s.get("committed") and s["step"] in ours]
-            same = {part: sum(ours[s["step"]][part] == s["digest"][part] for s in theirs) for part in ("model", "optim")}
+            same = {part: sum(ours[s["step"]][part] == s["digest"][part] for s in theirs)
+                    for part in ("model", "optim")}
             print(f"  rank {rank}, {title}: model shards equal group 0's (SHA-256) at {same['model']}/{len(theirs)} "
                   f"common committed steps, optimizer state at {same['optim']}/{len(theirs)}")
     return {rank: {s["step"]: s for s in runs["g0-1"][rank] or []} for rank in (0, 1)}

@@ -1,14 +1,14 @@
-"""The torch operations the context-parallel plan runs on: ring/all_to_all attention pieces, SDPA interception hooks."""
+"""The torch operations the context-parallel plan runs on: ring/all_to_all attention pieces, shard helpers.
+
+SDPA interception (function mode, compile op, DTensor rule) lives in :mod:`.sdpa_interception`."""
 from __future__ import annotations
 
 import torch
 
 from hyper_parallel.distributed import collectives as C
 from hyper_parallel.distributed import differentiable as Fn
-from hyper_parallel.context_parallel import opaque as _opaque
 from hyper_parallel.context_parallel import ring as _ring
 from hyper_parallel.context_parallel.ring import RingAttention
-from hyper_parallel.context_parallel.sdpa import SDPAMode, hook_module
 
 
 def ring_attention(q, k, v, plan):
@@ -55,24 +55,6 @@ def set_stats(d):
     _ring.STATS = d
 
 
-def sdpa_mode(handler):
-    return SDPAMode(handler)
-
-
-def register_sdpa_handler(handler) -> int:
-    """An id for ``handler`` that the compile-opaque op ``hyper_parallel_cp::sdpa`` runs (:mod:`.opaque`)."""
-    return _opaque.register_handler(handler)
-
-
-def is_compiling() -> bool:
-    return _opaque.is_compiling()
-
-
-def opaque_sdpa(hid, q, k, v, is_causal, scale, enable_gqa):
-    """While compiling: one opaque graph node running handler ``hid`` (differentiable)."""
-    return _opaque.sdpa(q, k, v, hid, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))
-
-
 def resize_copy_(buffer, value):
     with torch.no_grad():
         buffer.resize_(value.shape)
@@ -112,5 +94,4 @@ def chunk_of(x, dim: int, n: int, i: int):
 
 
 __all__ = ["ring_attention", "all_to_all", "repeat_heads", "take", "all_gather", "gather_ints", "is_tensor",
-           "set_stats", "sdpa_mode", "register_sdpa_handler", "is_compiling", "opaque_sdpa", "hook_module",
-           "resize_copy_", "clone", "stack", "gather_seq", "chunk_of"]
+           "set_stats", "resize_copy_", "clone", "stack", "gather_seq", "chunk_of"]

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from hyper_parallel.moe import comm
-from hyper_parallel.moe.dispatch import count_ids
+from hyper_parallel.moe.token_exchange import count_ids
 
 
 def _groups(mesh):

@@ -28,7 +28,7 @@ from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.tensor_parallel.style import ParallelStyle
 from hyper_parallel.moe import plan as _plan
-from hyper_parallel.moe.dispatch import dispatch_sorted
+from hyper_parallel.moe.token_exchange import dispatch_sorted
 
 
 def _num_experts(module, what):

@@ -1,4 +1,9 @@
-"""Token dispatch and combine for expert parallelism (torch mechanics).
+"""Token dispatch and combine for expert parallelism (torch mechanics): the token exchange.
+
+The module is named for what it holds, the exchange of tokens with the ranks of their experts; in
+this project a *module* called "dispatch" is op dispatch (``hyper_parallel.dispatch``). The public
+functions keep the mixture-of-experts terms ``moe.dispatch`` / ``moe.combine`` (torchtitan's
+``_token_dispatch`` / ``_token_combine``), always reached through ``hyper_parallel.moe``.
 
 Two entry points share one exchange:
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
-from hyper_parallel.dtensor.dispatch_state import IMPLICIT_REPLICATION as _IMPLICIT
+from hyper_parallel.dtensor.skip_and_replication import IMPLICIT_REPLICATION as _IMPLICIT
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.placement_types import Replicate
 from hyper_parallel.dispatch.rules import base as _base

@@ -130,12 +130,12 @@ WARNED_FALLBACK: set = set()  # ops the replicate fallback has warned about
 _ON_CHANGE: list = []
 
 
-def on_switch_change(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
+def on_switch_change(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
     cache clearing)."""
-    if not callable(fn):
-        raise TypeError(f"on_switch_change: fn must be callable, got {fn!r}")
-    _ON_CHANGE.append(fn)
+    if not callable(callback):
+        raise TypeError(f"on_switch_change: callback must be callable, got {callback!r}")
+    _ON_CHANGE.append(callback)
 
 
 def _changed() -> None:

@@ -24,8 +24,8 @@ from hyper_parallel.dtensor.dtensor import DTensor
 __all__ = ["clip_grad_norm_", "get_total_norm"]
 
 
-def _local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
+def _local(tensor):
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _group(pp_group):

@@ -59,9 +59,9 @@ def test_hook_arguments_are_checked():
         register_export("nope", 1)
     with pytest.raises(TypeError, match="override: name must be a non-empty op name string, got 3"):
         base.override(3, None)
-    with pytest.raises(TypeError, match="register: op must be a DistributedOp instance, got int"):
+    with pytest.raises(TypeError, match="register: rule must be a DistributedOp instance, got int"):
         base.register("mm", 3)
-    with pytest.raises(TypeError, match="on_switch_change: fn must be callable"):
+    with pytest.raises(TypeError, match="on_switch_change: callback must be callable"):
         modes.on_switch_change(None)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         dtensor.no_such_name  # noqa: B018

@@ -35,7 +35,7 @@ class ContextParallel(ParallelStyle):
     def apply(self, module, device_mesh):
         what = f"ContextParallel(method={self.method!r})"
         device_mesh = resolve_mesh(device_mesh, what)
-        _api._mesh_dims(device_mesh, self.method, what)   # checks the mesh's dims (and membership) now
+        _api._ulysses_ring_groups(device_mesh, self.method, what)   # checks the mesh's axes (and membership) now
         handler = sdpa_handler(device_mesh, self.method, self.load_balance, None, what)
         handles = hook_module(module, handler, what)
         module.__dict__.setdefault("_hp_context_parallel", []).append((self, handles))

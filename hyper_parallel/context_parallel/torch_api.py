@@ -49,7 +49,7 @@ def context_parallel(mesh, *, buffers: Optional[List] = None, buffer_seq_dims: O
         if not any(b is x for x in buffers):
             raise ValueError("`no_restore_buffers` must be a subset of `buffers`.")
     method = "hybrid" if mesh.ndim == 2 else "ring"
-    _api._mesh_dims(mesh, method, what)
+    _api._ulysses_ring_groups(mesh, method, what)
     impl = _tm
     lb = _api.options.enable_load_balance
     originals = [None if any(b is x for x in no_restore_buffers) else impl.clone(b) for b in buffers]

@@ -53,7 +53,7 @@ def _context_parallel_shard(mesh, buffers, seq_dims, load_balancer=None):
         raise ValueError("`seq_dims` must have the pytree structure as `buffers`.")
     mesh = resolve_mesh(mesh, what)
     if mesh.ndim != 1:
-        raise ValueError(f"{what}: the cp mesh must be 1-D (slice the cp dim, e.g. mesh['cp']), got {mesh}")
+        raise ValueError(f"{what}: the cp mesh must be 1-D (slice the cp mesh dim, e.g. mesh['cp']), got {mesh}")
     cp, f = mesh.size(), _api._flat_index(mesh)
     for i, b in enumerate(flat):
         if not _tm.is_tensor(b):

@@ -6,7 +6,7 @@ Design (one screen)
   sharded ``Shard(0)`` over a 1-D EP mesh: EP rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``.
   ``E`` must be divisible by the EP degree.
 * **Tokens are data-parallel across the EP ranks**: each rank routes its own tokens. The EP mesh
-  is a view of data-parallel dims (``mesh["ep"]`` of ``("dp", "ep")``, or ``dp_shard`` x ``cp``); a
+  is a view of data-parallel mesh dims (``mesh["ep"]`` of ``("dp", "ep")``, or ``dp_shard`` x ``cp``); a
   mesh dim named ``tp`` or ``pp`` is refused.
 * **Dispatch** = count exchange (one small all_to_all of per-expert counts that also carries every
   rank's input checks) + one host read of the counts (the only host sync) + one token all_to_all

@@ -217,7 +217,7 @@ def split_into_stages(model, pp_mesh, num_stages=None, layers_per_stage=None, sc
     """
     style, per_rank = _kind(schedule)
     if pp_mesh is None or getattr(pp_mesh, "ndim", None) != 1:
-        raise ValueError(f"split_into_stages: pp_mesh must be a 1-D DeviceMesh (the pipeline dim), got {pp_mesh!r}")
+        raise ValueError(f"split_into_stages: pp_mesh must be a 1-D DeviceMesh (the pipeline mesh dim), got {pp_mesh!r}")
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     blocks = getattr(model, layers, None)
     if blocks is None or not hasattr(blocks, "keys"):

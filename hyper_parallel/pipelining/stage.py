@@ -126,7 +126,7 @@ class PipelineStage(_TorchPipelineStage):
         if isinstance(group, DeviceMesh):
             if group.ndim != 1:
                 raise ValueError(f"PipelineStage: group must be a ProcessGroup or a 1-D DeviceMesh (the pipeline "
-                                 f"dim), got a {group.ndim}-D mesh {group}")
+                                 f"mesh dim), got a {group.ndim}-D mesh {group}")
             group = group.get_group()
         if get_mesh is not None and not callable(get_mesh):
             raise TypeError(f"PipelineStage: get_mesh must be callable, got {get_mesh!r}")
@@ -192,7 +192,7 @@ class PipelineStage(_TorchPipelineStage):
             self._hp_add_mesh(m)
             return self._hp_check_coord(m, lay)
         raise ValueError(f"PipelineStage {self.stage_index}: stage {self.stage_index - 1} sends a "
-                         f"{lay.describe()}, and this stage has no mesh with dim names {want_names} and shape "
+                         f"{lay.describe()}, and this stage has no mesh with mesh dim names {want_names} and shape "
                          f"{want_shape} (looked at its submodule's DTensor parameters and its input_args); "
                          f"pass get_mesh=lambda names, shape: <this rank's mesh> to PipelineStage")
 

@@ -5,8 +5,9 @@
   node, full activation recomputation, data parallelism by replication (no optimizer sharding). The paper
   counts ``F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` FLOPs per step (the recomputed forward included).
 * Llama 3 (2024), Table 4: 405B on H100 80GB (989 TFLOP/s dense bf16), 16M tokens per batch, TP 8, PP 16,
-  DP 64 / 128 at 8K, and TP 8, CP 16, PP 16, DP 8 at 128K. The paper counts model FLOPs (``6 N`` per token plus
-  causal attention), reported as MFU of 989 TFLOP/s. It trained the 8K runs without activation checkpointing
+  DP 64 / 128 at 8K, and TP 8, CP 16, PP 16, DP 8 at 128K. Its TFLOP/s are its BF16 MFU of 989 TFLOP/s, with
+  model FLOPs counted by PaLM's MFU convention (``6 N`` per token plus attention without the causal discount,
+  ``llama3_flops``). It trained the 8K runs without activation checkpointing
   and sharded the optimizer state over the data-parallel ranks.
 
 The models are written here (not the example's Llama) so that the planner reads a model it was not written
@@ -88,6 +89,14 @@ MEGATRON_TABLE1 = [
     (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
+# Table 2 (the same paper): PTD-P (TP 8 x PP 12 / 35, interleaved, microbatch 1) against ZeRO-3 without model
+# parallelism (here: fsdp over every GPU), full recompute. params (B), heads, hidden, layers, PP, GPUs, batch,
+# TFLOP/s per GPU of PTD-P, of ZeRO-3 (None: that row has another batch)
+MEGATRON_TABLE2 = [
+    (174.6, 96, 12288, 96, 12, 384, 1536, 153, 144), (174.6, 96, 12288, 96, 12, 768, 1536, 149, 88),
+    (174.6, 96, 12288, 96, 12, 1536, 1536, 141, 44), (529.6, 128, 20480, 105, 35, 560, 2240, 171, None),
+    (529.6, 128, 20480, 105, 35, 1120, 2240, 167, 98), (529.6, 128, 20480, 105, 35, 2240, 2240, 159, 48),
+]
 # GPUs, TP, CP, PP, DP, seq, TFLOP/s per GPU
 LLAMA3_TABLE4 = [(8192, 8, 1, 16, 64, 8192, 430), (16384, 8, 1, 16, 128, 8192, 400),
                  (16384, 8, 16, 16, 8, 131072, 380)]
@@ -99,10 +108,15 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int = 
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
-def llama3_flops(tokens: int, seq: int, n_params: float, layers: int = 126, dim: int = 16384) -> float:
-    """Model FLOPs of one step: 6 N per token plus causal attention (forward 2 matmuls of s/2 keys on average,
-    backward twice that): 6 * layers * seq * dim per token."""
-    return tokens * (6 * n_params + 6 * layers * seq * dim)
+def llama3_flops(tokens: int, seq: int, n_params: float, layers: int = 126, dim: int = 16384,
+                 vocab: int = 128256) -> float:
+    """FLOPs of one step as Llama 3 reports them: its TFLOP/s per GPU are its BF16 MFU times the H100's 989
+    TFLOP/s (430 = 43.5%, 400 = 40.4%, 380 = 38.4%), and MFU follows PaLM's definition (Chowdhery et al. 2022,
+    appendix B), the convention Meta's torchtitan also uses (``get_nparams_and_flops``): 6 x the non-embedding
+    parameters per token plus 12 x layers x seq x dim for attention, *not* discounting the causal mask ("we
+    follow the convention and do not account for sparsity in causal attention"). The cost model itself
+    counts the causal mask (half the attention matmuls); only this published-figure conversion does not."""
+    return tokens * (6 * (n_params - vocab * dim) + 12 * layers * seq * dim)
 
 
 def llama_405b(seq: int):

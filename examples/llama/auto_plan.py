@@ -2,7 +2,8 @@
 
 Every rank calibrates the cluster on the launched world (``Cluster.measure()``: matmul throughput and the
 collectives' latency / bandwidth; every rank gets the slowest rank's numbers), plans on a meta copy of the
-config's model, and so picks the same plan; rank 0 prints it. The plan's degrees become the usual
+config's model; rank 0's choice is broadcast, so every rank trains the same layout even if a near-tie
+between two plans broke differently on another rank; rank 0 prints it. The plan's degrees become the usual
 ``--dp/--dp-shard/--tp/--sp/--pp*/--cp*/--ep`` flags, and training proceeds (and is compared with one
 process) exactly as with hand-written flags. Activation checkpointing is not a flag of this example, so the
 plan is searched without it.
@@ -34,13 +35,16 @@ def choose(args, cfg, world: int, log=print):
         allowed = tuple(a for a in allowed if a not in ("pp", "cp"))
     best = plan(model, cluster, global_batch=cfg.global_batch, seq_len=cfg.seq_len, parallelisms=allowed,
                 activation_checkpointing="none", top_k=1)[0]
-    d = best.degrees
+    # one decision for the world: rank 0's (the ranks' calibrations agree, but a near-tie must not split them)
+    choice = [(best.degrees, best.sequence_parallel, best.pp_schedule, best.microbatches, best.cp_method)]
+    dist.broadcast_object_list(choice, src=0)
+    d, sp, schedule, microbatches, cp_method = choice[0]
     args.dp, args.dp_shard, args.tp, args.pp, args.cp, args.ep = d["dp"], d["fsdp"], d["tp"], d["pp"], d["cp"], d["ep"]
-    args.sp = best.sequence_parallel
+    args.sp = sp
     if d["pp"] > 1:
-        args.pp_schedule, args.pp_microbatches = best.pp_schedule, best.microbatches
+        args.pp_schedule, args.pp_microbatches = schedule, microbatches
     if d["cp"] > 1:
-        args.cp_method = best.cp_method
+        args.cp_method = cp_method
     if dist.get_rank() == 0:
         log(f"--plan auto: calibrated {cluster.describe()}")
         log(best.explain())

@@ -204,7 +204,8 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     if prod != cluster.world_size:
         raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
     info, ms = _analyse(model, seq_len, example_input, loss, roles)
-    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
+    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts,
+                 searching=False)
     if why:
         raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
     if d["pp"] > 1:
@@ -290,7 +291,9 @@ def _summary(info, trace, model):
     return ms
 
 
-def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[str]:
+def _check(d, info, cluster, global_batch, seq_len, allowed, L, E, searching: bool = True) -> Optional[str]:
+    """Why layout ``d`` cannot run, or None. ``searching``: also prune what runs but never wins (tp across
+    nodes); ``evaluate_plan`` evaluates such a layout when asked (its TP collectives at the inter-node rate)."""
     for k, flag in (("dp", "dp"), ("fsdp", "fsdp"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
         if d[k] > 1 and flag not in allowed:
             return f"{k}={d[k]} but {flag!r} is not in parallelisms"
@@ -302,7 +305,7 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
                         ("the vocabulary", info.vocab)):
             if n % tp:
                 return f"tp={tp} does not divide {what} ({n})"
-        if tp > cluster.devices_per_node:
+        if searching and tp > cluster.devices_per_node:
             return f"tp={tp} > devices_per_node={cluster.devices_per_node} (tensor parallelism stays within a node)"
     if pp > L:
         return f"pp={pp} > {L} layers"

@@ -32,6 +32,7 @@ are therefore taken from the local (plain) tensor.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -112,7 +113,7 @@ def _write_item(fqn, offsets, sizes, local, gshape):
     )
 
 
-def create_write_items(fqn: str, dtensor) -> list:
+def create_write_items(fqn: str, dtensor: Any) -> list:
     """The write items (this rank's box, or boxes for a residual strided layout) of ``dtensor`` saved under ``fqn``."""
     _check_savable(fqn, dtensor)
     if dtensor._layout.is_strided:
@@ -130,7 +131,7 @@ def create_write_items(fqn: str, dtensor) -> list:
     return [_write_item(fqn, offsets, sizes, local, dtensor._gshape)]
 
 
-def create_chunk_list(dtensor) -> list:
+def create_chunk_list(dtensor: Any) -> list:
     """The boxes of the global tensor this rank holds (one, or none off the mesh)."""
     if dtensor._layout.is_strided:
         return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for sizes, offsets, _ in _strided_boxes(dtensor)
@@ -142,7 +143,7 @@ def create_chunk_list(dtensor) -> list:
     return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
 
 
-def get_tensor_shard(dtensor, index) -> torch.Tensor:
+def get_tensor_shard(dtensor: Any, index: MetadataIndex) -> torch.Tensor:
     """The plain local tensor behind the box ``index`` names (DCP reads/writes it in place)."""
     if dtensor._layout.is_strided:
         for sizes, offsets, starts in _strided_boxes(dtensor):

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NamedTuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Protocol, Set, Tuple, TypeGuard, Union
 
 import torch
 import torch.distributed as dist
+
+#: what the optimizer helpers take: one optimizer or several (torchtitan's model parts)
+Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
 
 _FQN_SKIP = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -46,7 +49,7 @@ class StateDictOptions:
     strict: bool = True
     broadcast_from_rank0: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("full_state_dict", "cpu_offload", "strict", "broadcast_from_rank0"):
             v = getattr(self, name)
             if not isinstance(v, bool):
@@ -59,7 +62,24 @@ class IncompatibleKeys(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _is_dtensor(obj) -> bool:
+class _DTensorLike(Protocol):
+    """What these helpers read of a DTensor (this package sits below ``dtensor``: duck typing, see above)."""
+
+    _local_tensor: torch.Tensor
+    _layout: Any
+    device_mesh: Any
+    shape: torch.Size
+
+    def detach(self) -> Any: ...
+
+    def full_tensor(self) -> torch.Tensor: ...
+
+    def redistribute(self, device_mesh: Any, placements: Any) -> Any: ...
+
+    def reduce_partial(self) -> Any: ...
+
+
+def _is_dtensor(obj: object) -> TypeGuard[_DTensorLike]:
     return isinstance(obj, torch.Tensor) and hasattr(type(obj), "__hp_stage__")
 
 
@@ -114,7 +134,7 @@ def _fsdp_sharded_params(model):
 def _param_fqns(model) -> Dict[int, str]:
     """id(parameter) -> canonical FQN (the first name of a shared parameter; for a ``fully_shard``-ed
     parameter its sharded DTensor's, whether or not its group is unsharded right now)."""
-    out = {}
+    out: Dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), _canonical(name))
     for name, p in _fsdp_sharded_params(model):
@@ -191,7 +211,7 @@ def _copy_into(target, value, key: str) -> None:
 
 
 # -------------------------------------------------------------------------------------- broadcast from rank 0
-def _broadcast_tree(obj):
+def _broadcast_tree(obj: Any) -> Any:
     """Rank 0's nested dict/list of tensors and plain values, returned on every rank (collective).
 
     The skeleton (with tensor shapes and dtypes) goes as one pickled object, then each
@@ -239,7 +259,8 @@ def _broadcast_tree(obj):
 
 
 # ------------------------------------------------------------------------------------------------ model
-def get_model_state_dict(model, *, submodules=None, options=None) -> Dict[str, Any]:
+def get_model_state_dict(model: torch.nn.Module, *, submodules: Optional[Set[torch.nn.Module]] = None,
+                         options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """The model's state dict keyed by canonical FQN (DTensors as they are, or full tensors; see options)."""
     opts = _options(options)
     if submodules is not None:
@@ -253,7 +274,8 @@ def get_model_state_dict(model, *, submodules=None, options=None) -> Dict[str, A
     return out
 
 
-def set_model_state_dict(model, model_state_dict, *, options=None) -> IncompatibleKeys:
+def set_model_state_dict(model: torch.nn.Module, model_state_dict: Dict[str, Any], *,
+                         options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
     """Load ``model_state_dict`` (sharded DTensors, full tensors, or rank 0's full dict) into ``model``.
 
     Returns the missing and unexpected keys; with ``strict`` (default) either kind raises.
@@ -328,7 +350,9 @@ def _fqn_of(fqns, param, what):
     return name
 
 
-def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None) -> Dict[str, Any]:
+def get_optimizer_state_dict(model: torch.nn.Module, optimizers: Optimizers, *,
+                             submodules: Optional[Set[torch.nn.Module]] = None,
+                             options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """Optimizer state keyed by parameter FQN: ``{"state": {fqn: {...}}, "param_groups": [{"params": [fqn...]}]}``."""
     opts = _options(options)
     if submodules is not None:
@@ -350,7 +374,8 @@ def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None
     return {"state": state, "param_groups": groups}
 
 
-def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=None) -> None:
+def set_optimizer_state_dict(model: torch.nn.Module, optimizers: Optimizers, optim_state_dict: Dict[str, Any], *,
+                             options: Optional[StateDictOptions] = None) -> None:
     """Load an FQN-keyed optimizer state dict (sharded, full, or rank 0's full one) into ``optimizers``."""
     opts = _options(options)
     optims = _as_optimizers(optimizers)
@@ -409,13 +434,16 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=Non
 
 
 # ---------------------------------------------------------------------------------------------- combined
-def get_state_dict(model, optimizers, *, submodules=None, options=None):
+def get_state_dict(model: torch.nn.Module, optimizers: Optimizers, *,
+                   submodules: Optional[Set[torch.nn.Module]] = None,
+                   options: Optional[StateDictOptions] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``(get_model_state_dict(...), get_optimizer_state_dict(...))``."""
     return (get_model_state_dict(model, submodules=submodules, options=options),
             get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
 
 
-def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None) -> IncompatibleKeys:
+def set_state_dict(model: torch.nn.Module, optimizers: Optimizers, *, model_state_dict: Dict[str, Any],
+                   optim_state_dict: Dict[str, Any], options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
     """Load both; returns the model's missing and unexpected keys."""
     keys = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
@@ -431,7 +459,7 @@ def _describe(metadata) -> str:
 def _check_files(path, metadata) -> None:
     """Every data file the metadata points at exists and holds the bytes it should (a truncated
     or missing shard file raises naming it, on every rank alike, before any collective)."""
-    need = {}
+    need: Dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel, end = getattr(info, "relative_path", None), None
         if rel is None:
@@ -450,7 +478,8 @@ def _check_files(path, metadata) -> None:
                              f"{size} bytes but the checkpoint metadata places data up to byte {end}")
 
 
-def load(state_dict, *, checkpoint_id, strict: bool = True, **kwargs) -> None:
+def load(state_dict: Dict[str, Any], *, checkpoint_id: Union[str, os.PathLike], strict: bool = True,
+         **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load`` after checking the checkpoint against ``state_dict``.
 
     Every rank reads the checkpoint's metadata (no collective) and compares it with

@@ -7,10 +7,11 @@ Design (one screen)
   backward has no DTensor work per op. Its torch entry points are defined once and delegate to the
   op dispatcher object (``dispatch/dispatcher.py``, handed over with ``set_dispatcher``).
 * **Layout math is pure.** ``placement_types.py`` (``Shard``/``Replicate``/``Partial``, torch's
-  semantics), ``layout.py`` (the immutable ``Layout``: per tensor dim the mesh dims sharding it, per
-  mesh dim a pending reduction; HyperParallel's alias spelling), ``layout_builder.py``,
-  ``mesh_coords.py``, ``device_mesh.py`` (``DeviceMesh``, both libraries' ``init_device_mesh``,
-  torch meshes adopted). The planners ``redistribute_plan.py`` (Dijkstra over layout states, minimum
+  semantics), ``layout_math.py`` (the immutable ``LayoutMath``: per tensor dim the mesh dims sharding
+  it, per mesh dim a pending reduction; HyperParallel's alias spelling), ``strided_math.py``,
+  ``mesh_coords.py``: no torch, directly or indirectly. ``layout.py`` (``Layout``: the math plus its
+  mesh), ``layout_builder.py``, ``device_mesh.py`` (``DeviceMesh``, both libraries'
+  ``init_device_mesh``, torch meshes adopted) sit on top. The planners ``redistribute_plan.py`` (Dijkstra over layout states, minimum
   bytes) and ``cross_mesh_plan.py`` are pure functions of layouts and shapes: no torch (the
   ``pure-math`` import contract), so they are tested without processes.
 * **Executors.** ``redistribute.py`` (runs a plan with the ground floor's differentiable collectives,

@@ -50,6 +50,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
     _groups: List[Any]
     _flat_meshes: Dict[str, Any]
     _foreign: Any
+    _base_layout: Any  # the device-matrix Layout, made on first use (dtensor/layout_builder.py)
 
     def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Optional[Sequence[str]] = None,
                  _root: Optional["DeviceMesh"] = None, _root_dims: Optional[Tuple[int, ...]] = None,

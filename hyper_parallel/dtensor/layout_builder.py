@@ -5,20 +5,22 @@ one per mesh dim; alias names, one per tensor dim) become a :class:`Layout`.
 """
 from __future__ import annotations
 
+from typing import Dict
+
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, uses_hp_semantics
 from hyper_parallel.dtensor.placement_lists import drop_extra_placements
-from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
+from hyper_parallel.dtensor.layout import Layout, PlacementsLike, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement
 
-_LAYOUT_CACHE = {}
+_LAYOUT_CACHE: Dict[tuple, Layout] = {}
 
 
-def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placements") -> Layout:
+def build_layout(mesh: DeviceMesh, placements: PlacementsLike, ndim: int, what: str = "placements") -> Layout:
     """Layout for an ``ndim``-d tensor from placement objects or alias names (cached)."""
     if isinstance(placements, Layout):
         return placements
     try:
-        key = (mesh, tuple(placements), ndim)
+        key: tuple = (mesh, tuple(placements), ndim)
         if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (placement_lists.py)
             key += (uses_hp_semantics(mesh),)
         hit = _LAYOUT_CACHE.get(key)

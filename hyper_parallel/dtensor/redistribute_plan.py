@@ -32,7 +32,7 @@ import heapq
 from functools import lru_cache
 
 
-from hyper_parallel.dtensor.layout import Layout, chunk_sizes, coordinate_of, local_shape_and_offset
+from hyper_parallel.dtensor.layout_math import LayoutMath, chunk_sizes, coordinate_of, local_shape_and_offset
 from hyper_parallel.distributed import comm_record as rec
 
 ALL_REDUCE = rec.ALL_REDUCE
@@ -297,7 +297,7 @@ def _plan_cached(src_key, dst_key, mesh_shape, global_shape, itemsize):
     raise ValueError(f"no redistribution path from {src_key} to {dst_key}")
 
 
-def plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> Plan:
+def plan(src: LayoutMath, dst: LayoutMath, global_shape, itemsize: int = 4) -> Plan:
     """Cheapest plan turning ``src`` into ``dst`` for a tensor of ``global_shape``."""
     if src.mesh_shape != dst.mesh_shape or src.rank_list != dst.rank_list:
         raise ValueError(f"redistribute: source and target layouts are on different meshes "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Iterator
 
 from hyper_parallel.dtensor.dtensor import DTensor, register_special, unregister_special
 from hyper_parallel.dtensor.placement_types import Replicate
@@ -127,7 +128,7 @@ class _LossParallelCE(DistributedOp):
 
 
 def _is_class_sharded(logits) -> bool:
-    return isinstance(logits, DTensor) and logits.dim() >= 1 and bool(logits._layout.dim_map[-1])
+    return isinstance(logits, DTensor) and logits.dim() >= 1 and bool(logits._layout._dims()[-1])
 
 
 _tls = threading.local()
@@ -168,7 +169,7 @@ def _cross_entropy_plain_target(input, target=None, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def loss_parallel():
+def loss_parallel() -> Iterator[None]:
     """Within this context, ``F.cross_entropy`` on class-sharded DTensor logits stays sharded.
 
     ``logits`` must be a 2-D DTensor [N, C] sharded on C over one mesh dim

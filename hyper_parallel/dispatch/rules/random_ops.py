@@ -155,8 +155,8 @@ def _exponential(uniform, lambd=1.0):
     return -(-uniform).log1p() / lambd
 
 
-def _geometric(uniform, prob):
-    return (((-uniform).log1p()) / math.log1p(-prob)).ceil().clamp_min(1)
+def _geometric(uniform, p):
+    return (((-uniform).log1p()) / math.log1p(-p)).ceil().clamp_min(1)
 
 
 def _cauchy(uniform, median=0.0, sigma=1.0):

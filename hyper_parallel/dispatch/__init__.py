@@ -14,8 +14,8 @@ Design (one screen)
   switches (strict layouts, replicate fallback, debug). ``strict_layouts.py``: the strict-layout
   verdict and HyperParallel's error messages. ``rules/``: one file per op family, each registering
   ``DistributedOp`` rules (``rules/base.py``: the registry, ``register``/``override``).
-  ``dfunction.py`` (``DFunction``), ``local_map.py``, ``shard_module.py`` + ``sharding_plan.py``
-  (HyperParallel's module API).
+  ``dfunction.py`` (``DFunction``), ``local_map.py``. (HyperParallel's ``shard_module`` /
+  ``ShardingPlan`` live in ``compat/hyperparallel/``.)
 * **Imports.** The ground floor, ``compile``, ``dtensor``; nothing above.
 * **Where a change goes.** A new op: a rule in the family's file under ``rules/``. A new switch:
   ``modes.py``. A change to every op's cost: ``dispatcher.py`` (benchmark with bench_dispatch.py).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.skip_and_replication import IMPLICIT_REPLICATION as _IMPLICIT
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.placement_types import Replicate
@@ -141,7 +141,7 @@ def _check_plain_tensors(func, args, kwargs, mesh):
                       f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
                       "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
     elif offender is not None and not _IMPLICIT[0] and \
-            _op_name(func) not in _base.PLAIN_AS_REPLICATED and not uses_hp_semantics(mesh):
+            _op_name(func) not in _base.PLAIN_AS_REPLICATED and not semantics_of(mesh).plain_tensors_replicated:
         # (HyperParallel's meshes take plain tensors as replicated, as HyperParallel does)
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(

@@ -24,7 +24,7 @@ import warnings
 
 from hyper_parallel.dtensor import skip_and_replication as _ds
 from hyper_parallel.dtensor import dtensor as _dt
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.layout import Layout as _Layout
 from hyper_parallel.dtensor.redistribute import partial_grad_view
@@ -289,7 +289,7 @@ class OpDispatcher:
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         semantic = getattr(_base.get_rule(name), "mesh_semantics_matter", False)
         if semantic:  # the rule answers differently on HyperParallel and PyTorch meshes with equal layouts
-            key += (uses_hp_semantics(mesh),)
+            key += (semantics_of(mesh),)
         entry = _CACHE.get(key)
         if entry is None:
             converted = False
@@ -301,7 +301,8 @@ class OpDispatcher:
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and converted and (name in _base.PLAIN_AS_REPLICATED or uses_hp_semantics(mesh)):
+            if entry is not None and converted and (name in _base.PLAIN_AS_REPLICATED
+                                                    or semantics_of(mesh).plain_tensors_replicated):
                 # plain index/mask tensors of these ops are always replicated: cache the entry under the
                 # call's own key (not the fast path); a hit converts them again, as here
                 entry.plain_conv = True

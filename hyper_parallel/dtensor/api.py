@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch.nn as nn
 
-from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
-from hyper_parallel.dtensor.placement_lists import drop_extra_placements
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.dtensor import DTensor, _check_strided_label, _off_mesh_local, build_layout
 from hyper_parallel.dtensor.hp_module_names import provide_dtensor_names
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
@@ -103,9 +103,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = 
                            "DTensor, or pass tensor.detach()")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
-    placements = drop_extra_placements(mesh, placements, "distribute_tensor")  # HyperParallel meshes only
+    semantics = semantics_of(mesh)
+    placements = semantics.trim_placements(mesh, placements, "distribute_tensor")  # HyperParallel's: extras ignored
     if isinstance(placements, (list, tuple)) and not is_alias_spelling(placements) and len(placements) != mesh.ndim \
-            and not uses_hp_semantics(mesh):  # HyperParallel's: shorter lists padded, as from_local
+            and not semantics.short_placement_lists:  # HyperParallel's: shorter lists padded, as from_local
         # as PyTorch (alias names are per tensor dim and checked against the tensor's rank instead)
         raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
                          f"{len(placements)} ({tuple(placements)}), and device_mesh.ndim: {mesh.ndim} ({mesh}).")

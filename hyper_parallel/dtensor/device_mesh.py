@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.dtensor.mesh_coords import coordinate_of
 from hyper_parallel.dtensor.device_mesh_hp_methods import DeviceMeshCompatMixin
+from hyper_parallel.dtensor.mesh_semantics import uses_hp_semantics  # (the mesh decides; re-exported here)
 from hyper_parallel.distributed import groups
 import torch
 
@@ -489,18 +490,6 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
             mine = m
     assert mine is not None, "every rank of the world lies in one block"
     return mine
-
-
-def uses_hp_semantics(mesh: Any) -> bool:
-    """Whether DTensors on ``mesh`` follow HyperParallel's semantics rather than PyTorch's.
-
-    True for meshes made by HyperParallel's entry points (``hyper_parallel.init_device_mesh``,
-    ``hyper_parallel.dtensor.device_mesh.init_device_mesh``, a ``Layout``'s mesh) and
-    meshes sliced or flattened from them; False for PyTorch's (``hyper_parallel.device_mesh``,
-    the ``DeviceMesh(...)`` constructor, ``torch.distributed`` meshes). Where the two libraries
-    differ, the rule is in docs/migrating_from_hyperparallel.md.
-    """
-    return bool(getattr(mesh, "_hp_flag", False))
 
 
 class _MeshResources:

@@ -21,7 +21,7 @@ import copy
 from typing import Any, Callable, Optional, Sequence, Tuple, Union, overload
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
-from hyper_parallel.dtensor.placement_lists import drop_extra_placements
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.layout import Alias, Layout, PlacementsLike, _rebuild_layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 from hyper_parallel.dtensor import strided_math
@@ -475,8 +475,8 @@ class DTensor(torch.Tensor):
         if device_mesh is not None:
             device_mesh = resolve_mesh(device_mesh, "redistribute")  # a torch mesh is adopted first
         same_mesh = device_mesh is None or device_mesh is self._mesh or device_mesh == self._mesh
-        placements = drop_extra_placements(self._mesh if device_mesh is None else device_mesh, placements,
-                                           "redistribute")
+        target_mesh = self._mesh if device_mesh is None else device_mesh
+        placements = semantics_of(target_mesh).trim_placements(target_mesh, placements, "redistribute")
         if same_mesh and isinstance(placements, (list, tuple)) and not is_alias_spelling(placements):
             # as PyTorch: a Partial target only where the tensor already has that Partial (moving to
             # another mesh, our extension, may create one)

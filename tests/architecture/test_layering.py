@@ -19,14 +19,14 @@ from hyper_parallel import Replicate, Shard
 def test_public_homes_are_the_same_objects():
     from hyper_parallel.core.dtensor import dtensor
     from hyper_parallel.dtensor import skip_and_replication
-    from hyper_parallel.core.shard import _op_dispatch, skip
+    from hyper_parallel.core.shard import _op_dispatch
     from hyper_parallel.dispatch import dispatcher
     from hyper_parallel.dispatch import modes
     for name in ("add_no_skip_ops", "remove_no_skip_ops", "get_no_skip_ops",
                  "disable_dtensor_dispatch", "enable_dtensor_dispatch", "get_dtensor_dispatch"):
         assert getattr(modes, name) is getattr(skip_and_replication, name) is getattr(_op_dispatch, name), name
     assert modes.implicit_replication is skip_and_replication.implicit_replication
-    assert modes.SkipDTensorDispatch is skip.SkipDTensorDispatch is dtensor.SkipDTensorDispatch \
+    assert modes.SkipDTensorDispatch is dtensor.SkipDTensorDispatch \
         is hyper_parallel.SkipDTensorDispatch
     assert hyper_parallel.implicit_replication is modes.implicit_replication
     assert hyper_parallel.allow_replicate_fallback is modes.allow_replicate_fallback

@@ -99,7 +99,7 @@ class DistributedOp:
         return not type(self).__module__.startswith("hyper_parallel.dispatch.rules.")
 
     #: True when the rule's answer depends on whether the mesh follows HyperParallel's or PyTorch's
-    #: semantics (``uses_hp_semantics``), not only on the layouts: the dispatch cache then keys its
+    #: semantics (``semantics_of(mesh)``), not only on the layouts: the dispatch cache then keys its
     #: entries by that too (such calls skip the fast path).
     mesh_semantics_matter = False
 

@@ -25,7 +25,7 @@ from typing import List
 
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy, is_inplace, redistribution_cost
 from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 import torch
 
 NONLINEAR, ADD, MUL, DIV, UNARY_LINEAR = "nonlinear", "add", "mul", "div", "unary_linear"
@@ -59,7 +59,7 @@ class ElementwiseOp(DistributedOp):
         kind = self.kind
         if call.name in _CASTS and not _float_cast(call):
             kind = NONLINEAR   # rounding each Partial piece to an integer/bool is not linear: reduce first
-        elif call.name == "clone" and not uses_hp_semantics(call.mesh):
+        elif call.name == "clone" and not semantics_of(call.mesh).clone_keeps_partial:
             kind = NONLINEAR   # torch 2.13: clone() of a Partial DTensor is Replicate (contiguous() keeps it)
         return elementwise_strategy(call, kind)
 

@@ -15,7 +15,7 @@
 """
 from __future__ import annotations
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy
 from hyper_parallel.dispatch.rules.elementwise import NONLINEAR, elementwise_strategy
 from hyper_parallel.dispatch.rules.extremum_dim import max_min_dim_strategy
@@ -90,7 +90,8 @@ class ReductionRule(DistributedOp):
             return _extremum_strategy(call, lay, dims, keepdim)
         linear = name in LINEAR
         sharded_reduced = [d for d in dims if lay.dim_map[d]]
-        if name in ("max", "min") and len(dims) == 1 and sharded_reduced and uses_hp_semantics(call.mesh):
+        if name in ("max", "min") and len(dims) == 1 and sharded_reduced \
+                and semantics_of(call.mesh).max_min_dim_partial:
             # max(dim)/min(dim), HyperParallel: values Partial(max/min), global indices
             return max_min_dim_strategy(call, lay.without_partial() if lay.has_partial() else lay, dims[0],
                                         keepdim)

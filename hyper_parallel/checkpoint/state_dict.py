@@ -79,8 +79,8 @@ class _DTensorLike(Protocol):
     def reduce_partial(self) -> Any: ...
 
 
-def _is_dtensor(t: object) -> TypeGuard[_DTensorLike]:
-    return isinstance(t, torch.Tensor) and hasattr(type(t), "__hp_stage__")
+def _is_dtensor(obj: object) -> TypeGuard[_DTensorLike]:
+    return isinstance(obj, torch.Tensor) and hasattr(type(obj), "__hp_stage__")
 
 
 def _options(options) -> StateDictOptions:
@@ -142,11 +142,11 @@ def _param_fqns(model) -> Dict[int, str]:
     return out
 
 
-def _reduce(t):
+def _reduce(tensor):
     """A savable view of a live tensor: detached, Partial placements reduced."""
-    if _is_dtensor(t):
-        return t.reduce_partial().detach() if t._layout.has_partial() else t.detach()
-    return t.detach() if isinstance(t, torch.Tensor) else t
+    if _is_dtensor(tensor):
+        return tensor.reduce_partial().detach() if tensor._layout.has_partial() else tensor.detach()
+    return tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def _finish(value, opts: StateDictOptions, keep: bool):
@@ -222,18 +222,18 @@ def _broadcast_tree(obj: Any) -> Any:
         return obj
     tensors: List[torch.Tensor] = []
 
-    def strip(o):
-        if isinstance(o, torch.Tensor):
-            if _is_dtensor(o):
+    def strip(obj):
+        if isinstance(obj, torch.Tensor):
+            if _is_dtensor(obj):
                 raise TypeError("broadcast_from_rank0: rank 0's state dict must hold plain (full) tensors, "
                                 "got a DTensor")
-            tensors.append(o.detach())
-            return ("__hp_tensor__", len(tensors) - 1, tuple(o.shape), o.dtype)
-        if isinstance(o, dict):
-            return {k: strip(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(strip(v) for v in o)
-        return o
+            tensors.append(obj.detach())
+            return ("__hp_tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(strip(v) for v in obj)
+        return obj
 
     box = [strip(obj) if _rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -241,19 +241,19 @@ def _broadcast_tree(obj: Any) -> Any:
     if _rank() != 0:
         tensors = []
 
-    def fill(o):
-        if isinstance(o, tuple) and len(o) == 4 and o[0] == "__hp_tensor__":
-            _, i, shape, dtype = o
+    def fill(obj):
+        if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__hp_tensor__":
+            _, i, shape, dtype = obj
             t = tensors[i].contiguous() if _rank() == 0 else torch.empty(shape, dtype=dtype)
             dist.broadcast(t, src=0)
             return t
-        if isinstance(o, dict):
-            return {k: fill(v) for k, v in o.items()}
-        if isinstance(o, list):
-            return [fill(v) for v in o]
-        if isinstance(o, tuple):
-            return tuple(fill(v) for v in o)
-        return o
+        if isinstance(obj, dict):
+            return {k: fill(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [fill(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(fill(v) for v in obj)
+        return obj
 
     return fill(skeleton)
 
@@ -342,10 +342,10 @@ def _init_optim_state(optim) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-def _fqn_of(fqns, p, what):
-    name = fqns.get(id(p))
+def _fqn_of(fqns, param, what):
+    name = fqns.get(id(param))
     if name is None:
-        raise ValueError(f"{what}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not a "
+        raise ValueError(f"{what}: the optimizer holds a parameter of shape {tuple(param.shape)} that is not a "
                          "parameter of the model")
     return name
 
@@ -451,8 +451,8 @@ def set_state_dict(model: torch.nn.Module, optimizers: Optimizers, *, model_stat
 
 
 # ------------------------------------------------------------------------------------------ checked load
-def _describe(md) -> str:
-    size = getattr(md, "size", None)
+def _describe(metadata) -> str:
+    size = getattr(metadata, "size", None)
     return "a non-tensor value" if size is None else f"shape {tuple(size)}"
 
 

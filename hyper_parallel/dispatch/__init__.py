@@ -26,5 +26,5 @@ from hyper_parallel.dispatch.rules.op_table import load_all as _load_all
 
 _load_all()
 from hyper_parallel.dispatch.dfunction import DFunction
-from hyper_parallel.dtensor.dispatch_state import SkipDTensorDispatch
+from hyper_parallel.dtensor.skip_and_replication import SkipDTensorDispatch
 from hyper_parallel.dispatch.local_map import local_map, custom_shard

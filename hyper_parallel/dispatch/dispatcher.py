@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from hyper_parallel.dtensor import dispatch_state as _ds
+from hyper_parallel.dtensor import skip_and_replication as _ds
 from hyper_parallel.dtensor import dtensor as _dt
 from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.dtensor import DTensor

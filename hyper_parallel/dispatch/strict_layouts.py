@@ -80,9 +80,9 @@ def _dim_changes(src, tgt):
     return out
 
 
-def _is_ring_attention(name, i, t, ndim):
+def _is_ring_attention(name, arg_index, tensor_dim, ndim):
     """HyperParallel's NotImplementedError cases of SDPA: K/V sequence sharding, last (embedding) dim sharding."""
-    return name == _SDPA and ((i in (1, 2) and t == ndim - 2) or t == ndim - 1)
+    return name == _SDPA and ((arg_index in (1, 2) and tensor_dim == ndim - 2) or tensor_dim == ndim - 1)
 
 
 def violation(name, dts, redist, args, kwargs):

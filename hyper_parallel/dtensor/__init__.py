@@ -19,7 +19,7 @@ Design (one screen)
   ``random.py`` (layout-independent random streams), ``api.py`` (``distribute_tensor``,
   ``distribute_module``, factories), ``grad_state.py`` / ``partial_grad_seed.py`` (Partial gradients),
   ``function_bridge.py`` (``autograd.Function`` on DTensors), ``special_methods.py`` (``detach``,
-  ``backward``, ``item``...), ``dispatch_state.py`` (``SkipDTensorDispatch``, ``implicit_replication``),
+  ``backward``, ``item``...), ``skip_and_replication.py`` (``SkipDTensorDispatch``, ``implicit_replication``),
   ``cache_key.py`` (the interned (layout, shape) token the dispatcher's cache keys use).
 * **Torch patches owned here** (each listed with its reason in docs/design.md): ``patch_function_apply.py``,
   ``patch_testing.py``, ``vmap_bridge.py``; ``torch_internals.py`` names the few private torch APIs used.

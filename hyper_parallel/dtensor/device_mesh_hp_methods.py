@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 from hyper_parallel.dtensor.mesh_coords import coordinate_of
 
 
-def _ranks_along(mesh_shape: Sequence[int], rank_list: Sequence[int], d: int, rank: int) -> List[int]:
+def _ranks_along(mesh_shape: Sequence[int], rank_list: Sequence[int], mesh_dim: int, rank: int) -> List[int]:
     if rank not in rank_list:
         raise ValueError(f"rank {rank} is not in the mesh's ranks {tuple(rank_list)}")
     coord = list(coordinate_of(rank_list.index(rank), mesh_shape))
     out = []
-    for v in range(mesh_shape[d]):
-        coord[d] = v
+    for v in range(mesh_shape[mesh_dim]):
+        coord[mesh_dim] = v
         idx = 0
         for s, c in zip(mesh_shape, coord):
             idx = idx * s + c

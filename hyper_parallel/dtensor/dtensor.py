@@ -35,7 +35,7 @@ from hyper_parallel.dtensor.grad_state import (_DG, _grad_layout, _set_partial_g
                                                     grad_view, settle_pending_grads)
 from hyper_parallel.dtensor.run_check import run_check as _run_check
 from hyper_parallel.dtensor.local_meta import _global_stride, _off_mesh_local, _to_like  # noqa: F401
-from hyper_parallel.dtensor.dispatch_state import implicit_replication
+from hyper_parallel.dtensor.skip_and_replication import implicit_replication
 from hyper_parallel.dtensor import special_methods as _special_methods
 from hyper_parallel.dtensor.hp_module_names import _build_layout, _is_alias_placements, dtensor_module_getattr  # noqa: F401
 from hyper_parallel.dtensor import torch_internals

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from hyper_parallel.dtensor import torch_internals
-from hyper_parallel.dtensor.dispatch_state import SKIP_ANY
+from hyper_parallel.dtensor.skip_and_replication import SKIP_ANY
 from hyper_parallel.dtensor.redistribute import partial_grad_view
 
 # (func, spec | scalar, ...) -> entry, for calls with positional DTensor/scalar arguments that need no

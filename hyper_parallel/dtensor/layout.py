@@ -80,8 +80,9 @@ class Layout(LayoutCompatMixin, LayoutMath):
 PlacementsLike = Union[Sequence[Any], Layout, PlacementSpec]
 
 
-def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True, strided=None):
-    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp, _strided=strided)
+def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp_semantics=True, strided=None):
+    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp_semantics,
+                  _strided=strided)
 
 
 def _get_slice_tensor_by_layout(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -210,8 +210,8 @@ class PlacementSpec:
     def __len__(self):
         return len(self.placements)
 
-    def __getitem__(self, i):
-        return self.placements[i]
+    def __getitem__(self, index):
+        return self.placements[index]
 
     def __eq__(self, other):
         return isinstance(other, PlacementSpec) and (self.base, self.placements) == (other.base, other.placements)

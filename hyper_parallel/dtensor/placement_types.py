@@ -284,14 +284,14 @@ def _concat(parts: Sequence[Any], dim: int) -> Any:
     return out
 
 
-def _chunk_ranges(lo: int, hi: int, num_chunks: int) -> List[Tuple[int, int]]:
-    """``[start, end)`` of the ``num_chunks`` torch.chunk pieces of ``range(lo, hi)`` (empty ones at the end)."""
-    size = hi - lo
+def _chunk_ranges(start: int, end: int, num_chunks: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` of the ``num_chunks`` torch.chunk pieces of ``range(start, end)`` (empty ones at the end)."""
+    size = end - start
     full = -(-size // num_chunks) if size else 0
     out = []
     for r in range(num_chunks):
         a = min(size, full * r)
-        out.append((lo + a, lo + min(size, a + full)))
+        out.append((start + a, start + min(size, a + full)))
     return out
 
 

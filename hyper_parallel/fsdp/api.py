@@ -55,12 +55,12 @@ def _collect(module, ignored):
     """(fqn, owner module, attribute name, param) of parameters not managed by an FSDP submodule."""
     out = []
 
-    def walk(m, prefix):
-        for name, p in m._parameters.items():
+    def walk(module, prefix):
+        for name, p in module._parameters.items():
             if p is None or id(p) in ignored:
                 continue
-            out.append((prefix + name, m, name, p))
-        for cname, child in m._modules.items():
+            out.append((prefix + name, module, name, p))
+        for cname, child in module._modules.items():
             if child is None or "_hp_fsdp_state" in child.__dict__:
                 continue
             walk(child, prefix + cname + ".")
@@ -68,31 +68,31 @@ def _collect(module, ignored):
     return out
 
 
-def _check_param(where, fqn, p, mesh, d):
+def _check_param(where, fqn, param, mesh, shard_dim):
     """A parameter the group will manage: its shard dim and (for a DTensor) its mesh must fit ``mesh``."""
     from hyper_parallel.dtensor.dtensor import DTensor
     from hyper_parallel.dtensor.mesh_siblings import unify_roots
-    if isinstance(p, DTensor):
-        unify_roots(mesh, p.device_mesh)  # torch slices of one root mesh (torchtitan's meshes)
+    if isinstance(param, DTensor):
+        unify_roots(mesh, param.device_mesh)  # torch slices of one root mesh (torchtitan's meshes)
     root = mesh._root
-    if isinstance(p, DTensor):
-        tp_mesh = p.device_mesh
+    if isinstance(param, DTensor):
+        tp_mesh = param.device_mesh
         if tp_mesh._root is not root or tp_mesh is root or mesh is root:
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} is a DTensor on {tp_mesh} (placements "
-                             f"{tuple(p.placements)}); the fully_shard mesh {mesh} must be another dim "
+                             f"{tuple(param.placements)}); the fully_shard mesh {mesh} must be another dim "
                              f"of the same root mesh (e.g. mesh['dp'] next to mesh['tp'])")
         if set(tp_mesh._root_dims) & set(mesh._root_dims):
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} is already distributed over mesh dims "
                              f"{tp_mesh.mesh_dim_names} that the fully_shard mesh {mesh} also uses")
-        if p._layout.has_partial():
+        if param._layout.has_partial():
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} has a Partial placement")
-    ndim = p.dim()
+    ndim = param.dim()
     if ndim == 0:
         raise ValueError(f"fully_shard({where}): parameter {fqn!r} is 0-d; a scalar cannot be sharded "
                          "(pass it in ignored_params)")
-    if not -ndim <= d < ndim:
-        raise ValueError(f"fully_shard({where}): shard_placement_fn returned Shard({d}) for parameter "
-                         f"{fqn!r} of shape {tuple(p.shape)}; expected -{ndim} <= dim < {ndim}")
+    if not -ndim <= shard_dim < ndim:
+        raise ValueError(f"fully_shard({where}): shard_placement_fn returned Shard({shard_dim}) for parameter "
+                         f"{fqn!r} of shape {tuple(param.shape)}; expected -{ndim} <= dim < {ndim}")
 
 
 def _module_list(module):

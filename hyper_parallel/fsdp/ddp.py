@@ -47,9 +47,9 @@ def replicate(module: _Module, device_mesh: DeviceMesh) -> _Module:
         seen.add(id(p))
         local = p._local_tensor if isinstance(p, DTensor) else p
 
-        def hook(t, group=group, module=module):
+        def hook(param, group=group, module=module):
             if module.__dict__.get("_hp_grad_sync", True):  # off: accumulate locally (pipeline microbatches)
-                deferred.defer_average(t, group)
+                deferred.defer_average(param, group)
         local.register_post_accumulate_grad_hook(hook)
     module.__dict__["_hp_replicated"] = True  # a mark, not a parameter, buffer or submodule
     return module

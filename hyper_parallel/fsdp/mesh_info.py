@@ -115,14 +115,14 @@ def _named(obj, name):
     return any(c.__name__ == name for c in type(obj).__mro__)
 
 
-def _is_plain_shard(pl) -> bool:
+def _is_plain_shard(placement) -> bool:
     """``Shard(d)``, ours or torch's; not a subclass such as torch's ``_StridedShard``."""
     from hyper_parallel.dtensor.placement_types import Shard
-    if type(pl) is Shard:
+    if type(placement) is Shard:
         return True
-    t = type(pl)
+    t = type(placement)
     return t.__name__ == "Shard" and t.__module__.startswith("torch.distributed") and isinstance(
-        getattr(pl, "dim", None), int)
+        getattr(placement, "dim", None), int)
 
 
 def _world(mesh):

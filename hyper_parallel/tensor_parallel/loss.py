@@ -57,11 +57,11 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         exp, sum_exp, safe, in_shard, valid = ctx.saved_tensors
         grad = exp / sum_exp.unsqueeze(-1)
         onehot = torch.zeros_like(grad).scatter_(-1, safe.unsqueeze(-1), in_shard.unsqueeze(-1).to(grad.dtype))
-        grad = (grad - onehot) * (g * valid).unsqueeze(-1)
+        grad = (grad - onehot) * (grad_output * valid).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None
 
 
@@ -105,7 +105,7 @@ class _LossParallelCE(DistributedOp):
         tgt_target = tgt_layout.with_dim_map([batch_dm], (None,) * len(lay.mesh_shape)) if tgt_layout else None
         n_total = shape[0]
 
-        def local_fn(logits, target, *a, **k):
+        def local_fn(logits, target, *args, **kwargs):
             loss = _VocabParallelCE.apply(logits, target, group, vocab_start, ignore_index)
             if reduction == "none":
                 return loss

@@ -142,27 +142,27 @@ def _check_pairs(style: str, arg: str, layouts, desired_arg: str, desired):
 
 
 # ----------------------------------------------------------------------------- conversions
-def _pl(p) -> Optional[Tuple[Placement, ...]]:
+def _pl(placement) -> Optional[Tuple[Placement, ...]]:
     """A style placement as a placements tuple for the 1-D mesh."""
-    if p is None:
+    if placement is None:
         return None
-    return (p,)
+    return (placement,)
 
 
 def _norm_shard(pls, ndim):
     return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in pls)
 
 
-def _to_dtensor(x, mesh, input_layout, desired_layout):
+def _to_dtensor(value, mesh, input_layout, desired_layout):
     """Plain tensor -> DTensor (with ``input_layout``), then redistribute to ``desired_layout``."""
-    if isinstance(x, DTensor):
-        dt = x
-    elif isinstance(x, torch.Tensor):
+    if isinstance(value, DTensor):
+        dt = value
+    elif isinstance(value, torch.Tensor):
         if input_layout is None:
-            return x
-        dt = DTensor.from_local(x, mesh, _norm_shard(_pl(input_layout), x.ndim), run_check=False)
+            return value
+        dt = DTensor.from_local(value, mesh, _norm_shard(_pl(input_layout), value.ndim), run_check=False)
     else:
-        return x
+        return value
     if desired_layout is not None:
         want = _norm_shard(_pl(desired_layout), dt.ndim)
         if tuple(dt.placements) != want:
@@ -170,14 +170,14 @@ def _to_dtensor(x, mesh, input_layout, desired_layout):
     return dt
 
 
-def _finish(x, mesh, output_layout, use_local_output):
-    if isinstance(x, DTensor):
+def _finish(value, mesh, output_layout, use_local_output):
+    if isinstance(value, DTensor):
         if output_layout is not None:
-            want = _norm_shard(_pl(output_layout), x.ndim)
-            if tuple(x.placements) != want:
-                x = x.redistribute(mesh, want)
-        return x.to_local() if use_local_output else x
-    return x
+            want = _norm_shard(_pl(output_layout), value.ndim)
+            if tuple(value.placements) != want:
+                value = value.redistribute(mesh, want)
+        return value.to_local() if use_local_output else value
+    return value
 
 
 def _distribute_param(module, name, mesh, placements, src_data_rank):
@@ -419,18 +419,18 @@ def _install_io_hooks(module, mesh, input_layout, desired_input_layout, output_l
     module.register_forward_hook(post)
 
 
-def _prepare(style, where, what, x, mesh, layout, desired, use_local):
+def _prepare(style, where, what, value, mesh, layout, desired, use_local):
     """Convert one input/output of a PrepareModule* style (``layout`` None: unchanged)."""
     if layout is None:
-        return x
-    if isinstance(x, DTensor):
-        if tuple(x.placements) != _norm_shard(_pl(layout), x.ndim):
-            raise ValueError(f"{style} on {where}: {what} is a DTensor with placements {tuple(x.placements)} but "
+        return value
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != _norm_shard(_pl(layout), value.ndim):
+            raise ValueError(f"{style} on {where}: {what} is a DTensor with placements {tuple(value.placements)} but "
                              f"its layout is given as {layout!r}")
-    elif not isinstance(x, torch.Tensor):
-        raise TypeError(f"{style} on {where}: {what} is {type(x).__name__}, not a tensor, but its layout is "
+    elif not isinstance(value, torch.Tensor):
+        raise TypeError(f"{style} on {where}: {what} is {type(value).__name__}, not a tensor, but its layout is "
                         f"given as {layout!r}; use None for inputs/outputs to leave unchanged")
-    dt = _to_dtensor(x, mesh, layout, desired)
+    dt = _to_dtensor(value, mesh, layout, desired)
     return dt.to_local() if use_local and isinstance(dt, DTensor) else dt
 
 

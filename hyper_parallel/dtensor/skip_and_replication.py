@@ -1,4 +1,8 @@
-"""Dispatch state the DTensor layer itself needs: ``SkipDTensorDispatch`` and ``implicit_replication``.
+"""The two switches the DTensor layer itself reads: ``SkipDTensorDispatch`` and ``implicit_replication``.
+
+Named for what it holds (it was ``dispatch_state.py``; a module called "dispatch" is op dispatch,
+``hyper_parallel.dispatch``): the skip state (ops on DTensors run on their local tensors) and the
+implicit-replication flag (plain tensors mixed with DTensors are replicated).
 
 The op dispatcher (``dispatch/dispatcher.py``, one layer up) reads this state on
 every call; ``DTensor.__torch_dispatch__`` (this layer) uses ``implicit_replication``

@@ -1,4 +1,9 @@
-"""Token dispatch and combine for expert parallelism (torch mechanics).
+"""Token dispatch and combine for expert parallelism (torch mechanics): the token exchange.
+
+The module is named for what it holds, the exchange of tokens with the ranks of their experts; in
+this project a *module* called "dispatch" is op dispatch (``hyper_parallel.dispatch``). The public
+functions keep the mixture-of-experts terms ``moe.dispatch`` / ``moe.combine`` (torchtitan's
+``_token_dispatch`` / ``_token_combine``), always reached through ``hyper_parallel.moe``.
 
 Two entry points share one exchange:
 
@@ -173,9 +178,9 @@ class DispatchHandle:
     __slots__ = ("num_tokens", "top_k", "order", "exchange", "dropped", "dropped_local", "capacity",
                  "local_expert_tokens", "tokens_per_expert", "_kept_mask")
 
-    def __init__(self, **kw):
+    def __init__(self, **fields):
         self._kept_mask = None
-        for k, v in kw.items():
+        for k, v in fields.items():
             setattr(self, k, v)
 
     @property
@@ -188,7 +193,7 @@ class DispatchHandle:
         return self._kept_mask
 
 
-def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_experts: int,
+def dispatch(tokens: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_experts: int,
              capacity_factor: Optional[float] = None):
     """Send each token to its top-k experts across the EP group.
 
@@ -205,11 +210,11 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
     Returns:
         ``(routed, num_tokens_per_local_expert, handle)``: ``routed`` is ``[R, dim]``, the rows this rank's
         experts process, grouped by local expert (expert-major, then source rank, then token order);
-        ``num_tokens_per_local_expert`` is ``[E / ep]`` int64 on ``x``'s device; ``handle`` goes to
+        ``num_tokens_per_local_expert`` is ``[E / ep]`` int64 on ``tokens``'s device; ``handle`` goes to
         :func:`combine`.
 
     Every rank of the EP group must call it (same ``num_experts`` and ``capacity_factor``). Bad input
-    (ids out of range, ``x`` and ``expert_ids`` of different lengths, on any rank) raises on every rank
+    (ids out of range, ``tokens`` and ``expert_ids`` of different lengths, on any rank) raises on every rank
     after the count exchange and before any token moves.
     """
     what = "dispatch"
@@ -221,14 +226,14 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
         raise ValueError(f"{what}: expert_ids must be [num_tokens, top_k], got shape {tuple(expert_ids.shape)}")
     if expert_ids.is_floating_point() or expert_ids.is_complex() or expert_ids.dtype == torch.bool:
         raise TypeError(f"{what}: expert_ids must be an integer tensor, got {expert_ids.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"{what}: x must be [num_tokens, dim], got shape {tuple(x.shape)}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{what}: x must be [num_tokens, dim], got shape {tuple(tokens.shape)}")
     T, k = expert_ids.shape
     _plan.check_top_k(k, num_experts, what)
     flat = expert_ids.reshape(-1).to(torch.int64)
     bad = ((flat < 0) | (flat >= num_experts)).sum()
     counts = count_ids(flat.clamp(0, num_experts - 1), num_experts)
-    tail = torch.stack([counts.new_full((), x.shape[0]), counts.new_full((), T), bad])
+    tail = torch.stack([counts.new_full((), tokens.shape[0]), counts.new_full((), T), bad])
     names = ("x", "expert_ids has", "expert ids out of range")
     if cf is None:
         msg = torch.cat([counts.view(ep, el), tail.expand(ep, 3)], dim=1)
@@ -266,15 +271,15 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_mesh=None, *, num_exp
         keep = pos < limit
         order = order[torch.argsort((~keep).to(torch.int8), stable=True)[:n_kept]]
     ex = Exchange(group, _plan.rank_splits(kept_local, ep), [sum(c) for c in recv_counts], recv_counts,
-                  x.device, recv_dev)
-    routed = ex.forward(x.index_select(0, torch.div(order, k, rounding_mode="floor")))
+                  tokens.device, recv_dev)
+    routed = ex.forward(tokens.index_select(0, torch.div(order, k, rounding_mode="floor")))
     handle = DispatchHandle(num_tokens=T, top_k=k, order=order, exchange=ex, dropped=dropped,
                             dropped_local=sum(local) - n_kept, capacity=cap,
                             local_expert_tokens=ex.local_counts, tokens_per_expert=per_expert)
     if recv_dev is not None:
         local_counts = recv_dev.sum(0)
     else:
-        local_counts = torch.tensor(ex.local_counts, dtype=torch.int64, device=x.device)
+        local_counts = torch.tensor(ex.local_counts, dtype=torch.int64, device=tokens.device)
     return routed, local_counts, handle
 
 

@@ -90,7 +90,7 @@ def _gradcheck():
     assert torch.autograd.gradcheck(fn, (x, w), eps=1e-6, atol=1e-8)
 
     # the style's exchange (rows already grouped by expert)
-    from hyper_parallel.moe.dispatch import dispatch_sorted
+    from hyper_parallel.moe.token_exchange import dispatch_sorted
     counts = torch.tensor([1, 0, 2, 1]) if rank == 0 else torch.tensor([0, 3, 0, 1])
     rows = torch.randn(4, 2, dtype=torch.float64, generator=g, requires_grad=True)
     group = mesh.get_comm_group(0)

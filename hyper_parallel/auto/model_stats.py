@@ -60,10 +60,10 @@ class _FusedAttention(torch.autograd.Function):
     """Stands in for fused attention in the trace: saves what flash attention saves (q, k, v, out, lse)."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v):
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    def forward(ctx, out, query, key, value):
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         res = out.clone()
-        ctx.save_for_backward(q, k, v, res, lse)
+        ctx.save_for_backward(query, key, value, res, lse)
         return res
 
     @staticmethod

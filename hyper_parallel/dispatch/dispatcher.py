@@ -441,14 +441,14 @@ def _off_mesh_result(entry, func, args, kwargs, dts, mesh):
     needs = [d._local_tensor for d in dts if d._local_tensor.requires_grad] if torch.is_grad_enabled() else []
     anchor = sum(t.sum() for t in needs) * 0 if needs else None
 
-    def empty(m, lay, shape):
-        if lay is None or not isinstance(m, _Tensor):
-            return m
+    def empty(meta_out, lay, shape):
+        if lay is None or not isinstance(meta_out, _Tensor):
+            return meta_out
         base = dts[0]._local_tensor
-        local = base.new_zeros((), dtype=m.dtype) if m.dim() == 0 else base.new_empty((0,), dtype=m.dtype)
+        local = base.new_zeros((), dtype=meta_out.dtype) if meta_out.dim() == 0 else base.new_empty((0,), dtype=meta_out.dtype)
         if anchor is not None and local.is_floating_point():
             local = local + anchor.to(local.dtype)
-        return DTensor._wrap(local, mesh, lay, shape if shape is not None else torch.Size(m.shape))
+        return DTensor._wrap(local, mesh, lay, shape if shape is not None else torch.Size(meta_out.shape))
     if isinstance(meta, _Tensor):
         return empty(meta, entry.out_layouts, entry.out_shapes if isinstance(entry.out_shapes, torch.Size)
                      else None)

@@ -130,15 +130,15 @@ def set_mode(mode: str) -> None:
         raise ValueError(f"set_mode: mode must be 'eager' or 'compile', got {mode!r}")
 
 
-def register_special(func: Callable[..., Any], fn: Callable[..., Any]) -> Optional[Callable[..., Any]]:
-    """Run ``fn(*args, **kwargs)`` instead of any sharding rule when ``func`` meets a DTensor.
+def register_special(func: Callable[..., Any], handler: Callable[..., Any]) -> Optional[Callable[..., Any]]:
+    """Run ``handler(*args, **kwargs)`` instead of any sharding rule when ``func`` meets a DTensor.
 
     Returns the entry it replaces (None if there was none), for :func:`unregister_special`.
     """
-    if not callable(fn):
-        raise TypeError(f"register_special: fn must be callable, got {fn!r}")
+    if not callable(handler):
+        raise TypeError(f"register_special: handler must be callable, got {handler!r}")
     prev = SPECIAL_METHODS.get(func)
-    SPECIAL_METHODS[func] = fn
+    SPECIAL_METHODS[func] = handler
     return prev
 
 

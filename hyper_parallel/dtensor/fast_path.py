@@ -124,7 +124,8 @@ def make_methods(cls: type) -> Dict[str, Callable]:
     return out
 
 
-def _make(orig, kf, name, DT):
+def _make(orig, key_func, name, dtensor_cls):
+    kf, DT = key_func, dtensor_cls  # the closure's short names keep the hot body readable as one screen
     fast, skip_any, scalars = FAST, SKIP_ANY, SCALARS
     tf_enabled, tf_mode_enabled = torch_internals.torch_function_enabled, torch_internals.torch_function_mode_enabled
     run_pg, call_kw, wrap = run_with_partial_grads, fast_call_kw, wrap_entry

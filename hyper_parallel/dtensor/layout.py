@@ -81,7 +81,7 @@ PlacementsLike = Union[Sequence[Any], Layout, PlacementSpec]
 
 
 def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp_semantics=True, strided=None):
-    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp_semantics,
+    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp_semantics=hp_semantics,
                   _strided=strided)
 
 

@@ -273,7 +273,7 @@ def _standalone_mesh(mesh_shape, alias_names, rank_list, explicit_ranks):
         raise ValueError(f"Layout.mesh: rank_list {rank_list} uses rank {max(rank_list)} but the world has only "
                          f"{world} ranks")
     # a Layout is HyperParallel spelling: its mesh follows HyperParallel (uses_hp_semantics)
-    m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names, _hp=True)
+    m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names, _hp_semantics=True)
     _STANDALONE_MESHES[key] = m
     return m
 

@@ -106,7 +106,7 @@ class LayoutMath:
     def __init__(self, mesh_shape: Sequence[int], alias_names: Optional[Sequence[str]] = None,
                  rank_list: Optional[Sequence[int]] = None, *, alias_name: Optional[Sequence[str]] = None,
                  mesh: Any = None, _dim_map: Optional[Sequence[Sequence[int]]] = None,
-                 _partial: Optional[Sequence[Optional[str]]] = None, _hp: Optional[bool] = None,
+                 _partial: Optional[Sequence[Optional[str]]] = None, _hp_semantics: Optional[bool] = None,
                  _strided: Optional[Sequence[int]] = None):
         if alias_name is not None:  # HyperParallel's keyword: Layout(mesh_shape=..., alias_name=...)
             if alias_names is not None:
@@ -144,7 +144,7 @@ class LayoutMath:
         self.strided = tuple(int(f) for f in _strided) if _strided is not None else None
         # a standalone Layout's mesh follows HyperParallel; the semantics are part of the identity
         # so that caches keyed by layouts never hand a PyTorch-semantics mesh's answer to the other
-        hp = _hp if _hp is not None else (True if mesh is None else bool(getattr(mesh, "_hp_flag", False)))
+        hp = _hp_semantics if _hp_semantics is not None else (True if mesh is None else bool(getattr(mesh, "_hp_flag", False)))
         self._key = (shape, names, ranks, self.dim_map, self.partial, self.strided, hp)
         self._hash = hash(self._key)
 
@@ -157,7 +157,7 @@ class LayoutMath:
     def _derive(self: _L, dim_map: Optional[Sequence[Sequence[int]]], partial: Sequence[Optional[str]],
                 strided: Optional[Sequence[int]] = None) -> _L:
         return type(self)(self.mesh_shape, self.alias_names, self.rank_list if self._explicit_ranks else None,
-                          mesh=self._mesh, _dim_map=dim_map, _partial=partial, _hp=self._key[-1], _strided=strided)
+                          mesh=self._mesh, _dim_map=dim_map, _partial=partial, _hp_semantics=self._key[-1], _strided=strided)
 
     def with_aliases(self: _L, aliases: Sequence[Alias]) -> _L:
         """Tensor layout from one alias per tensor dim (``"None"``, a mesh dim name, or a tuple of names)."""
@@ -473,8 +473,8 @@ def _fit_placements(placements: Tuple[Placement, ...], mesh_shape: Sequence[int]
     return placements[:mesh_ndim]
 
 
-def _rebuild_layout_math(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True, strided=None):
-    return LayoutMath(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp,
+def _rebuild_layout_math(mesh_shape, alias_names, rank_list, dim_map, partial, hp_semantics=True, strided=None):
+    return LayoutMath(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp_semantics=hp_semantics,
                       _strided=strided)
 
 

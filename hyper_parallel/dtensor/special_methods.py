@@ -64,8 +64,8 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
     self._local_tensor.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
 
-def _as_list(x):
-    return [x] if isinstance(x, _Tensor) else list(x)
+def _as_list(tensors):
+    return [tensors] if isinstance(tensors, _Tensor) else list(tensors)
 
 
 def _grad_outputs(outputs, grads, what):
@@ -121,8 +121,8 @@ def _retain_grad(self):
 def _register_hook(self, hook):
     mesh, layout, shape = self._mesh, _grad_layout(self._layout), self._gshape
 
-    def local_hook(g):
-        out = hook(DTensor._wrap(g, mesh, layout, shape))
+    def local_hook(grad):
+        out = hook(DTensor._wrap(grad, mesh, layout, shape))
         if out is None:
             return None
         return out._local_tensor if isinstance(out, DTensor) else out
@@ -149,14 +149,14 @@ def _setstate(self, state):
     raise TypeError("DTensor cannot be unpickled")
 
 
-def _compatible_shallow_copy(a, b):
-    if isinstance(a, DTensor) and isinstance(b, DTensor):
+def _compatible_shallow_copy(dst, src):
+    if isinstance(dst, DTensor) and isinstance(src, DTensor):
         # the local tensors decide: a meta local cannot take a CPU local by ``.data =``, so
         # ``module.to_empty(device=...)`` replaces such a parameter (as for plain tensors)
-        return torch._has_compatible_shallow_copy_type(a._local_tensor, b._local_tensor)
-    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        return torch._has_compatible_shallow_copy_type(dst._local_tensor, src._local_tensor)
+    if isinstance(dst, DTensor) or isinstance(src, DTensor):
         return False  # a DTensor and a plain tensor: ``.data =`` would mix the two kinds
-    return torch._has_compatible_shallow_copy_type(a, b)
+    return torch._has_compatible_shallow_copy_type(dst, src)
 
 
 def build_table(dtensor_cls) -> dict:

@@ -51,7 +51,7 @@ def test_hook_arguments_are_checked():
         dtensor.set_dispatcher(3)
     with pytest.raises(ValueError, match="set_mode: mode must be 'eager' or 'compile', got 'jit'"):
         dtensor.set_mode("jit")
-    with pytest.raises(TypeError, match="register_special: fn must be callable, got 'x'"):
+    with pytest.raises(TypeError, match="register_special: handler must be callable, got 'x'"):
         dtensor.register_special(torch.Tensor.add, "x")
     with pytest.raises(ValueError, match=r"provide_dtensor_names: \['nope'\] are not HyperParallel"):
         _hp_compat.provide_dtensor_names(nope=1)

@@ -36,17 +36,15 @@ MIRRORED_SIGNATURES = {   # (file, function, parameter): the signature it mirror
     ("dispatch/rules/random_ops.py", "_geometric", "p"): "Tensor.geometric_(p) (called with torch's keywords)",
     ("dispatch/rules/nn_ops.py", "_normalize", "p"): "torch.nn.functional.normalize(input, p, dim, eps, out)",
     ("dispatch/rules/registered_sharding.py", "register_sharding", "op"): "torch's experimental register_sharding(op)",
+    ("auto/dry_run.py", "dry_run", "lr"): "torch.optim's lr keyword (dry_run(..., lr=) builds the optimizer)",
+    ("auto/dry_run.py", "measure_step", "lr"): "torch.optim's lr keyword",
     ("checkpoint/staging.py", "_offload_tensor", "x"): "torch's _ReplicationStager._offload_tensor(self, x, memo, ...)",
     ("dtensor/placement_types.py", "__init__", "sf"): "torch's _StridedShard(dim, split_factor=, sf=)",
     ("dtensor/layout_hp_methods.py", "set_partial_by_dev_axis", "op"): "HyperParallel's Layout.set_partial_by_dev_axis(axis, op)",
 }
 
-# TODO(integrator): remove ``auto/`` once its parameters are renamed (suggested names: the names
-# branch report); the files other helpers were editing (compat/, swap.py, dispatch/shard_module.py,
-# dispatch/strict_hp.py, dispatch/dispatcher.py, fsdp/hsdp.py, pipelining/hp_runtime.py and dtensor/api.py,
-# device_mesh.py, dtensor.py, special_methods.py, layout_math.py, fast_path.py) are measured and still
-# hold about 30 short names, within the limit; rename them too.
-PENDING = ("auto/",)
+# Directories not yet measured (none: every package is).
+PENDING: tuple = ()
 
 
 def _short(name: str) -> bool:

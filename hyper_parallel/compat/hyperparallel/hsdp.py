@@ -152,5 +152,5 @@ def hsdp(module, shard_size=-1, threshold=64, optimizer_level="level1", enable_g
     return module
 
 
-def _is_dtensor(p) -> bool:
-    return isinstance(p, DTensor)
+def _is_dtensor(value) -> bool:
+    return isinstance(value, DTensor)

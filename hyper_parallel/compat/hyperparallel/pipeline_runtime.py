@@ -139,5 +139,5 @@ def exec_order(sched):
     return out
 
 
-def is_dtensor(x):
-    return isinstance(x, DTensor)
+def is_dtensor(value):
+    return isinstance(value, DTensor)

@@ -85,16 +85,16 @@ def _normalize_io(value, what: str):
                     "positional argument / output) or a dict keyed by argument name")
 
 
-def _redistribute(x, spec, mesh, what):
-    if spec is None or not isinstance(x, DTensor):
-        return x
-    return x.redistribute(mesh, _to_layout(spec, mesh, x.ndim, what))
+def _redistribute(value, spec, mesh, what):
+    if spec is None or not isinstance(value, DTensor):
+        return value
+    return value.redistribute(mesh, _to_layout(spec, mesh, value.ndim, what))
 
 
 # ----------------------------------------------------------------------------- hooks
-def _arg_names(fn) -> List[str]:
+def _arg_names(func) -> List[str]:
     try:
-        return [p.name for p in inspect.signature(fn).parameters.values()
+        return [p.name for p in inspect.signature(func).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return []
@@ -226,20 +226,20 @@ def _local_hook(module, args, out):
     return _to_local(out)
 
 
-def _shard_callable(fn: Callable, mesh, sharding_plan: ShardingPlan, io: Dict[Any, Any]):
-    extra = [key for (prefix, _), (_, key) in io.items() if prefix]
+def _shard_callable(func: Callable, mesh, sharding_plan: ShardingPlan, io_plans: Dict[Any, Any]):
+    extra = [key for (prefix, _), (_, key) in io_plans.items() if prefix]
     if sharding_plan.plan or sharding_plan.return_local_tensor or extra:
         raise ValueError("shard_module: a plain function has no parameters or submodules; only "
                          f"input_plan['input'] and output_plan['output'] apply (got {extra or 'plan entries'})")
-    ins = io.get(("", "input"), (None, None))[0]
-    outs = io.get(("", "output"), (None, None))[0]
-    names = _arg_names(fn)
+    ins = io_plans.get(("", "input"), (None, None))[0]
+    outs = io_plans.get(("", "output"), (None, None))[0]
+    names = _arg_names(func)
 
-    @functools.wraps(fn)
+    @functools.wraps(func)
     def wrapper(*args, **kwargs):
         if ins is not None:
             args, kwargs = _apply_inputs(ins, names, args, kwargs, mesh, "input_plan['input']")
-        out = fn(*args, **kwargs)
+        out = func(*args, **kwargs)
         return _apply_outputs(outs, out, mesh, "output_plan['output']") if outs is not None else out
     return wrapper
 

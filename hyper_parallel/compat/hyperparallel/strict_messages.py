@@ -37,8 +37,8 @@ def _norm(dim, ndim):
     return dim + ndim if isinstance(dim, int) and dim < 0 else dim
 
 
-def _lay(d):
-    return d._layout
+def _lay(dtensor):
+    return dtensor._layout
 
 
 def _sharded(entry):
@@ -97,12 +97,12 @@ def _softmax(name, dts, args, kwargs):
                         f"(strategy is {strategy}). This operation requires the reduction axis to be un-sharded.")
 
 
-def _normalized_dim(name, dims, tm):
+def _normalized_dim(name, dims, tensor_map):
     # CumsumDistributedOp / LayerNormDistributedOp
     for d in dims:
-        if tm[d] != -1:
+        if tensor_map[d] != -1:
             return ValueError, (f"Operation {name}: Cannot perform sharding on normalized dimension {d}, "
-                                f"but found sharding assignment: {tm[d]}")
+                                f"but found sharding assignment: {tensor_map[d]}")
     return None
 
 

@@ -104,7 +104,7 @@ def _placeholder(torch_path: str):
         msg += f". {HINTS[torch_path]}"
 
     class _Meta(type):
-        def __call__(cls, *a, **k):
+        def __call__(cls, *args, **kwargs):
             raise UnsupportedError(msg)
 
         def __getattr__(cls, attr):
@@ -195,8 +195,8 @@ def _dotted(node) -> Optional[str]:
     return None
 
 
-def _call(fn: str, *args) -> ast.expr:
-    return ast.Call(func=ast.Attribute(value=ast.Name(id=_HELPER, ctx=ast.Load()), attr=fn, ctx=ast.Load()),
+def _call(helper_name: str, *args) -> ast.expr:
+    return ast.Call(func=ast.Attribute(value=ast.Name(id=_HELPER, ctx=ast.Load()), attr=helper_name, ctx=ast.Load()),
                     args=[ast.Constant(a) for a in args], keywords=[])
 
 

@@ -11,28 +11,28 @@ from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.layout import Layout
 
 
-def _check_dtensor(x, what):
-    if not isinstance(x, DTensor):
-        raise TypeError(f"TensorRedistribution.{what}: input_x must be a DTensor, got {type(x).__name__}")
+def _check_dtensor(input_x, what):
+    if not isinstance(input_x, DTensor):
+        raise TypeError(f"TensorRedistribution.{what}: input_x must be a DTensor, got {type(input_x).__name__}")
 
 
-def _tensor_layout(x: DTensor, to_layout, what: str) -> Layout:
-    """``to_layout`` as a layout of ``x``'s rank (a ``layout(Shard(0))`` placement spec is completed)."""
+def _tensor_layout(input_x: DTensor, to_layout, what: str) -> Layout:
+    """``to_layout`` as a layout of ``input_x``'s rank (a ``layout(Shard(0))`` placement spec is completed)."""
     if hasattr(to_layout, "to_layout") and not isinstance(to_layout, Layout):  # a PlacementSpec
-        to_layout = to_layout.to_layout(x.ndim)
+        to_layout = to_layout.to_layout(input_x.ndim)
     if not isinstance(to_layout, Layout):
         raise TypeError(f"TensorRedistribution.{what}: to_layout must be a Layout, got {type(to_layout).__name__}")
     if to_layout.dim_map is None:
         raise ValueError(f"TensorRedistribution.{what}: to_layout {to_layout!r} describes a device matrix only; "
                          "call it with the tensor's aliases first, e.g. layout('dp', 'None')")
-    if len(to_layout.dim_map) != x.ndim:
+    if len(to_layout.dim_map) != input_x.ndim:
         raise ValueError(f"TensorRedistribution.{what}: to_layout describes {len(to_layout.dim_map)} tensor dims "
-                         f"but the DTensor has {x.ndim} (shape {tuple(x.shape)})")
+                         f"but the DTensor has {input_x.ndim} (shape {tuple(input_x.shape)})")
     return to_layout
 
 
-def _same_devices(x: DTensor, layout: Layout) -> bool:
-    mesh = x.device_mesh
+def _same_devices(input_x: DTensor, layout: Layout) -> bool:
+    mesh = input_x.device_mesh
     return tuple(layout.mesh_shape) == tuple(mesh.mesh_shape) and list(layout.rank_list) == list(mesh.rank_list)
 
 

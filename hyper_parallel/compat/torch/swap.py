@@ -312,9 +312,11 @@ def install(packages: Iterable[str], *, swap_mesh: bool = False, strict: bool = 
 
 
 def uninstall() -> None:
+    """Stop swapping; the run is over, so its record of placeholder names (``unsupported_names``) is cleared."""
     if _STATE["finder"] is not None:
         sys.meta_path.remove(_STATE["finder"])
     _STATE.update(scope=(), finder=None)
+    _STATE["unsupported"].clear()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

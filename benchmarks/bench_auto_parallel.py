@@ -319,7 +319,7 @@ def bench_paper(with_plan=False):
     """Published training runs: the predicted TFLOP/s per GPU of the published layout (FLOPs counted the
     paper's way) against the published figure, and the per-rank memory (fits 80 GB?)."""
     import paper_runs as pr
-    from hyper_parallel.auto import evaluate_plan, plan
+    from hyper_parallel.auto import Cluster, evaluate_plan, plan
     rows, plan_rows = [], []
     for name, make, cluster, kw, flops, pub, acs in _paper_layouts():
         model = make()
@@ -356,10 +356,29 @@ def bench_paper(with_plan=False):
             plan_rows.append((name, best[0].summary(), f"{best[0].step_time.total:.2f}", f"{t.total:.2f}",
                               "yes" if best[0].step_time.total <= t.total * (1 + 1e-9) else "NO", f"{best[0].mfu:.1%}",
                               f"{mx:.1%}", f"{took:.1f}"))
+    sweep = []  # Megatron-LM Table 2: PTD-P against ZeRO-3 on the same models as the GPUs grow
+    for P, heads, h, layers, pp, n, batch, ptd, zero in pr.MEGATRON_TABLE2:
+        model, cluster = pr.gpt(h, heads, layers), Cluster.preset("a100", n)
+        flops = pr.megatron_flops(batch, 2048, layers, h)
+        common = dict(global_batch=batch, seq_len=2048, activation_checkpointing="full", param_dtype=torch.bfloat16,
+                      reduce_dtype=torch.float32)
+        dp = n // (8 * pp)
+        for scheme, kw, pub in (("PTD-P", dict(degrees=dict(dp=dp, tp=8, pp=pp), pp_schedule="interleaved1f1b",
+                                                microbatches=batch // dp), ptd),
+                                ("ZeRO-3 (fsdp)", dict(degrees=dict(fsdp=n)), zero)):
+            if pub is None:
+                continue
+            p = evaluate_plan(model, cluster, **kw, **common)
+            pred = flops / p.step_time.total / n / 1e12
+            sweep.append((f"Megatron {P:g}B", n, scheme, p.summary(), pub, f"{pred:.0f}", f"{pred / pub:.2f}",
+                          f"{p.memory.total / 2**30:.1f}", "yes" if p.fits else "NO"))
     print("\n## published runs: predicted vs published TFLOP/s per GPU (paper's FLOP count), memory per rank\n")
     print(table(["run", "GPUs", "layout (as evaluated)", "AC", "published", "predicted", "ratio", "within 15%",
                  "GiB/rank", "fits 80 GiB", "lightest AC that fits here: GiB", "compute s", "comm s", "bubble s",
                  "MFU (model)", "eval s"], rows))
+    print("\n## Megatron-LM Table 2: PTD-P vs ZeRO-3 as the GPUs grow (TFLOP/s per GPU, the paper's count)\n")
+    print(table(["model", "GPUs", "scheme", "layout (as evaluated)", "published", "predicted", "ratio", "GiB/rank",
+                 "fits 80 GiB"], sweep))
     if with_plan:
         print("\n## the planner on the same models and clusters: top plan vs the published layout\n")
         print(table(["run", "top plan", "pred. step s", "published layout s", "top <= published", "top MFU",

@@ -89,6 +89,14 @@ MEGATRON_TABLE1 = [
     (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
+# Table 2 (the same paper): PTD-P (TP 8 x PP 12 / 35, interleaved, microbatch 1) against ZeRO-3 without model
+# parallelism (here: fsdp over every GPU), full recompute. params (B), heads, hidden, layers, PP, GPUs, batch,
+# TFLOP/s per GPU of PTD-P, of ZeRO-3 (None: that row has another batch)
+MEGATRON_TABLE2 = [
+    (174.6, 96, 12288, 96, 12, 384, 1536, 153, 144), (174.6, 96, 12288, 96, 12, 768, 1536, 149, 88),
+    (174.6, 96, 12288, 96, 12, 1536, 1536, 141, 44), (529.6, 128, 20480, 105, 35, 560, 2240, 171, None),
+    (529.6, 128, 20480, 105, 35, 1120, 2240, 167, 98), (529.6, 128, 20480, 105, 35, 2240, 2240, 159, 48),
+]
 # GPUs, TP, CP, PP, DP, seq, TFLOP/s per GPU
 LLAMA3_TABLE4 = [(8192, 8, 1, 16, 64, 8192, 430), (16384, 8, 1, 16, 128, 8192, 400),
                  (16384, 8, 16, 16, 8, 131072, 380)]

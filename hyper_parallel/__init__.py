@@ -29,8 +29,8 @@ from hyper_parallel.dispatch.modes import (implicit_replication, allow_replicate
 # importing the core (``import hyper_parallel.dtensor``) does not load FSDP, pipelining, MoE, CP or the
 # planner. ``hp.fully_shard`` and ``from hyper_parallel import fully_shard`` work as before.
 _LAZY = {
-    "ShardingPlan": "hyper_parallel.dispatch.sharding_plan",
-    "shard_module": "hyper_parallel.dispatch.shard_module",
+    "ShardingPlan": "hyper_parallel.compat.hyperparallel.sharding_plan",
+    "shard_module": "hyper_parallel.compat.hyperparallel.shard_module",
     **{name: "hyper_parallel.tensor_parallel" for name in (
         "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "NoParallel",
         "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
@@ -38,7 +38,7 @@ _LAZY = {
     **{name: "hyper_parallel.fsdp" for name in (
         "data_parallel", "replicate", "fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
         "CPUOffloadPolicy")},
-    "hsdp": "hyper_parallel.fsdp.hsdp",
+    "hsdp": "hyper_parallel.compat.hyperparallel.hsdp",
 }
 # subpackages reachable as attributes without an explicit import (``hp.core.dtensor``, HyperParallel's paths)
 _LAZY_MODULES = ("core", "auto", "checkpoint", "compile", "context_parallel", "debug", "fsdp", "moe",
@@ -66,12 +66,16 @@ def _compose():
 
     ``torch.testing``'s DTensor comparison rule (``dtensor/patch_testing.py``) learns our class, and
     ``async_save``'s stager learns to copy it (``checkpoint/staging.py``). Both are patches of torch
-    globals, listed with their reasons in docs/design.md ("Patches of torch").
+    globals, listed with their reasons in docs/design.md ("Patches of torch"). HyperParallel's semantics
+    (``compat/hyperparallel/semantics.py``) are handed to the core here, its one registration point
+    (``dtensor/mesh_semantics.py``): meshes made by HyperParallel's entry points follow them.
     """
     from hyper_parallel.dtensor import patch_testing
     from hyper_parallel.checkpoint import staging
+    from hyper_parallel.compat.hyperparallel import semantics as hp_semantics
     patch_testing.register_dtensor_class(DTensor)
     staging.install()
+    hp_semantics.register()
 
 
 _compose()

@@ -1,8 +1,10 @@
 """``torch.distributed.tensor.device_mesh`` (and ``torch.distributed.device_mesh``), spelled for hyper_parallel.
 
-Mirrors PyTorch's module (see :mod:`hyper_parallel.placement_types`); the mesh
-lives in :mod:`hyper_parallel.dtensor.device_mesh`.
+A facade with no logic: this path is :mod:`hyper_parallel.compat.torch.device_mesh` (``sys.modules`` alias), where the code lives with
+the rest of PyTorch's spelling (``hyper_parallel/compat/torch/``).
 """
-from hyper_parallel.dtensor.device_mesh import DeviceMesh, init_device_mesh_torch as init_device_mesh
+import sys
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+import hyper_parallel.compat.torch.device_mesh as _home
+
+sys.modules[__name__] = _home

@@ -1,20 +1,10 @@
 """``torch.distributed.tensor.experimental``, spelled for hyper_parallel.
 
-Mirrors PyTorch's module (see :mod:`hyper_parallel.placement_types`) for what
-hyper_parallel has: ``local_map``, ``implicit_replication`` and ``register_sharding``
-(PyTorch's decorator, on the :class:`hyper_parallel.DistributedOp` registry), and
-``context_parallel`` with ``context_parallel_unshard`` and ``set_rotate_method`` beside it (torch keeps
-those two in ``torch.distributed.tensor.experimental._attention``; ``hyper_parallel.experimental._attention``
-is the same module path here). Context parallelism: ``docs/context_parallel.md``.
+A facade with no logic: this path is :mod:`hyper_parallel.compat.torch.experimental` (``sys.modules`` alias), where the code lives with
+the rest of PyTorch's spelling (``hyper_parallel/compat/torch/``).
 """
-from hyper_parallel.dispatch import local_map
-from hyper_parallel.dispatch.modes import implicit_replication
-from hyper_parallel.dispatch.rules.registered_sharding import register_sharding
-from hyper_parallel.context_parallel import torch_api as _attention
-from hyper_parallel.context_parallel.torch_api import context_parallel, context_parallel_unshard, set_rotate_method
+import sys
 
-import sys as _sys
-_sys.modules.setdefault(__name__ + "._attention", _attention)  # torch's private path of the last two
+import hyper_parallel.compat.torch.experimental as _home
 
-__all__ = ["context_parallel", "context_parallel_unshard", "implicit_replication", "local_map", "register_sharding",
-           "set_rotate_method"]
+sys.modules[__name__] = _home

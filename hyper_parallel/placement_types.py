@@ -1,10 +1,10 @@
 """``torch.distributed.tensor.placement_types``, spelled for hyper_parallel.
 
-One of the modules that mirror PyTorch's layout, so that swapping the
-``torch.distributed.tensor`` prefix for ``hyper_parallel`` works; the
-placements live in :mod:`hyper_parallel.dtensor.placement_types`.
+A facade with no logic: this path is :mod:`hyper_parallel.compat.torch.placement_types` (``sys.modules`` alias), where the code lives with
+the rest of PyTorch's spelling (``hyper_parallel/compat/torch/``).
 """
-from hyper_parallel.dtensor.placement_types import (Partial, Placement, Replicate, Shard, _Partial,  # noqa: F401
-                                                    _StridedShard, _StridedShardOffsetMode, _is_shard_like)
+import sys
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial"]
+import hyper_parallel.compat.torch.placement_types as _home
+
+sys.modules[__name__] = _home

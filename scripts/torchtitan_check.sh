@@ -163,14 +163,17 @@ for row in $ROWS; do
     CMP_ROWS="$CMP_ROWS ${row}_w ${row}_t ${row}_h"
 done
 # Fault tolerance (issue 40 item 5): torchtitan's own --fault_tolerance.enable (its torchft experiment,
-# FaultTolerantTrainer), 2 replica groups of FSDP2 x 2 ranks, a torchft lighthouse on 127.0.0.1. Per stack:
-# both groups start; group 1 dies after step FT_DIE (every rank exits 1); it is restarted at once and heals
-# from group 0 (torchft's live checkpoint transfer) while group 0 keeps training; FT_STEPS steps, FT_SLEEP s
-# pacing per step. Losses per group and life: scripts/torchtitan/ft_report.py.
-FT_STEPS="${FT_STEPS:-16}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1.5}"
+# FaultTolerantTrainer), 2 replica groups of FSDP2 x 2 ranks, a torchft lighthouse on 127.0.0.1 and a free port.
+# Per stack: group 0, group 1 and a spare for group 1 start together (the spare waits after its imports);
+# every rank of group 1 SIGKILLs itself inside the backward of step FT_DIE; the spare is then let in, joins
+# the quorum and heals from group 0 (torchft's live state transfer) while group 0 goes on; FT_STEPS steps,
+# FT_SLEEP s pacing per step. The fixes to torchtitan's trainer (both stacks): scripts/torchtitan/titan_ft.py.
+# Losses, commits, state digests and heal time per group and life: scripts/torchtitan/ft_report.py.
+FT_STEPS="${FT_STEPS:-12}"; FT_DIE="${FT_DIE:-4}"; FT_SLEEP="${FT_SLEEP:-1}"
 ft_group() {  # stack group life [extra run_titan args]
     local stack=$1 g=$2 life=$3; shift 3
-    ( cd "$OUT" && exec timeout "${ROW_TIMEOUT:-900}" "$PY" -m torch.distributed.run --nproc_per_node 2 \
+    ( cd "$OUT" && export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" &&   # this checkout's hyper_parallel
+      exec timeout "${ROW_TIMEOUT:-900}" "$PY" -m torch.distributed.run --nproc_per_node 2 \
         --master_port "$(free_port)" "$ROOT/scripts/torchtitan/run_titan.py" --stack "$stack" \
         --record "$OUT/$stack-ft-g$g-$life.json" --step-sleep "$FT_SLEEP" "$@" -- \
         --module titan_configs --config llama3_debugmodel_sdpa_noac_ft --hf_assets_path "$OUT/assets/tokenizer" \
@@ -182,21 +185,32 @@ ft_group() {  # stack group life [extra run_titan args]
         >"$OUT/$stack-ft-g$g-$life.log" 2>&1
 }
 if [[ " $ROWS " == *" ft "* ]]; then
-    echo "row ft (2 groups x 2 ranks): group 1 dies after step $FT_DIE and is restarted"
-    for stack in torch hp; do
+    echo "row ft (2 groups x 2 ranks): group 1 SIGKILLed in the backward of step $FT_DIE, a spare takes its place"
+    for stack in ${FT_STACKS:-torch hp}; do
         port=$(free_port)
-        "$VENV/bin/torchft_lighthouse" --bind "127.0.0.1:$port" --min_replicas 1 --join_timeout_ms 2000 \
-            >"$OUT/$stack-ft-lighthouse.log" 2>&1 &
+        # min_replicas 1: the survivor trains on alone; torchtitan has no guard against a restarted group forming
+        # a quorum of its own (split brain), so the spare is let in only while group 0 runs, and the 10 s join
+        # timeout keeps the quorum open for group 0. The wheel's console script runs under $PY (a copied
+        # venv's scripts keep their old interpreter path).
+        "$PY" "$VENV/bin/torchft_lighthouse" --bind "127.0.0.1:$port" --min_replicas 1 --join_timeout_ms 10000 \
+            --heartbeat_timeout_ms 5000 --quorum_tick_ms 100 >"$OUT/$stack-ft-lighthouse.log" 2>&1 &
         lh=$!
         export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port"
-        rm -rf "$OUT/$stack"-ft-g*.json "$OUT/dump-$stack-ft-g"*
-        ft_group "$stack" 0 1 & g0=$!
-        ft_group "$stack" 1 1 --die-at-step "$FT_DIE"; echo "  $stack group 1 life 1: rc $?"
-        ft_group "$stack" 1 2; echo "  $stack group 1 life 2: rc $?"
+        start="$OUT/$stack-ft-start.go" gate="$OUT/$stack-ft-spare.go"
+        rm -rf "$OUT/$stack"-ft-g*.json* "$OUT/dump-$stack-ft-g"* "$start"* "$gate"*
+        # both groups past their imports before either starts (else the first one forms a quorum of its own)
+        ft_group "$stack" 0 1 --start-gate "$start" & g0=$!
+        ft_group "$stack" 1 1 --start-gate "$start" --die-at-step "$FT_DIE" & g1=$!
+        ft_group "$stack" 1 2 --start-gate "$gate" & spare=$!
+        for _ in $(seq 1800); do [ "$(ls "$start".ready.* 2>/dev/null | wc -l)" -ge 4 ] && break; sleep 0.5; done
+        touch "$start"
+        wait $g1; echo "  $stack group 1 life 1: rc $? (killed in step $FT_DIE)"
+        touch "$gate"
+        wait $spare; echo "  $stack group 1 life 2 (the spare): rc $?"
         wait $g0; echo "  $stack group 0: rc $?"
         kill "$lh" 2>/dev/null; wait "$lh" 2>/dev/null
         unset TORCHFT_LIGHTHOUSE
     done
-    "$PY" scripts/torchtitan/ft_report.py "$OUT"
+    "$PY" scripts/torchtitan/ft_report.py "$OUT" ${FT_STACKS:-torch hp}
 fi
 "$PY" scripts/torchtitan/compare.py ${INIT:+--init "$INIT"} "$OUT" $CMP_ROWS

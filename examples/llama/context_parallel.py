@@ -139,7 +139,7 @@ def compile_blocks_cp(model, backend="inductor", whole=True):
     """``--compile`` with ``--cp``: ``torch.compile`` each whole transformer block (``fullgraph=True``,
     ``dynamic=False``, no graph breaks), its context-parallel attention included: while compiling, the
     intercepted ``F.scaled_dot_product_attention`` becomes one opaque op (``hyper_parallel_cp::sdpa``,
-    ``hyper_parallel/context_parallel/opaque.py``), so dynamo never traces the mesh
+    ``hyper_parallel/context_parallel/sdpa_interception.py``), so dynamo never traces the mesh
     planning or the ring's point-to-point sends. (Under compile the ``attention_mask(...)`` context is
     not supported; ``is_causal`` is.)
 

@@ -61,7 +61,7 @@ def main(argv=None):
         raise SystemExit("--global-batch and --seq-len are needed for this --config")
     over = {} if a.device_memory is None else {"device_memory": a.device_memory}
     cluster = Cluster.preset(a.preset, a.world, a.devices_per_node, **over)
-    dt = lambda s: getattr(torch, s) if s else None
+    dt = lambda name: getattr(torch, name) if name else None
     t0 = time.perf_counter()
     try:
         plans = plan(model, cluster, global_batch=gb, seq_len=sl, param_dtype=dt(a.param_dtype),

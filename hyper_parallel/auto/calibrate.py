@@ -48,13 +48,14 @@ def group_sizes(world: int, cap: int = 8):
     return sorted(out)
 
 
-def wire_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Bytes one rank puts on the wire for a ``kind`` collective of a full buffer of ``nbytes`` over ``n``."""
+def wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
+    """Bytes one rank puts on the wire for a ``kind`` collective of a full buffer of ``nbytes`` over
+    ``group_size`` ranks."""
     if kind == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
+        return 2 * (group_size - 1) / group_size * nbytes
     if kind == "p2p":
         return nbytes
-    return (n - 1) / n * nbytes
+    return (group_size - 1) / group_size * nbytes
 
 
 def fit_call(points):
@@ -73,22 +74,22 @@ class _Timer:
         self.group, self.repeats, self.sync = group, repeats, sync
         self.n = dist.get_world_size(group)
 
-    def _block(self, fn, iters, until_all=False):
+    def _block(self, func, iters, until_all=False):
         if self.n > 1:
             dist.barrier(group=self.group)
         t0 = time.perf_counter()
         for _ in range(iters):
-            fn()
+            func()
         self.sync()
         if until_all and self.n > 1:  # until every rank is done: the shared cores' throughput, as a step sees it
             dist.barrier(group=self.group)
         return (time.perf_counter() - t0) / iters
 
-    def __call__(self, fn, iters=1):
+    def __call__(self, func, iters=1):
         """Median seconds per call (collectives: waiting for peers is part of their cost)."""
-        fn()
+        func()
         self.sync()
-        return statistics.median(self._block(fn, iters) for _ in range(self.repeats))
+        return statistics.median(self._block(func, iters) for _ in range(self.repeats))
 
     def interleaved(self, fns, iters=1):
         """Median seconds per call of each of ``fns``, timed in rounds over all of them (a load spike on
@@ -102,11 +103,11 @@ class _Timer:
                 t.append(self._block(fn, iters))
         return [statistics.median(t) for t in ts]
 
-    def pair(self, fa, fb, iters=1):
-        """(min seconds per call of ``fa``, of ``fb``), timed in alternating blocks: host work, where other
-        jobs on the machine only add time and a slow drift must hit both alike."""
+    def pair(self, first_func, second_func, iters=1):
+        """(min seconds per call of ``first_func``, of ``second_func``), timed in alternating blocks: host work,
+        where other jobs on the machine only add time and a slow drift must hit both alike."""
         t0 = time.perf_counter()
-        fa(), fb()
+        first_func(), second_func()
         self.sync()
         # blocks of at least MIN_BLOCK seconds, so that the closing barrier's latency is small beside them
         iters = max(iters, math.ceil(MIN_BLOCK / max((time.perf_counter() - t0) / 2, 1e-6)))
@@ -116,8 +117,8 @@ class _Timer:
             iters = int(v.item())
         ta, tb = [], []
         for _ in range(self.repeats):
-            ta.append(self._block(fa, iters, until_all=True))
-            tb.append(self._block(fb, iters, until_all=True))
+            ta.append(self._block(first_func, iters, until_all=True))
+            tb.append(self._block(second_func, iters, until_all=True))
         return min(ta), min(tb)
 
 

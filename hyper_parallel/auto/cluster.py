@@ -164,22 +164,22 @@ class Cluster:
             return self.comm[kind][0]
         return self.latency
 
-    def collective_time(self, kind: str, nbytes: float, n: int, intra: bool) -> float:
-        """Seconds for one collective of ``kind`` over ``n`` ranks; ``nbytes`` is the full (unsharded) buffer
-        (all_gather: the output, reduce_scatter: the input, all_reduce: the tensor, all_to_all: this
+    def collective_time(self, kind: str, nbytes: float, group_size: int, intra: bool) -> float:
+        """Seconds for one collective of ``kind`` over ``group_size`` (n) ranks; ``nbytes`` is the full (unsharded)
+        buffer (all_gather: the output, reduce_scatter: the input, all_reduce: the tensor, all_to_all: this
         rank's send buffer, p2p: the message). Ring algorithms: (n-1)/n of the buffer per rank
         (all_reduce twice), in n-1 steps (2(n-1))."""
-        if n <= 1 or nbytes <= 0:
+        if group_size <= 1 or nbytes <= 0:
             return 0.0
-        fit = self.comm_by_size.get((kind, n))
+        fit = self.comm_by_size.get((kind, group_size))
         if fit is not None:  # measured at this group size: seconds per call + wire bytes / bandwidth
-            return fit[0] + wire_bytes(kind, nbytes, n) / fit[1]
+            return fit[0] + wire_bytes(kind, nbytes, group_size) / fit[1]
         bw, lat = self.bandwidth(intra, kind), self.lat(kind)
         if kind == "all_reduce":
-            return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+            return 2 * (group_size - 1) * lat + 2 * (group_size - 1) / group_size * nbytes / bw
         if kind == "p2p":
             return lat + nbytes / bw
-        return (n - 1) * lat + (n - 1) / n * nbytes / bw
+        return (group_size - 1) * lat + (group_size - 1) / group_size * nbytes / bw
 
     # ------------------------------------------------------------------ calibration
     def measure(self, mesh_or_group=None, *, sizes=(2**12, 2**20), matmul_n=None, repeats=7) -> "Cluster":

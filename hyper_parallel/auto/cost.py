@@ -7,6 +7,11 @@ On a calibrated CPU world (``Cluster.measure()`` found host costs) the step also
 work, counted from the trace (:class:`HostCounts`): aten ops, ops dispatched on DTensors, AdamW's
 per-parameter steps, ``fully_shard`` units, and each collective's measured per-call time at its group size.
 """
+# Names: a parameter holding one parallel dimension's degree (ranks in one group of it) is ``<dim>_size``
+# (``tp_size``, ``pp_size``, ...; torch's ``mesh["tp"].size()``, torchtitan's ``parallel_dims.tp``); the whole
+# layout is ``degrees`` ({dim: size}); ``summary`` is the ModelSummary, ``candidate`` the Candidate. Inside
+# ``evaluate`` the locals keep the equations' short names (``tp``, ``pp``, ``m`` microbatches, ``v`` stages per
+# rank; docs/auto_parallel.md "Cost model").
 from __future__ import annotations
 
 import collections
@@ -93,8 +98,8 @@ class HostCounts:
 def host_counts(info: ModelInfo, trace: Trace) -> HostCounts:
     mods, roles = trace.modules, info.module_roles
     nb = len(info.block_names)
-    inside = lambda f, b: f == b or f.startswith(b + ".")
-    block_of = lambda f: next((i for i, b in enumerate(info.block_names) if inside(f, b)), None)
+    inside = lambda module, block: module == block or module.startswith(block + ".")
+    block_of = lambda module: next((i for i, b in enumerate(info.block_names) if inside(module, b)), None)
     dt_tp, dt_norm = [0] * nb, [0] * nb
     top = dict(dt_tp=0, dt_norm=0, p_tp=0, p_norm=0, p_all=0)
     for f, t in mods.items():
@@ -118,7 +123,7 @@ def host_counts(info: ModelInfo, trace: Trace) -> HostCounts:
             p_all[p.block] += 1
             if kind:
                 (p_tp if kind == "p_tp" else p_norm)[p.block] += 1
-    moe = lambda m: any(inside(m, k) for k in info.moe_modules)
+    moe = lambda module: any(inside(module, k) for k in info.moe_modules)
     sites = [sum(1 for m in info.attention_modules + [x for x in info.mlp_modules if not moe(x)] if inside(m, b))
              for b in info.block_names]
     return HostCounts(dt_tp, dt_norm, p_tp, p_norm, p_all, sites, top["dt_tp"], top["dt_norm"], top["p_tp"],
@@ -159,7 +164,7 @@ def summarize(info: ModelInfo, trace: Trace, model) -> ModelSummary:
         ew_in.append(e_in / b)
         ew_out.append(e_out / b)
         blk_ops.append(sum(t.ops for f, t in mods.items() if f == name or f.startswith(name + ".")))
-    in_blocks = lambda f: any(f == n or f.startswith(n + ".") for n in info.block_names)
+    in_blocks = lambda module: any(module == n or module.startswith(n + ".") for n in info.block_names)
     emb = {k for k, v in info.module_roles.items() if v == "embedding"}
     first = sum(t.saved_bytes for f, t in mods.items() if f in emb) / b
     last = sum(t.saved_bytes for f, t in mods.items() if not in_blocks(f) and f not in emb) / b
@@ -207,9 +212,10 @@ class Candidate:
 
 
 @functools.lru_cache(maxsize=4096)
-def _spans(pp, dp, fsdp, cp, tp):
+def _spans(pp_size, dp_size, fsdp_size, cp_size, tp_size):
     """{dim: contiguous ranks one group of dim spans} for the mesh order (pp, dp, fsdp, cp, tp)."""
-    order, sizes = ["pp", "dp", "fsdp", "cp", "tp"], {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+    order, sizes = (["pp", "dp", "fsdp", "cp", "tp"],
+                    {"pp": pp_size, "dp": dp_size, "fsdp": fsdp_size, "cp": cp_size, "tp": tp_size})
     return {k: _span(order, sizes, k) for k in order}
 
 
@@ -222,24 +228,24 @@ def _span(order, sizes, dim):
     return span
 
 
-def stage_layers(ms: ModelSummary, n_stage_modules: int) -> List[int]:
+def stage_layers(summary: ModelSummary, n_stage_modules: int) -> List[int]:
     """Blocks per stage module: the split that balances FLOPs and bytes (``pipelining.balanced_stage_layers``)."""
     from hyper_parallel.pipelining.split import balanced_stage_layers
-    w, first, last = ms.weights
+    w, first, last = summary.weights
     return balanced_stage_layers(w, n_stage_modules, first_weight=first, last_weight=last,
-                                 allow_empty=ms.n_layers < n_stage_modules)
+                                 allow_empty=summary.n_layers < n_stage_modules)
 
 
-def _stages(ms: ModelSummary, n_stage_modules: int, counts=None):
+def _stages(summary: ModelSummary, n_stage_modules: int, counts=None):
     """Per stage module: aggregates of its blocks (cached per split)."""
-    cache = ms.__dict__.setdefault("_stage_cache", {})
+    cache = summary.__dict__.setdefault("_stage_cache", {})
     key = (n_stage_modules, tuple(counts) if counts else None)
     if key in cache:
         return cache[key]
-    g = ms.groups
-    counts = list(counts) if counts else stage_layers(ms, n_stage_modules)
-    if len(counts) != n_stage_modules or sum(counts) != ms.n_layers:
-        raise ValueError(f"stage_layers={counts} must give {n_stage_modules} stages {ms.n_layers} blocks in all")
+    g = summary.groups
+    counts = list(counts) if counts else stage_layers(summary, n_stage_modules)
+    if len(counts) != n_stage_modules or sum(counts) != summary.n_layers:
+        raise ValueError(f"stage_layers={counts} must give {n_stage_modules} stages {summary.n_layers} blocks in all")
     split, pos = [], 0
     for k in counts:
         split.append(list(range(pos, pos + k)))
@@ -250,74 +256,76 @@ def _stages(ms: ModelSummary, n_stage_modules: int, counts=None):
         rep = {k: next(i for i in idx if g.block_kind[i] == k) for k in kinds}
         out.append(dict(
             blocks=idx, n=len(idx),
-            fwd=sum(ms.blk_fwd[i] for i in idx), exp=sum(ms.blk_expert_fwd[i] for i in idx),
-            attn=sum(ms.blk_attn_fwd[i] for i in idx), inner=sum(ms.blk_inner[i] for i in idx),
-            outer=sum(ms.blk_outer[i] for i in idx), gathered=sum(ms.blk_gathered[i] for i in idx),
-            ew_in=sum(ms.blk_ew_inner[i] for i in idx), ew_out=sum(ms.blk_ew_outer[i] for i in idx),
-            reps=[(ms.blk_inner[rep[k]], ms.blk_outer[rep[k]], ms.blk_gathered[rep[k]]) for k in kinds],
+            fwd=sum(summary.blk_fwd[i] for i in idx), exp=sum(summary.blk_expert_fwd[i] for i in idx),
+            attn=sum(summary.blk_attn_fwd[i] for i in idx), inner=sum(summary.blk_inner[i] for i in idx),
+            outer=sum(summary.blk_outer[i] for i in idx), gathered=sum(summary.blk_gathered[i] for i in idx),
+            ew_in=sum(summary.blk_ew_inner[i] for i in idx), ew_out=sum(summary.blk_ew_outer[i] for i in idx),
+            reps=[(summary.blk_inner[rep[k]], summary.blk_outer[rep[k]], summary.blk_gathered[rep[k]]) for k in kinds],
             kind_counts={k: sum(1 for i in idx if g.block_kind[i] == k) for k in kinds},
-            n_moe=sum(1 for i in idx if ms.info.block_is_moe[i]), ops=sum(ms.blk_ops[i] for i in idx),
-            sites=sum(ms.host.sites[i] for i in idx), re_sites=sum(max(ms.host.sites[i] - 1, 0) for i in idx),
-            p_norm=sum(ms.host.p_norm[i] for i in idx),
+            n_moe=sum(1 for i in idx if summary.info.block_is_moe[i]), ops=sum(summary.blk_ops[i] for i in idx),
+            sites=sum(summary.host.sites[i] for i in idx), re_sites=sum(max(summary.host.sites[i] - 1, 0) for i in idx),
+            p_norm=sum(summary.host.p_norm[i] for i in idx),
         ))
     cache[key] = out
     return out
 
 
-def _rank_groups(stages, pp: int, v: int):
+def _rank_groups(stages, pp_size: int, stages_per_rank: int):
     """[(first rank, [ranks])]: pipeline ranks whose stages hold the same kinds of blocks and the same ends
     (embedding, head) cost the same time; the first of them holds the most microbatches (memory)."""
-    nsm = pp * v
-    key = lambda s: (tuple(sorted(stages[s]["kind_counts"].items())), s == 0, s == nsm - 1)
+    nsm = pp_size * stages_per_rank
+    key = lambda stage: (tuple(sorted(stages[stage]["kind_counts"].items())), stage == 0, stage == nsm - 1)
     groups = {}
-    for r in range(pp):
-        groups.setdefault(tuple(key(r + k * pp) for k in range(v)), []).append(r)
+    for r in range(pp_size):
+        groups.setdefault(tuple(key(r + k * pp_size) for k in range(stages_per_rank)), []).append(r)
     return sorted((rs[0], rs) for rs in groups.values())
 
 
-def _rank_state(g, degrees, mine, first: bool, last: bool, optimizer: str):
+def _rank_state(groups, degrees, mine, first: bool, last: bool, optimizer: str):
     """(params, grads, optimizer bytes, parameter tensors) of rank 0 of a pipeline rank holding ``mine``."""
     tp, ep = degrees["tp"], degrees["ep"]
     shard, expert_shard = shard_degrees(degrees)
     b = n = 0
     for x in mine:
         for k, cnt in x["kind_counts"].items():
-            b += cnt * g.bytes_of(k, tp, shard, ep, expert_shard)
-            n += cnt * g.n_tensors_kind[k]
+            b += cnt * groups.bytes_of(k, tp, shard, ep, expert_shard)
+            n += cnt * groups.n_tensors_kind[k]
     if first:
-        b += g.bytes_of("first", tp, shard, ep, expert_shard)
-        n += g.n_tensors_first
+        b += groups.bytes_of("first", tp, shard, ep, expert_shard)
+        n += groups.n_tensors_first
     if last:
-        b += g.bytes_of("last", tp, shard, ep, expert_shard)
-        n += g.n_tensors_last
+        b += groups.bytes_of("last", tp, shard, ep, expert_shard)
+        n += groups.n_tensors_last
     return b, b, OPT_STATES[optimizer] * b, n
 
 
-def state_floor(ms: ModelSummary, degrees, optimizer: str) -> float:
+def state_floor(summary: ModelSummary, degrees, optimizer: str) -> float:
     """A lower bound of any pipeline rank's parameter + gradient + optimizer bytes under ``degrees``, whatever the
     schedule and split: the whole model's sharded state over ``pp`` ranks (the fullest rank holds at least the
     mean)."""
-    g = ms.groups
+    g = summary.groups
     whole = [dict(kind_counts=dict(collections.Counter(g.block_kind)))]
     params, grads, opt, _ = _rank_state(g, degrees, whole, True, True, optimizer)
     return (params + grads + opt) / degrees["pp"]
 
 
-def in_flight(schedule: str, m: int, pp: int, v: int, rank: int) -> float:
+def in_flight(schedule: str, microbatches: int, pp_size: int, stages_per_rank: int, rank: int) -> float:
     """Microbatches whose activations pipeline rank ``rank`` holds at its peak, in units of all its stages'
-    activations of one microbatch: GPipe all ``m``; 1F1B ``pp - rank`` (the last rank 1); interleaved with
-    ``v`` stages per rank the warm-up of torch's / Megatron's schedule, ``2 (pp - 1 - rank) + (v - 1) pp + 1``
-    stage-microbatches, over ``v``."""
-    if pp <= 1:
+    activations of one microbatch: GPipe all ``microbatches``; 1F1B ``pp_size - rank`` (the last rank 1);
+    interleaved with ``stages_per_rank`` (v) stages per rank the warm-up of torch's / Megatron's schedule,
+    ``2 (pp_size - 1 - rank) + (v - 1) pp_size + 1`` stage-microbatches, over ``v``."""
+    if pp_size <= 1:
         return 1.0
     if schedule == "gpipe":
-        return float(m)
+        return float(microbatches)
     if schedule == "1f1b":
-        return float(min(m, pp - rank))
-    return min(m * v, 2 * (pp - 1 - rank) + (v - 1) * pp + 1) / v
+        return float(min(microbatches, pp_size - rank))
+    return min(microbatches * stages_per_rank,
+               2 * (pp_size - 1 - rank) + (stages_per_rank - 1) * pp_size + 1) / stages_per_rank
 
 
-def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
+def tp_collectives(host: HostCounts, blocks, sequence_parallel: bool, full_ac: bool, first: bool,
+                   last: bool) -> Dict[tuple, int]:
     """TP collectives of one microbatch's forward + backward: ``{(kind, "act" | "logits"): count}``.
 
     Per site (attention, MLP), with SP: all_gather in, reduce_scatter out, the reverse in backward; without:
@@ -326,15 +334,16 @@ def tp_collectives(hc: HostCounts, blocks, sp: bool, full_ac: bool, first: bool,
     (RowwiseParallel) reduces its output (SP: reduce_scatter, gradient all_gather); the head
     (ColwiseParallel, replicated logits) all_gathers the logits and reduces its input gradient (SP: it also
     gathers its sequence-sharded input)."""
-    return _tp_counts(sum(hc.sites[i] for i in blocks), sum(max(hc.sites[i] - 1, 0) for i in blocks), sp, full_ac,
-                      first, last)
+    return _tp_counts(sum(host.sites[i] for i in blocks), sum(max(host.sites[i] - 1, 0) for i in blocks),
+                      sequence_parallel, full_ac, first, last)
 
 
-def _tp_counts(sites: int, re_sites: int, sp: bool, full_ac: bool, first: bool, last: bool) -> Dict[tuple, int]:
+def _tp_counts(sites: int, re_sites: int, sequence_parallel: bool, full_ac: bool, first: bool,
+               last: bool) -> Dict[tuple, int]:
     """:func:`tp_collectives` from the stage's site counts (``re_sites``: sum of ``sites_block - 1``)."""
     re_sites = re_sites if full_ac else 0
     out = {}
-    if sp:
+    if sequence_parallel:
         out[("all_gather", "act")] = 2 * sites + (sites if full_ac else 0) + int(first) + int(last)
         out[("reduce_scatter", "act")] = 2 * sites + re_sites + int(first) + int(last)
     else:
@@ -348,21 +357,21 @@ def blocks_of(stages):
     return [i for x in stages for i in x["blocks"]]
 
 
-def _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard):
+def _host_time(summary, cluster, candidate, st_ids, blocks, nsm, microbatches, tp_size, shard):
     """Seconds of host work beyond the aten ops: ops dispatched on DTensors (TP, SP norms; again when
     activation checkpointing recomputes them) and AdamW's per-parameter steps (on DTensors when sharded)."""
-    hc = ms.host
+    hc = summary.host
     top = 0 in st_ids or (nsm - 1) in st_ids
-    sp = c.sp and tp > 1
+    sp = candidate.sp and tp_size > 1
     n_all = sum(hc.p_all[i] for i in blocks) + (hc.top_p_all if top else 0)
     t = 0.0
-    if tp > 1:
+    if tp_size > 1:
         dt = sum(hc.dt_tp[i] + (hc.dt_norm[i] if sp else 0) for i in blocks)
         dt_top = hc.top_dt_tp + (hc.top_dt_norm if sp else 0) if top else 0
-        t += m * ((2 if c.ac in ("full", "selective") else 1) * dt + dt_top) * cluster.dtensor_op
+        t += microbatches * ((2 if candidate.ac in ("full", "selective") else 1) * dt + dt_top) * cluster.dtensor_op
     if shard > 1:  # fully_shard: every parameter is a DTensor
         n_dt = n_all
-    elif tp > 1:
+    elif tp_size > 1:
         n_dt = sum(hc.p_tp[i] + (hc.p_norm[i] if sp else 0) for i in blocks)
         n_dt += (hc.top_p_tp + (hc.top_p_norm if sp else 0)) if top else 0
     else:
@@ -371,19 +380,19 @@ def _host_time(ms, cluster, c, st_ids, blocks, nsm, m, tp, shard):
     return t + n_dt * dtensor + (n_all - n_dt) * plain
 
 
-def _rank_agg(ms: ModelSummary, stages, pp: int, v: int, r: int, group):
-    """What evaluate reads of pipeline rank ``r``'s stages that no candidate choice changes (cached per split):
+def _rank_agg(summary: ModelSummary, stages, pp_size: int, stages_per_rank: int, rank: int, group):
+    """What evaluate reads of pipeline rank ``rank``'s stages that no candidate choice changes (cached per split):
     the candidate loop then does arithmetic only, in the same order as on the stage dicts (identical floats)."""
-    cache = ms.__dict__.setdefault("_rank_cache", {})
-    key = (id(stages), pp, v, r)
+    cache = summary.__dict__.setdefault("_rank_cache", {})
+    key = (id(stages), pp_size, stages_per_rank, rank)
     agg = cache.get(key)
     if agg is not None:
         return key, agg
-    nsm = pp * v
-    st_ids = [r + k * pp for k in range(v)]
+    nsm = pp_size * stages_per_rank
+    st_ids = [rank + k * pp_size for k in range(stages_per_rank)]
     mine = [stages[s] for s in st_ids]
     agg = dict(
-        key=key, rank=r, group=group, st_ids=st_ids, mine=mine, first=0 in st_ids, last=(nsm - 1) in st_ids,
+        key=key, rank=rank, group=group, st_ids=st_ids, mine=mine, first=0 in st_ids, last=(nsm - 1) in st_ids,
         nblk=sum(x["n"] for x in mine), blocks=[x["n"] for x in mine],
         iog=[(x["inner"], x["outer"], x["gathered"]) for x in mine],
         reps=[rep for x in mine for rep in x["reps"]],
@@ -399,35 +408,36 @@ def _rank_agg(ms: ModelSummary, stages, pp: int, v: int, r: int, group):
     return key, agg
 
 
-def _agg_state(ms: ModelSummary, agg, degrees, optimizer: str, key: tuple):
+def _agg_state(summary: ModelSummary, agg, degrees, optimizer: str, key: tuple):
     """:func:`_rank_state` of a rank's aggregates, cached per ``key``: (tp, ep, shard, expert shard, optimizer)
     of ``degrees``."""
     out = agg["state"].get(key)
     if out is None:
-        out = agg["state"][key] = _rank_state(ms.groups, degrees, agg["mine"], agg["first"], agg["last"], optimizer)
+        out = agg["state"][key] = _rank_state(summary.groups, degrees, agg["mine"], agg["first"], agg["last"],
+                                              optimizer)
     return out
 
 
-def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, optimizer: str, param_item: int,
-             reduce_item: int, memory_limit: float = None):
-    """-> (Memory, StepTime, layers per stage module, per-rank rows) of candidate ``c``: every pipeline rank is
+def evaluate(summary: ModelSummary, cluster, candidate: Candidate, *, global_batch: int, optimizer: str,
+             param_item: int, reduce_item: int, memory_limit: float = None):
+    """-> (Memory, StepTime, layers per stage module, per-rank rows) of ``candidate``: every pipeline rank is
     modelled (its blocks, in-flight activations, collectives); the memory is the largest rank's, the step the
     slowest rank's plus the bubble (docs/auto_parallel.md "Cost model"). A candidate whose memory exceeds
     ``memory_limit`` (bytes; ``plan()``'s device memory) gets no step time (``None``) and rows with memory only."""
-    d = c.degrees
+    d = candidate.degrees
     dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
-    info, g = ms.info, ms.groups
-    v = (c.stages_per_rank or STAGES_PER_RANK.get(c.schedule, 1)) if pp > 1 else 1
+    info, g = summary.info, summary.groups
+    v = (candidate.stages_per_rank or STAGES_PER_RANK.get(candidate.schedule, 1)) if pp > 1 else 1
     nsm = pp * v
-    stages = _stages(ms, nsm, c.stage_layers)
+    stages = _stages(summary, nsm, candidate.stage_layers)
     shard, expert_shard = shard_degrees(d)
     d1 = dict(d, fsdp=1, cp=1, pp=1)
     b_local = global_batch // (dp * fsdp)
-    m = c.microbatches if pp > 1 else 1
+    m = candidate.microbatches if pp > 1 else 1
     b_mb = b_local / m
-    sp_div = tp if c.sp else 1
-    act_scale = param_item / ms.act_item  # activations in the compute dtype
-    S = ms.seq_len
+    sp_div = tp if candidate.sp else 1
+    act_scale = param_item / summary.act_item  # activations in the compute dtype
+    S = summary.seq_len
     hidden_bytes = S / cp * info.dim * param_item  # one sample's hidden state [S/cp, dim]
     dpn = cluster.devices_per_node
     intra = lambda span: span <= dpn
@@ -436,13 +446,14 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     memo = cluster.__dict__.get("_cost_memo")  # a plan() search shares sub-results between its candidates
     if memo is None:
         memo = {}
-    full_ac = c.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
+    full_ac = candidate.ac in ("full", "selective")  # both rerun the forward's TP collectives in backward
     rows = []
-    groups_cache = ms.__dict__.setdefault("_group_cache", {})
+    groups_cache = summary.__dict__.setdefault("_group_cache", {})
     gkey = (id(stages), pp, v)
     aggs = groups_cache.get(gkey)
     if aggs is None:
-        aggs = groups_cache[gkey] = [_rank_agg(ms, stages, pp, v, r, group) for r, group in _rank_groups(stages, pp, v)]
+        aggs = groups_cache[gkey] = [_rank_agg(summary, stages, pp, v, r, group)
+                                     for r, group in _rank_groups(stages, pp, v)]
     spans = _spans(pp, dp, fsdp, cp, tp)
     state_key = (tp, ep, shard, expert_shard, optimizer)
     if shard > 1 and pp > 1:
@@ -452,103 +463,106 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         r, group = agg["rank"], agg["group"]
         st_ids, mine, first, last = agg["st_ids"], agg["mine"], agg["first"], agg["last"]
         # ------------------------------------------------------------ memory of this rank
-        params, _, opt, ntens = _agg_state(ms, agg, d, optimizer, state_key)
+        params, _, opt, ntens = _agg_state(summary, agg, d, optimizer, state_key)
         if shard > 1 and pp > 1:  # no reshard after forward: the stage's whole parameters and gradients, once
-            unsharded = _agg_state(ms, agg, d1, optimizer, whole_key)[0]
+            unsharded = _agg_state(summary, agg, d1, optimizer, whole_key)[0]
         nblk = agg["nblk"]
-        acts_key = ("acts", akey, tp, cp, c.sp, c.ac, c.recompute_layers, param_item)
+        acts_key = ("acts", akey, tp, cp, candidate.sp, candidate.ac, candidate.recompute_layers, param_item)
         parts = memo.get(acts_key)
         if parts is None:  # the same for every dp / fsdp / ep split, microbatch count and schedule of this rank
-            if c.ac == "full" and c.recompute_layers is not None:  # Megatron's "block" recompute: the first k blocks
-                ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
-                rest = [i for x in mine for i in x["blocks"][c.recompute_layers:]]
-                full_acts = lambda i: (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
+            # Megatron's "block" recompute: the first k blocks
+            if candidate.ac == "full" and candidate.recompute_layers is not None:
+                ck = [i for x in mine for i in x["blocks"][:candidate.recompute_layers]]
+                rest = [i for x in mine for i in x["blocks"][candidate.recompute_layers:]]
+                full_acts = lambda block: (summary.blk_inner[block] / tp + summary.blk_outer[block] / sp_div
+                                           + summary.blk_gathered[block]) / cp
                 kept = len(ck) * hidden_bytes / sp_div / act_scale + sum(full_acts(i) for i in rest)
                 working = max((full_acts(i) for i in ck), default=0.0)
-            elif c.ac == "full":
+            elif candidate.ac == "full":
                 kept = nblk * hidden_bytes / sp_div / act_scale
                 working = max(((i / tp + o / sp_div + gg) for i, o, gg in agg["reps"]), default=0) / cp
-            elif c.ac == "selective":  # hyper_parallel.auto.selective_ac: inputs + matmul/attention outputs per block
+            elif candidate.ac == "selective":  # auto.selective_ac: inputs + matmul/attention outputs per block
                 from hyper_parallel.auto.selective_ac import selective_parts
-                kept, working = selective_parts(ms, mine, tp, sp_div, cp, hidden_bytes / act_scale)
+                kept, working = selective_parts(summary, mine, tp, sp_div, cp, hidden_bytes / act_scale)
             else:
                 kept = sum(i / tp + o / sp_div + gg for i, o, gg in agg["iog"]) / cp
                 working = 0.0
             if first:
-                kept += ms.first_saved / sp_div / cp
+                kept += summary.first_saved / sp_div / cp
             parts = memo[acts_key] = (kept, working)
         kept, working = parts
-        held = in_flight(c.schedule, m, pp, v, r)
+        held = in_flight(candidate.schedule, m, pp, v, r)
         if last or pp == 1:  # the head's activations (logits): the last stage runs each microbatch's backward
             # right after its forward (1F1B, interleaved), GPipe keeps all m
-            working += ms.last_saved / cp * (m if c.schedule == "gpipe" else 1)
+            working += summary.last_saved / cp * (m if candidate.schedule == "gpipe" else 1)
         acts = act_scale * b_mb * (held * kept + working)  # the recompute working set lives once
         blk = agg["blk"].get((tp, ep))
         if blk is None:
             blk = agg["blk"][(tp, ep)] = max((g.kind_dense_bytes[k] / tp + g.kind_expert_bytes[k] / (ep if ep > 1 else 1)
-                                              for k in agg["kinds"]), default=0) / ms.act_item
+                                              for k in agg["kinds"]), default=0) / summary.act_item
         if shard > 1 and pp > 1:  # gathered once per step, kept to the last backward; unsharded gradients
-            whole = unsharded / ms.act_item
+            whole = unsharded / summary.act_item
             bufs = whole * (param_item + reduce_item)
         elif shard > 1:  # the all-gathered block, the prefetched next one, the reduce-scatter input
             bufs = blk * (2 * param_item + reduce_item)
         elif dp * cp > 1:  # the flat gradient all_reduce runs after backward, when the activations are gone
-            bufs = max(0.0, params * reduce_item / ms.act_item - acts)
+            bufs = max(0.0, params * reduce_item / summary.act_item - acts)
         else:
             bufs = 0
-        bufs += 4 * ntens + ms.model_buffers
+        bufs += 4 * ntens + summary.model_buffers
         mem = Memory(int(params), int(params), int(opt), int(acts), int(bufs))
         pre.append((akey, agg, r, group, st_ids, mine, first, last, params, nblk, held, mem))
-    worst_mem = max(pre, key=lambda x: x[-1].total)[-1]
+    worst_mem = max(pre, key=lambda row: row[-1].total)[-1]
     if memory_limit is not None and worst_mem.total > memory_limit:  # does not fit: its step time is not needed
         return worst_mem, None, [x["n"] for x in stages], [dict(rank=x[2], ranks=x[3], stages=x[4], memory=x[-1])
                                                            for x in pre]
     for akey, agg, r, group, st_ids, mine, first, last, params, nblk, held, mem in pre:
         # ------------------------------------------------------------ compute of this rank
-        compute_key = ("compute", akey, tp, cp, b_local, c.ac, c.recompute_layers, c.sp, m, param_item,
-                       shard if calibrated_host else None)
+        compute_key = ("compute", akey, tp, cp, b_local, candidate.ac, candidate.recompute_layers, candidate.sp, m,
+                       param_item, shard if calibrated_host else None)
         parts = memo.get(compute_key)
         if parts is None:  # the same for every dp / fsdp / ep split of this local batch and the cp method
             re_mm = mm = agg["mm_fe"] / (tp * cp) + agg["exp"] / cp
             attn = agg["attn"] / (tp * cp)
             if last or pp == 1:
-                mm += ms.head_fwd / (tp * cp)
+                mm += summary.head_fwd / (tp * cp)
             re_attn = attn
-            if c.ac != "full":  # selective AC recomputes no matmul and no attention
+            if candidate.ac != "full":  # selective AC recomputes no matmul and no attention
                 re_mm = re_attn = 0.0
-            elif c.recompute_layers is not None:  # only the checkpointed blocks run their forward again
-                ck = [i for x in mine for i in x["blocks"][:c.recompute_layers]]
-                re_attn = sum(ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
-                re_mm = (sum(ms.blk_fwd[i] - ms.blk_expert_fwd[i] - ms.blk_attn_fwd[i] for i in ck) / (tp * cp)
-                         + sum(ms.blk_expert_fwd[i] for i in ck) / cp)
-            flops = b_local * (mm * (1 + ms.bwd_ratio) + re_mm + attn * (1 + ms.bwd_ratio) + re_attn)
-            ops = agg["ops"] + (ms.head_ops if last or pp == 1 else 0)
+            elif candidate.recompute_layers is not None:  # only the checkpointed blocks run their forward again
+                ck = [i for x in mine for i in x["blocks"][:candidate.recompute_layers]]
+                re_attn = sum(summary.blk_attn_fwd[i] for i in ck) / (tp * cp)
+                re_mm = (sum(summary.blk_fwd[i] - summary.blk_expert_fwd[i] - summary.blk_attn_fwd[i] for i in ck)
+                         / (tp * cp)
+                         + sum(summary.blk_expert_fwd[i] for i in ck) / cp)
+            flops = b_local * (mm * (1 + summary.bwd_ratio) + re_mm + attn * (1 + summary.bwd_ratio) + re_attn)
+            ops = agg["ops"] + (summary.head_ops if last or pp == 1 else 0)
             re_ops = agg["ops"] if full_ac else 0
-            if c.ac == "full" and c.recompute_layers is not None:
-                re_ops = sum(ms.blk_ops[i] for x in mine for i in x["blocks"][:c.recompute_layers])
+            if candidate.ac == "full" and candidate.recompute_layers is not None:
+                re_ops = sum(summary.blk_ops[i] for x in mine for i in x["blocks"][:candidate.recompute_layers])
             if calibrated_host:  # eager CPU: matmuls at the measured rate, then the host's work per operator
                 compute = flops / cluster.flops
-                compute += m * (ops * (1 + ms.bwd_op_ratio) * cluster.op_overhead
+                compute += m * (ops * (1 + summary.bwd_op_ratio) * cluster.op_overhead
                                 + re_ops * (cluster.ac_op or cluster.op_overhead))
-                compute += _host_time(ms, cluster, c, st_ids, blocks_of(mine), nsm, m, tp, shard)
+                compute += _host_time(summary, cluster, candidate, st_ids, blocks_of(mine), nsm, m, tp, shard)
             else:  # a device: kernels (matmul, attention, memory-bound ops); the host launches ahead of them
-                kernel = b_local * ((mm * (1 + ms.bwd_ratio) + re_mm) / cluster.flops
-                                    + (attn * (1 + ms.bwd_ratio) + re_attn) / cluster.attention_flops)
+                kernel = b_local * ((mm * (1 + summary.bwd_ratio) + re_mm) / cluster.flops
+                                    + (attn * (1 + summary.bwd_ratio) + re_attn) / cluster.attention_flops)
                 hbm = 0.0
                 if cluster.hbm_bw:  # memory-bound ops: each writes its output and reads about as much; backward 2x
                     ew = sum(e_in / tp + e_out / sp_div for e_in, e_out in agg["ew"]) / cp
-                    ew_top = ms.top_ew / cp if (first or last or pp == 1) else 0.0
+                    ew_top = summary.top_ew / cp if (first or last or pp == 1) else 0.0
                     ew_re = ew if full_ac else 0.0
-                    hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + ms.bwd_ratio) + ew_re) / cluster.hbm_bw
-                host = m * (ops * (1 + ms.bwd_op_ratio) + re_ops) * cluster.launch
+                    hbm = b_local * act_scale * 2 * ((ew + ew_top) * (1 + summary.bwd_ratio) + ew_re) / cluster.hbm_bw
+                host = m * (ops * (1 + summary.bwd_op_ratio) + re_ops) * cluster.launch
                 compute = max(kernel + hbm, host)
             parts = memo[compute_key] = (flops, compute, attn)
         flops, compute, attn = parts
         # ------------------------------------------------------------ communication of this rank
         comm: Dict[str, float] = {}
-        hc = ms.host
+        hc = summary.host
         if tp > 1:  # TP / SP per microbatch: the collectives the library's styles issue, on the compute stream
-            tp_key = ("tp", akey, tp, cp, c.sp, full_ac, m, b_local, param_item)
+            tp_key = ("tp", akey, tp, cp, candidate.sp, full_ac, m, b_local, param_item)
             if tp_key in memo:
                 comm["tp"] = memo[tp_key]
             else:
@@ -556,20 +570,20 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
                 span = spans["tp"]
                 logits = b_mb * S / cp * info.vocab * param_item
                 size = {"act": a, "logits": logits}
-                counts = _tp_counts(agg["sites"], agg["re_sites"], c.sp, full_ac,
+                counts = _tp_counts(agg["sites"], agg["re_sites"], candidate.sp, full_ac,
                                     first or pp == 1, last or pp == 1)
                 t = sum(cnt * ct(kind, size[what], tp, intra(span)) for (kind, what), cnt in counts.items())
                 comm["tp"] = t * m
-                if c.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
+                if candidate.sp:  # the SP norms' replicated weights: one all_reduce of their gradients per step
                     comm["tp"] += ct("all_reduce", 4 * info.dim * (agg["p_norm"] + hc.top_p_norm),
                                      tp, intra(span))
                 memo[tp_key] = comm["tp"]
         if cp > 1:  # CP: ring K/V p2p overlapped with attention compute, or Ulysses all_to_all (q, k, v, out)
             span = spans["cp"]
-            if c.cp_method == "ring":
+            if candidate.cp_method == "ring":
                 kv = 2 * b_mb * S / cp * info.n_kv_heads / tp * info.head_dim * param_item
                 ring = 3 * (cp - 1) * ct("p2p", kv, 2, intra(span)) * nblk * m
-                attn_t = b_local * attn * (1 + ms.bwd_ratio) / (cluster.flops if calibrated_host
+                attn_t = b_local * attn * (1 + summary.bwd_ratio) / (cluster.flops if calibrated_host
                                                                   else cluster.attention_flops)
                 comm["cp"] = max(0.0, ring - attn_t)
             else:
@@ -583,19 +597,19 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
         if shard > 1:  # FSDP units: a block each, and the stage's root when it holds parameters (embedding, head)
             units = nblk + sum(1 for s in st_ids if s == 0 or s == nsm - 1 or pp == 1)
             calls = {"all_gather": units if pp > 1 else 2 * nblk + 1, "reduce_scatter": units}
-            comm["fsdp"] = _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
+            comm["fsdp"] = _fsdp_time(summary, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item,
                                       compute, m, v, spans, intra,
                                       memo_key=(akey, dp, fsdp, tp, pp, cp, ep, v, param_item, reduce_item))
         elif dp * cp > 1:  # replicated: one flat gradient all_reduce after backward
             span = spans["dp"] if dp > 1 else spans["cp"]
-            comm["dp"] = ct("all_reduce", params * reduce_item / ms.act_item, dp * cp, intra(span))
+            comm["dp"] = ct("all_reduce", params * reduce_item / summary.act_item, dp * cp, intra(span))
         if pp > 1:  # each microbatch's boundary activation in, its gradient out (torch waits on the receive)
             span = spans["pp"]
             comm["pp"] = 2 * m * v * ct("p2p", b_mb * hidden_bytes / sp_div, 2, intra(span))
         rows.append(dict(rank=r, ranks=group, stages=st_ids, blocks=list(agg["blocks"]), in_flight=held, memory=mem,
                          fsdp_calls=calls,
                          flops=flops, compute=compute, comm=comm, busy=compute + sum(comm.values())))
-    slow = max(rows, key=lambda x: x["busy"])
+    slow = max(rows, key=lambda row: row["busy"])
     bubble = slow["busy"] * (pp - 1) / (m * v) if pp > 1 else 0.0
     st = StepTime(slow["compute"], sum(slow["comm"].values()), bubble, dict(slow["comm"]))
     peak = cluster.peak_flops or cluster.flops
@@ -607,8 +621,8 @@ def evaluate(ms: ModelSummary, cluster, c: Candidate, *, global_batch: int, opti
     return worst_mem, st, [x["n"] for x in stages], rows
 
 
-def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, compute, m, v, spans,
-               intra, memo_key=None):
+def _fsdp_time(summary, cluster, mine, degrees, tp_size, ep_size, shard, expert_shard, param_item, reduce_item,
+               compute, microbatches, stages_per_rank, spans, intra, memo_key=None):
     """Exposed seconds of FSDP's collectives on one rank. Without pp: all_gather (forward and again in
     backward) and reduce_scatter per block, prefetch hiding all but the first behind compute. With pp: the
     stage is gathered once per step and its gradients reduce-scattered once (no reshard after forward, as
@@ -616,40 +630,44 @@ def _fsdp_time(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, re
     behind the last one's backward. A calibrated CPU world (gloo on the cores that compute) overlaps nothing
     and pays the measured per-unit host cost.
 
-    ``memo_key``: the rank and layout, to reuse the collectives' sums (they do not depend on ``compute`` or ``m``)
-    within one ``plan()`` search (the cluster's ``_cost_memo``, which ``plan`` sets on its private copy)."""
+    ``memo_key``: the rank and layout, to reuse the collectives' sums (they do not depend on ``compute`` or
+    ``microbatches``) within one ``plan()`` search (the cluster's ``_cost_memo``, which ``plan`` sets on its
+    private copy)."""
     memo = cluster.__dict__.get("_cost_memo") if memo_key is not None else None
     parts = memo.get(memo_key) if memo is not None else None
     if parts is None:
-        parts = _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, spans,
-                            intra)
+        parts = _fsdp_parts(summary, cluster, mine, degrees, tp_size, ep_size, shard, expert_shard, param_item,
+                            reduce_item, stages_per_rank, spans, intra)
         if memo is not None:
             memo[memo_key] = parts
     if shard in cluster.fsdp_unit:
         return parts
     first, ag, rs = parts
-    if d["pp"] > 1:
-        fwd_mb = compute / m / 3  # one microbatch's forward (about a third of its forward + backward)
+    if degrees["pp"] > 1:
+        fwd_mb = compute / microbatches / 3  # one microbatch's forward (about a third of its forward + backward)
         return first + max(0.0, ag - first - fwd_mb) + max(0.0, rs - 2 * fwd_mb)
     return first + max(0.0, ag + rs - first - compute)
 
 
-def _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, reduce_item, v, spans, intra):
+def _fsdp_parts(summary, cluster, mine, degrees, tp_size, ep_size, shard, expert_shard, param_item, reduce_item,
+                stages_per_rank, spans, intra):
     """:func:`_fsdp_time`'s sums: the measured per-unit total (calibrated CPU world), else (the first gather,
     all gathers, all reduce-scatters) in seconds."""
-    g = ms.groups
-    dp = d["dp"]
-    pp = d["pp"]
+    g = summary.groups
+    dp = degrees["dp"]
+    pp = degrees["pp"]
     span = spans["fsdp"]
     ct = cluster.collective_time
     gathers = 1 if pp > 1 else 2
     if shard in cluster.fsdp_unit:  # measured per-unit cost (hooks + latencies) + bandwidth
-        bw_only = lambda kind, nb, n: ct(kind, nb, n, intra(span)) - cluster.comm_by_size.get((kind, n), (0.0,))[0]
-        t = (sum(x["n"] for x in mine) + v) * cluster.fsdp_unit[shard]  # a unit per block and per stage root
+        bw_only = lambda kind, nbytes, group_size: (ct(kind, nbytes, group_size, intra(span))
+                                                    - cluster.comm_by_size.get((kind, group_size), (0.0,))[0])
+        # a unit per block and per stage root
+        t = (sum(x["n"] for x in mine) + stages_per_rank) * cluster.fsdp_unit[shard]
         for x in mine:
             for k, cnt in x["kind_counts"].items():
-                dense = g.kind_dense_bytes[k] / tp / ms.act_item
-                expert = g.kind_expert_bytes[k] / (ep if ep > 1 else 1) / ms.act_item
+                dense = g.kind_dense_bytes[k] / tp_size / summary.act_item
+                expert = g.kind_expert_bytes[k] / (ep_size if ep_size > 1 else 1) / summary.act_item
                 t += cnt * (2 * bw_only("all_gather", dense * param_item, shard)
                             + bw_only("reduce_scatter", dense * reduce_item, shard)
                             + 2 * ct("all_gather", expert * param_item, expert_shard, intra(span))
@@ -658,13 +676,13 @@ def _fsdp_parts(ms, cluster, mine, d, tp, ep, shard, expert_shard, param_item, r
                     t += cnt * ct("all_reduce", (dense + expert) / shard * reduce_item, dp,
                                   intra(spans["dp"]))
         if dp > 1:  # and the stage roots' gradients
-            t += v * ct("all_reduce", 1.0, dp, intra(spans["dp"]))
+            t += stages_per_rank * ct("all_reduce", 1.0, dp, intra(spans["dp"]))
         return t
     ag = rs = first = 0.0
     for x in mine:
         for k, cnt in x["kind_counts"].items():
-            dense = g.kind_dense_bytes[k] / tp / ms.act_item
-            expert = g.kind_expert_bytes[k] / (ep if ep > 1 else 1) / ms.act_item
+            dense = g.kind_dense_bytes[k] / tp_size / summary.act_item
+            expert = g.kind_expert_bytes[k] / (ep_size if ep_size > 1 else 1) / summary.act_item
             one_ag = (ct("all_gather", dense * param_item, shard, intra(span))
                       + ct("all_gather", expert * param_item, expert_shard, intra(span)))
             one_rs = (ct("reduce_scatter", dense * reduce_item, shard, intra(span))

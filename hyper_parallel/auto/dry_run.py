@@ -81,12 +81,12 @@ def _default_batch(plan, rank, vocab):
     return x[:, :-1], x[:, 1:]
 
 
-def _cp_cut(plan, x, y):
+def _cp_cut(plan, inputs, targets):
     """This cp rank's load-balanced sequence positions of a data-parallel share (no-op without cp)."""
     if plan.degrees["cp"] == 1:
-        return x, y
+        return inputs, targets
     from hyper_parallel.context_parallel import cp_shard
-    return tuple(cp_shard(plan.__dict__["_cp_mesh"], [x, y], [1, 1], load_balance=True))
+    return tuple(cp_shard(plan.__dict__["_cp_mesh"], [inputs, targets], [1, 1], load_balance=True))
 
 
 def _fake_world_stage_cls():
@@ -119,11 +119,11 @@ def _fake_world_stage_cls():
     return FakeWorldStage
 
 
-def _loss(out, y):
+def _loss(out, targets):
     from hyper_parallel.auto.hf_adapt import output_logits
     out = output_logits(out)  # HF's CausalLMOutputWithPast: its logits
     out = out.full_tensor() if isinstance(out, hp.DTensor) else out
-    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), targets.flatten())
 
 
 def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Optional[int] = None,
@@ -131,7 +131,8 @@ def dry_run(plan, model_fn: Callable[[], torch.nn.Module], *, world_size: Option
     """Run one training step of ``rank`` (default: every differing rank role) of a ``world_size``-rank job
     laid out by ``plan``, in this process on the fake process group. ``model_fn()`` builds the model
     (the same on every rank); ``batch_fn(plan, rank)`` gives this rank's data-parallel (inputs, targets) (cut over cp here; default: random
-    token ids of the plan's batch share); ``loss_fn(output, targets)`` (default: cross-entropy)."""
+    token ids of the plan's batch share); ``loss_fn(output, targets)`` (default: cross-entropy); ``lr``: AdamW's
+    learning rate (``torch.optim``'s keyword)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     W = plan.world_size if world_size is None else world_size
@@ -168,8 +169,8 @@ def _release_groups():
     dispatcher._clear_caches()
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, hp.DTensor) else t
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, hp.DTensor) else tensor
 
 
 class LiveBytes(TorchDispatchMode):
@@ -181,9 +182,9 @@ class LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
 
-    def _track(self, t):
+    def _track(self, tensor):
         try:
-            st = t.untyped_storage()
+            st = tensor.untyped_storage()
             key, n = st._cdata, st.nbytes()
         except Exception:  # noqa: BLE001 - wrapper subclasses without storage
             return
@@ -192,10 +193,10 @@ class LiveBytes(TorchDispatchMode):
         self.current += n
         self.peak = max(self.peak, self.current)
 
-        def freed(_ref, key=key, n=n):
+        def freed(_ref, key=key, nbytes=n):
             if key in self.live:
                 del self.live[key]
-                self.current -= n
+                self.current -= nbytes
         self.live[key] = weakref.ref(st, freed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -214,8 +215,8 @@ class _HeldWork:
     def __init__(self, work, args):
         self._work, self._args = work, args
 
-    def wait(self, *a, **k):
-        return self._work.wait(*a, **k)
+    def wait(self, *args, **kwargs):
+        return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -279,7 +280,7 @@ def measure_step(plan, model_fn, *, role: str = "", batch_fn=None, loss_fn=None,
                      loss_fn or _loss, lr)
 
 
-def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
+def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, learning_rate, fake=False):
     from hyper_parallel.auto.apply import apply_plan
     pp = plan.degrees["pp"] > 1
     if batch_fn is not None:
@@ -303,7 +304,7 @@ def _one_rank(plan, model_fn, rank, role, batch_fn, loss_fn, lr, fake=False):
 
         def step():
             loss_fn(model(x), y).backward()
-    opt = torch.optim.AdamW(params, lr=lr)
+    opt = torch.optim.AdamW(params, lr=learning_rate)
     # a first step creates the optimizer states (the steady state of training); the second is measured
     step()
     opt.step()

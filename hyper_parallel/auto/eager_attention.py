@@ -18,8 +18,8 @@ from torch.overrides import TorchFunctionMode
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
-def _activation_4d(x) -> bool:
-    return isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) and x.dim() == 4
+def _activation_4d(value) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.dim() == 4
 
 
 class EagerAttentionSpy(TorchFunctionMode):

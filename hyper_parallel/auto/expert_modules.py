@@ -24,33 +24,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def is_grouped_experts(m: nn.Module) -> bool:
+def is_grouped_experts(module: nn.Module) -> bool:
     """>= 2 direct parameters with one leading size E, at least two of them 3-D (``[E, out, in]``), and children
     (an activation) without parameters."""
-    ps = list(m.parameters(recurse=False))
+    ps = list(module.parameters(recurse=False))
     if len(ps) < 2 or sum(1 for p in ps if p.dim() == 3) < 2 or any(p.dim() < 2 for p in ps):
         return False
-    if any(True for c in m.children() for _ in c.parameters()):
+    if any(True for c in module.children() for _ in c.parameters()):
         return False
     return len({p.shape[0] for p in ps}) == 1
 
 
-def num_experts(m: nn.Module) -> int:
-    return next(m.parameters()).shape[0]
+def num_experts(module: nn.Module) -> int:
+    return next(module.parameters()).shape[0]
 
 
-def expert_hidden_size(m: nn.Module) -> int:
+def expert_hidden_size(module: nn.Module) -> int:
     """One expert's hidden (intermediate) size."""
-    ps = dict(m.named_parameters(recurse=False))
+    ps = dict(module.named_parameters(recurse=False))
     for attr in ("intermediate_dim", "intermediate_size", "moe_intermediate_size"):
-        v = getattr(m, attr, None)
+        v = getattr(module, attr, None)
         if isinstance(v, int) and v > 0:
             return v
     if "w1" in ps:
         return ps["w1"].shape[1]
     if "down_proj" in ps:
         down = ps["down_proj"]
-        return down.shape[1] if getattr(m, "is_transposed", False) else down.shape[2]
+        return down.shape[1] if getattr(module, "is_transposed", False) else down.shape[2]
     return min(p.shape[1] for p in ps.values() if p.dim() == 3)
 
 
@@ -58,21 +58,21 @@ def _matrices(mod: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p for n, p in mod.named_parameters(recurse=False) if p.dim() == 3}
 
 
-def _project(x: torch.Tensor, w: torch.Tensor, transposed: Optional[bool]) -> torch.Tensor:
+def _project(rows: torch.Tensor, weight: torch.Tensor, transposed: Optional[bool]) -> torch.Tensor:
     """``x @ W^T`` for a ``[out, in]`` matrix (``x @ W`` for ``[in, out]``); ``transposed=None``: from the shapes."""
     if transposed is None:
-        transposed = w.shape[0] == x.shape[-1] and w.shape[1] != x.shape[-1]
-    return x @ w if transposed else x @ w.transpose(0, 1)
+        transposed = weight.shape[0] == rows.shape[-1] and weight.shape[1] != rows.shape[-1]
+    return rows @ weight if transposed else rows @ weight.transpose(0, 1)
 
 
-def _hf_gate(mod: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _hf_gate(mod: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if getattr(mod, "has_gate", True) and hasattr(mod, "_apply_gate"):
-        return mod._apply_gate(h)
+        return mod._apply_gate(hidden)
     act = getattr(mod, "act_fn", None) or F.silu
     if "gate_up_proj" in dict(mod.named_parameters(recurse=False)):
-        gate, up = h.chunk(2, dim=-1)
+        gate, up = hidden.chunk(2, dim=-1)
         return act(gate) * up
-    return act(h)
+    return act(hidden)
 
 
 def _one_expert(mod: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -95,22 +95,23 @@ def _one_expert(mod: nn.Module, rows: torch.Tensor) -> torch.Tensor:
 def balanced_experts_forward(mod: nn.Module):
     """A forward for ``mod`` that traces on meta in any dtype (see the module docstring)."""
 
-    def forward(x, routing=None, weights=None, *args, **kwargs):
+    def forward(hidden_states, routing=None, weights=None, *args, **kwargs):
         routing = kwargs.pop("top_k_index", routing)
         weights = kwargs.pop("top_k_weights", weights)
         try:
-            if isinstance(routing, torch.Tensor) and routing.dim() == 2 and routing.shape[0] == x.shape[0] \
-                    and isinstance(weights, torch.Tensor):
+            if isinstance(routing, torch.Tensor) and routing.dim() == 2 \
+                    and routing.shape[0] == hidden_states.shape[0] and isinstance(weights, torch.Tensor):
                 tokens, k = routing.shape  # Hugging Face contract: each token goes to k experts
-                rows = x[:, None, :].expand(tokens, k, x.shape[-1]).reshape(tokens * k, x.shape[-1])
+                rows = hidden_states[:, None, :].expand(tokens, k, hidden_states.shape[-1]).reshape(
+                    tokens * k, hidden_states.shape[-1])
                 out = _one_expert(mod, rows).view(tokens, k, -1)
-                return (out * weights[..., None].to(out.dtype)).sum(dim=1).to(x.dtype)
-            return _one_expert(mod, x)  # GroupedExperts contract: the rows are already routed
+                return (out * weights[..., None].to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
+            return _one_expert(mod, hidden_states)  # GroupedExperts contract: the rows are already routed
         except RuntimeError as err:
             shapes = {n: tuple(p.shape) for n, p in mod.named_parameters(recurse=False)}
             raise ValueError(
                 f"plan(): {type(mod).__name__} holds [E, ...] parameters {shapes}, so the trace runs it as grouped "
-                f"experts on input {tuple(x.shape)}, but its matrices do not chain ({err}); the planner knows "
-                "hyper_parallel.moe.GroupedExperts (w1/w2/w3) and Hugging Face's experts (gate_up_proj or up_proj, "
-                "then down_proj)") from err
+                f"experts on input {tuple(hidden_states.shape)}, but its matrices do not chain ({err}); the planner "
+                "knows hyper_parallel.moe.GroupedExperts (w1/w2/w3) and Hugging Face's experts (gate_up_proj or "
+                "up_proj, then down_proj)") from err
     return forward

@@ -80,13 +80,13 @@ class HFStage(nn.Module):
         self.base_path = base_path
         self.config = model.config
 
-    def forward(self, x):
+    def forward(self, inputs):
         base = getattr(self, self.base_path)
         if base.embed_tokens is not None:
-            n = x.shape[1]                    # token ids [microbatch, seq]
-            h = base.embed_tokens(x)
+            n = inputs.shape[1]               # token ids [microbatch, seq]
+            h = base.embed_tokens(inputs)
         else:
-            h, n = x, x.shape[1]              # hidden state (a Shard(1) DTensor with sp: its global length)
+            h, n = inputs, inputs.shape[1]    # hidden state (a Shard(1) DTensor with sp: its global length)
         position_ids = torch.arange(n, device=h.device).unsqueeze(0)
         position_embeddings = base.rotary_emb(h, position_ids=position_ids)
         for layer in base.layers.values():

@@ -22,25 +22,25 @@ from hyper_parallel.auto.roles import COLWISE, ROWWISE, ModelInfo
 OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
-def chunk0(n: int, k: int) -> int:
-    """Size of the first of ``torch.chunk(range(n), k)`` (the largest)."""
-    if k <= 1 or n == 0:
-        return n
-    return -(-n // k)
+def chunk0(size: int, chunks: int) -> int:
+    """Size of the first of ``torch.chunk(range(size), chunks)`` (the largest)."""
+    if chunks <= 1 or size == 0:
+        return size
+    return -(-size // chunks)
 
 
-def local_shape(shape, role: str, tp: int, shard: int, ep: int = 1, expert_shard: int = 1) -> Tuple[int, ...]:
+def local_shape(shape, role: str, tp_size: int, shard: int, ep_size: int = 1, expert_shard: int = 1) -> Tuple[int, ...]:
     """Rank 0's local shape of a parameter of ``role`` under tp, then FSDP over ``shard`` ranks."""
     s = list(shape)
     if role == "experts":
         if s:
-            s[0] = chunk0(s[0] // ep if ep > 1 else s[0], expert_shard)
+            s[0] = chunk0(s[0] // ep_size if ep_size > 1 else s[0], expert_shard)
         return tuple(s)
-    if tp > 1 and s:
+    if tp_size > 1 and s:
         if role in COLWISE or role == "embedding":
-            s[0] = chunk0(s[0], tp)
+            s[0] = chunk0(s[0], tp_size)
         elif role in ROWWISE and len(s) >= 2:
-            s[1] = chunk0(s[1], tp)
+            s[1] = chunk0(s[1], tp_size)
     if shard > 1 and s:
         s[0] = chunk0(s[0], shard)
     return tuple(s)
@@ -68,12 +68,12 @@ class ParamGroups:
     kind_expert_bytes: List[int]  # unsharded bytes of its grouped experts
     _cache: dict = dataclasses.field(default_factory=dict)
 
-    def bytes_of(self, which, tp, shard, ep, expert_shard) -> int:
-        key = (which, tp, shard, ep, expert_shard)
+    def bytes_of(self, which, tp_size, shard, ep_size, expert_shard) -> int:
+        key = (which, tp_size, shard, ep_size, expert_shard)
         v = self._cache.get(key)
         if v is None:
             c = self.first if which == "first" else self.last if which == "last" else self.kinds[which]
-            v = self._cache[key] = _bytes(c, tp, shard, ep, expert_shard)
+            v = self._cache[key] = _bytes(c, tp_size, shard, ep_size, expert_shard)
         return v
 
 
@@ -112,10 +112,10 @@ def group_params(info: ModelInfo) -> ParamGroups:
                        [expert[first_block[k]] for k in range(len(kinds))])
 
 
-def _bytes(counter: Counter, tp, shard, ep, expert_shard) -> int:
+def _bytes(counter: Counter, tp_size, shard, ep_size, expert_shard) -> int:
     total = 0
     for (role, shape, item), cnt in counter.items():
-        total += cnt * item * _numel(local_shape(shape, role, tp, shard, ep, expert_shard))
+        total += cnt * item * _numel(local_shape(shape, role, tp_size, shard, ep_size, expert_shard))
     return total
 
 

@@ -60,14 +60,14 @@ class _FusedAttention(torch.autograd.Function):
     """Stands in for fused attention in the trace: saves what flash attention saves (q, k, v, out, lse)."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v):
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    def forward(ctx, out, query, key, value):
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         res = out.clone()
-        ctx.save_for_backward(q, k, v, res, lse)
+        ctx.save_for_backward(query, key, value, res, lse)
         return res
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_out):
         q, k, v, _, _ = ctx.saved_tensors
         return None, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -160,23 +160,23 @@ def _reduced_meta_copy(model, path, keep):
     return copy.deepcopy(model, memo).to("meta")
 
 
-def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, str]) -> "Trace":
+def _expand(trace: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, str]) -> "Trace":
     """Copy each traced representative block's numbers to every block of its kind (fqns renamed)."""
-    pre = lambda n: f"{path}.{n}" if path else n
+    pre = lambda name: f"{path}.{name}" if path else name
     traced_prefix = {pre(traced_name[r]): r for r in traced_name}
 
-    def owner(f):
+    def owner(fqn):
         for tp_, r in traced_prefix.items():
-            if f == tp_ or f.startswith(tp_ + "."):
+            if fqn == tp_ or fqn.startswith(tp_ + "."):
                 return tp_, r
         return None, None
 
-    def rename(f, src, dst):
-        return dst + f[len(src):]
+    def rename(fqn, src, dst):
+        return dst + fqn[len(src):]
 
     mods, lin_in, mod_in, nargs = {}, {}, {}, {}
     extra_fwd = extra_ops = 0
-    for f, mt in t.modules.items():
+    for f, mt in trace.modules.items():
         src, r = owner(f)
         targets = [f] if src is None else [rename(f, src, pre(b)) for b, rb in reps.items() if rb == r]
         for g in targets:
@@ -184,22 +184,22 @@ def _expand(t: "Trace", path: str, reps: Dict[str, str], traced_name: Dict[str, 
                 rename(x, src, g[: len(g) - (len(f) - len(src))]) if src and (x == src or x.startswith(src + "."))
                 else x for x in mt.linear_order])
             mods[g] = c
-            if f in t.linear_inputs:
-                lin_in[g] = t.linear_inputs[f]
-            if f in t.module_input_id:
-                mod_in[g] = t.module_input_id[f]
-            nargs[g] = t.input_arg_counts.get(f, 0)
+            if f in trace.linear_inputs:
+                lin_in[g] = trace.linear_inputs[f]
+            if f in trace.module_input_id:
+                mod_in[g] = trace.module_input_id[f]
+            nargs[g] = trace.input_arg_counts.get(f, 0)
         if src is not None and f == src:
             extra_fwd += mt.fwd_flops * (len(targets) - 1)
         if src is not None:
             extra_ops += mt.ops * (len(targets) - 1)
-    ratio = t.bwd_flops / max(t.fwd_flops, 1)
-    fwd = t.fwd_flops + extra_fwd
+    ratio = trace.bwd_flops / max(trace.fwd_flops, 1)
+    fwd = trace.fwd_flops + extra_fwd
     saved = sum(m.saved_bytes for m in mods.values())
-    shapes = list(t.sdpa_shapes)
-    oratio = t.bwd_ops / max(t.fwd_ops, 1)
-    return Trace(t.batch, t.seq_len, mods, fwd, int(t.bwd_flops + extra_fwd * ratio), saved, shapes, nargs,
-                 lin_in, mod_in, t.fwd_ops + extra_ops, int(t.bwd_ops + extra_ops * oratio))
+    shapes = list(trace.sdpa_shapes)
+    oratio = trace.bwd_ops / max(trace.fwd_ops, 1)
+    return Trace(trace.batch, trace.seq_len, mods, fwd, int(trace.bwd_flops + extra_fwd * ratio), saved, shapes,
+                 nargs, lin_in, mod_in, trace.fwd_ops + extra_ops, int(trace.bwd_ops + extra_ops * oratio))
 
 
 # tensor metadata reads: answered without the op dispatcher (DTensor's fast methods / properties)
@@ -273,23 +273,23 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
         if stack and stack[-1] == n:
             stack.pop()
 
-    def pack(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
-            return t
+    def pack(tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "meta":
+            return tensor
         try:
-            key = t.untyped_storage()._cdata
-            nbytes = t.untyped_storage().nbytes()
+            key = tensor.untyped_storage()._cdata
+            nbytes = tensor.untyped_storage().nbytes()
         except Exception:  # noqa: BLE001 - tensor subclasses without storage
-            key, nbytes = id(t), t.numel() * t.element_size()
+            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
         if key in param_storages or key in seen_storages:
-            return t
-        seen_storages[key] = t
+            return tensor
+        seen_storages[key] = tensor
         owner = stack[-1] if stack else ""
         if owner in mods:
             mods[owner].saved_bytes += nbytes
         else:
             mods.setdefault("", ModuleTrace("", "root")).saved_bytes += nbytes
-        return t
+        return tensor
 
     class _SdpaSpy(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -341,7 +341,8 @@ def _trace(meta, seq_len, batch, example_input, loss) -> "Trace":
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
         fwd_counter = FlopCounterMode(display=False)
-        with _MetaDataDependent(on_op, on_out), fwd_counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with _MetaDataDependent(on_op, on_out), fwd_counter, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
                 _SdpaSpy(), EagerAttentionSpy(on_eager_scores, lambda: not phase["bwd"] and not phase["sdpa"]):
             lval = loss_of(call_model(meta, batch, seq_len, example_input), loss)
         phase["bwd"] = True

@@ -56,7 +56,7 @@ def parallelize_part(plan, model: nn.Module, info, mesh):
         for n in info.norm_modules:
             if n in mods:
                 SequenceParallel.register_module_type(type(mods[n]))
-        in_block = lambda f: any(f == b or f.startswith(b + ".") for b in info.block_names)
+        in_block = lambda fqn: any(fqn == b or fqn.startswith(b + ".") for b in info.block_names)
         top = {}
         for f, r in roles_of.items():
             if in_block(f):

@@ -16,9 +16,9 @@ import torch
 from hyper_parallel.auto.parallelize import PP_SCHEDULES, ce_loss, parallelize_part
 
 
-def _chunk_len(n, k, i):
-    parts = torch.arange(n).chunk(k)
-    return len(parts[i]) if i < len(parts) else 0
+def _chunk_len(length, chunks, index):
+    parts = torch.arange(length).chunk(chunks)
+    return len(parts[index]) if index < len(parts) else 0
 
 
 def boundary_args(plan, info, model, rank_coords, tp_mesh=None):

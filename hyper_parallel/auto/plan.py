@@ -102,8 +102,8 @@ class Plan:
         """A table a person reads in 10 seconds."""
         m, t = self.memory, self.step_time
         unit, div = ("GiB", GiB) if m.total >= GiB / 4 else ("MiB", 2**20) if m.total >= 2**18 else ("KiB", 1024)
-        g = lambda b: f"{b / div:8.2f} {unit}"
-        ms = lambda s: f"{s * 1e3:10.3f} ms"
+        g = lambda nbytes: f"{nbytes / div:8.2f} {unit}"
+        ms = lambda seconds: f"{seconds * 1e3:10.3f} ms"
         d = self.degrees
         lines = [
             f"plan: {self.summary()}   (world {self.world_size}, batch {self.global_batch} x {self.seq_len})",
@@ -181,23 +181,23 @@ class Plan:
                 idx, n = idx * size + c[name], n * size
         return idx, n
 
-    def shard_batch(self, x, y, rank: Optional[int] = None):
-        """This rank's share of a global batch ``x``, ``y`` (``[global_batch, seq_len]``): its data-parallel
+    def shard_batch(self, inputs, targets, rank: Optional[int] = None):
+        """This rank's share of a global batch ``inputs``, ``targets`` (``[global_batch, seq_len]``): its data-parallel
         rows (:meth:`data_shard`) and, with context parallelism, its load-balanced sequence positions (head-tail
         chunks, as :meth:`apply`, which must have run first in this process, cut the rotary tables)."""
         import torch.distributed as dist
         rank = dist.get_rank() if rank is None else rank
         idx, n = self.data_shard(rank)
-        b = x.shape[0] // n
-        x, y = x[idx * b:(idx + 1) * b], y[idx * b:(idx + 1) * b]
+        b = inputs.shape[0] // n
+        inputs, targets = inputs[idx * b:(idx + 1) * b], targets[idx * b:(idx + 1) * b]
         if self.degrees["cp"] > 1:
             mesh = self.__dict__.get("_cp_mesh")
             if mesh is None:
                 raise RuntimeError("Plan.shard_batch: a context-parallel plan cuts the sequence over its cp mesh; "
                                    "call plan.apply(model) in this process first")
             from hyper_parallel.context_parallel import cp_shard
-            x, y = cp_shard(mesh, [x, y], [1, 1], load_balance=True)
-        return x, y
+            inputs, targets = cp_shard(mesh, [inputs, targets], [1, 1], load_balance=True)
+        return inputs, targets
 
     # ------------------------------------------------------------------ doing
     def apply(self, model, *, roles=None, device_type: str = "cpu", loss_fn=None):

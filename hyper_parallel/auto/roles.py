@@ -143,8 +143,8 @@ def _user_roles(roles: Optional[Dict[str, str]], mods: Dict[str, nn.Module], par
     return by_module, by_param
 
 
-def _holds_experts(m: nn.Module) -> bool:
-    own = list(m.parameters(recurse=False))
+def _holds_experts(module: nn.Module) -> bool:
+    own = list(module.parameters(recurse=False))
     return bool(own) and all(p.dim() >= 2 for p in own) and len({p.shape[0] for p in own}) == 1
 
 
@@ -220,11 +220,12 @@ def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] 
             mrole.setdefault(lin, r)
     for moe in sorted(set(moes)):
         e = max(num_experts(mods[k]) for k, v in mrole.items() if v == "experts" and k.startswith(moe + "."))
-        taken = lambda f: f in mrole or f in covered or any(a in mrole for a in _ancestors(f) if a.startswith(moe + "."))
+        taken = lambda fqn: fqn in mrole or fqn in covered or any(a in mrole for a in _ancestors(fqn)
+                                                                  if a.startswith(moe + "."))
         for r in router_modules(moe, mods, e, taken):
             mrole[r] = "router"
     block_set = set(block_names)
-    in_block = lambda n: any(a in block_set for a in _ancestors(n)) or n in block_set
+    in_block = lambda fqn: any(a in block_set for a in _ancestors(fqn)) or fqn in block_set
     for name, m in mods.items():
         if name in covered or name in mrole:
             continue
@@ -261,11 +262,11 @@ def infer_roles(model: nn.Module, trace: Trace, roles: Optional[Dict[str, str]] 
                      head_norms)
 
 
-def _unknown_module_message(name: str, m: nn.Module, block_names: List[str]) -> str:
-    own = [a for a, _ in m.named_parameters(recurse=False)]
-    head = f"plan(): cannot tell the role of module {name!r} ({type(m).__name__}, parameters {own}); "
+def _unknown_module_message(name: str, module: nn.Module, block_names: List[str]) -> str:
+    own = [a for a, _ in module.named_parameters(recurse=False)]
+    head = f"plan(): cannot tell the role of module {name!r} ({type(module).__name__}, parameters {own}); "
     tail = f" with ROLE one of {', '.join(ROLES)} (e.g. 'replicate': replicated over tp, sharded by fsdp)"
-    if any(True for c in m.children() for _ in c.parameters()):  # its children have roles: tag its own parameters
+    if any(True for c in module.children() for _ in c.parameters()):  # its children have roles: tag its own parameters
         keys = ", ".join(f"{_pattern(f'{name}.{a}' if name else a, block_names)!r}: ROLE" for a in own)
         return (head + f"pass roles={{{keys}}} for its own parameters (a key naming the module would set the "
                 "role of its whole subtree)" + tail)
@@ -301,7 +302,7 @@ def _params(mods, mrole, block_names, moes, user_params) -> List[ParamInfo]:
 
 def _sizes(mods, mrole, trace):
     """(n_heads, n_kv_heads, head_dim, dim, vocab, ffn_hidden) from the projections and the sdpa shapes."""
-    by_role = lambda r: [mods[k] for k, v in mrole.items() if v == r and isinstance(mods.get(k), nn.Linear)]
+    by_role = lambda role: [mods[k] for k, v in mrole.items() if v == role and isinstance(mods.get(k), nn.Linear)]
     sd = trace.sdpa_shapes[0] if trace.sdpa_shapes else None
     head_dim = sd[0][-1] if sd else 1
     n_heads = sd[0][1] if sd else 1

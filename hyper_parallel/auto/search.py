@@ -21,8 +21,8 @@ AC_CHOICES = ("none", "full", "selective")
 _LAST_REJECTIONS: List[Tuple[str, str]] = []
 
 
-def _divisors(n: int) -> List[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def _divisors(number: int) -> List[int]:
+    return [k for k in range(1, number + 1) if number % k == 0]
 
 
 def explain_rejections(limit: Optional[int] = None) -> str:
@@ -34,25 +34,26 @@ def explain_rejections(limit: Optional[int] = None) -> str:
     return "\n".join(out)
 
 
-def _name(d, sp=False, ac="none", sched=None, m=None, cpm=None):
-    s = " x ".join(f"{k}{d[k]}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if d[k] > 1) or "single"
-    if sp:
+def _name(degrees, sequence_parallel=False, activation_checkpointing="none", schedule=None, microbatches=None,
+          cp_method=None):
+    s = " x ".join(f"{k}{degrees[k]}" for k in ("dp", "fsdp", "tp", "pp", "cp", "ep") if degrees[k] > 1) or "single"
+    if sequence_parallel:
         s += " +sp"
-    if sched:
-        s += f" {sched}/m{m}"
-    if cpm:
-        s += f" cp:{cpm}"
-    if ac != "none":
-        s += f" ac:{ac}"
+    if schedule:
+        s += f" {schedule}/m{microbatches}"
+    if cp_method:
+        s += f" cp:{cp_method}"
+    if activation_checkpointing != "none":
+        s += f" ac:{activation_checkpointing}"
     return s
 
 
-def _dtype_item(dt, default):
-    if dt is None:
+def _dtype_item(dtype, default):
+    if dtype is None:
         return default
-    if isinstance(dt, str):
-        dt = getattr(torch, dt)
-    return torch.empty((), dtype=dt).element_size()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer: str = "adamw",
@@ -124,13 +125,14 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                     b_local = global_batch // (dp * fsdp)
                     for sched in scheds:
                         if sched and L < pp * STAGES_PER_RANK[sched]:
-                            rejections.append((_name(d, sched=sched, m="*"),
+                            rejections.append((_name(d, schedule=sched, microbatches="*"),
                                                f"{L} layers < {pp * STAGES_PER_RANK[sched]} stages of schedule {sched}"))
                             continue
                         mbs = sorted({k for k in (pp, 2 * pp, 4 * pp, 8 * pp, b_local)
                                       if k <= b_local and b_local % k == 0 and k >= pp}) if sched else [1]
                         if sched and not mbs:
-                            rejections.append((_name(d, sched=sched, m="*"), f"the local batch {b_local} cannot be split "
+                            rejections.append((_name(d, schedule=sched, microbatches="*"),
+                                               f"the local batch {b_local} cannot be split "
                                                f"into >= pp={pp} microbatches"))
                             continue
                         if sched == "interleaved1f1b":
@@ -157,7 +159,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
                          + (f" (+{len(reasons) - 6} more: explain_rejections())" if len(reasons) > 6 else ""))
     fits = [p for p in scored if p.fits]
     if not fits:
-        closest = min(scored, key=lambda p: p.memory.total)
+        closest = min(scored, key=lambda option: option.memory.total)
         raise ValueError(
             f"plan(): no layout fits {cluster.device_memory / GiB:.2f} GiB per rank: the smallest per-rank memory "
             f"needed is {closest.memory.total / GiB:.2f} GiB, by the plan closest to fitting: {closest.summary()} "
@@ -178,7 +180,7 @@ def plan(model, cluster: Cluster, *, global_batch: int, seq_len: int, optimizer:
         raise ValueError(f"plan(): every layout that fits is predicted above {MAX_MFU:.0%} model-FLOPs utilisation "
                          f"(e.g. {over[0].summary()}: {over[0].mfu:.0%}); the cluster's kernel rates "
                          f"(flops={cluster.flops:.3g}, peak_flops={cluster.peak_flops:.3g}) are not physical")
-    fits.sort(key=lambda p: (p.step_time.total, p.memory.total))
+    fits.sort(key=lambda option: (option.step_time.total, option.memory.total))
     return fits[:top_k]
 
 
@@ -204,7 +206,8 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
     if prod != cluster.world_size:
         raise ValueError(f"evaluate_plan: dp*fsdp*tp*pp*cp = {prod} != world_size {cluster.world_size}")
     info, ms = _analyse(model, seq_len, example_input, loss, roles)
-    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts)
+    why = _check(d, info, cluster, global_batch, seq_len, PARALLELISMS, ms.n_layers, info.num_experts,
+                 searching=False)
     if why:
         raise ValueError(f"evaluate_plan: invalid layout {_name(d)}: {why}")
     if d["pp"] > 1:
@@ -241,16 +244,16 @@ def evaluate_plan(model, cluster: Cluster, *, degrees: Dict[str, int], global_ba
                   param_dtype, reduce_dtype, info)
 
 
-def _score(ms, cluster, c, global_batch, optimizer, p_item, r_item, seq_len, param_dtype, reduce_dtype, info,
-           memory_limit=None):
+def _score(summary, cluster, candidate, global_batch, optimizer, p_item, r_item, seq_len, param_dtype, reduce_dtype,
+           info, memory_limit=None):
     """The candidate's Plan; over ``memory_limit`` (bytes) it is only a rejection: memory, no step time (None)."""
-    mem, st, lps, rows = evaluate(ms, cluster, c, global_batch=global_batch, optimizer=optimizer, param_item=p_item,
-                                  reduce_item=r_item, memory_limit=memory_limit)
-    p = _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
-    p.stages_per_rank = c.stages_per_rank if c.degrees["pp"] > 1 else 1
-    p.recompute_layers = c.recompute_layers
+    mem, st, lps, rows = evaluate(summary, cluster, candidate, global_batch=global_batch, optimizer=optimizer,
+                                  param_item=p_item, reduce_item=r_item, memory_limit=memory_limit)
+    p = _make_plan(candidate, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info)
+    p.stages_per_rank = candidate.stages_per_rank if candidate.degrees["pp"] > 1 else 1
+    p.recompute_layers = candidate.recompute_layers
     p.per_rank = rows
-    p.model_flops = global_batch * ms.fwd_per_sample * (1 + ms.bwd_ratio)
+    p.model_flops = global_batch * summary.fwd_per_sample * (1 + summary.bwd_ratio)
     p.peak_flops = cluster.peak_flops or cluster.flops
     return p
 
@@ -290,11 +293,14 @@ def _summary(info, trace, model):
     return ms
 
 
-def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[str]:
+def _check(degrees, info, cluster, global_batch, seq_len, allowed, n_layers, n_experts,
+           searching: bool = True) -> Optional[str]:
+    """Why layout ``degrees`` cannot run, or None. ``searching``: also prune what runs but never wins (tp across
+    nodes); ``evaluate_plan`` evaluates such a layout when asked (its TP collectives at the inter-node rate)."""
     for k, flag in (("dp", "dp"), ("fsdp", "fsdp"), ("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep")):
-        if d[k] > 1 and flag not in allowed:
-            return f"{k}={d[k]} but {flag!r} is not in parallelisms"
-    dp, fsdp, tp, pp, cp, ep = (d[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
+        if degrees[k] > 1 and flag not in allowed:
+            return f"{k}={degrees[k]} but {flag!r} is not in parallelisms"
+    dp, fsdp, tp, pp, cp, ep = (degrees[k] for k in ("dp", "fsdp", "tp", "pp", "cp", "ep"))
     if global_batch % (dp * fsdp):
         return f"global_batch={global_batch} is not divisible by dp*fsdp={dp * fsdp}"
     if tp > 1:
@@ -302,15 +308,15 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
                         ("the vocabulary", info.vocab)):
             if n % tp:
                 return f"tp={tp} does not divide {what} ({n})"
-        if tp > cluster.devices_per_node:
+        if searching and tp > cluster.devices_per_node:
             return f"tp={tp} > devices_per_node={cluster.devices_per_node} (tensor parallelism stays within a node)"
-    if pp > L:
-        return f"pp={pp} > {L} layers"
+    if pp > n_layers:
+        return f"pp={pp} > {n_layers} layers"
     if cp > 1 and seq_len % (2 * cp):
         return f"2*cp={2 * cp} does not divide seq_len={seq_len} (load-balanced head-tail shards of equal length)"
     if ep > 1:
-        if E % ep:
-            return f"ep={ep} does not divide the {E} experts"
+        if n_experts % ep:
+            return f"ep={ep} does not divide the {n_experts} experts"
         if dp > 1:
             return "ep with dp (HSDP) replicas is not supported (ep borrows ranks from fsdp)"
         if cp > 1:
@@ -322,8 +328,8 @@ def _check(d, info, cluster, global_batch, seq_len, allowed, L, E) -> Optional[s
     return None
 
 
-def _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info):
-    d = dict(c.degrees)
+def _make_plan(candidate, mem, step_time, lps, cluster, global_batch, seq_len, param_dtype, reduce_dtype, info):
+    d = dict(candidate.degrees)
     if d["pp"] > 1:
         names, shape = ["pp"], [d["pp"]]
     else:
@@ -338,8 +344,9 @@ def _make_plan(c, mem, st, lps, cluster, global_batch, seq_len, param_dtype, red
                 shape.append(d[k])
     if not names:
         names, shape = ["dp"], [1]
-    return Plan(degrees=d, sequence_parallel=bool(c.sp), activation_checkpointing=c.ac, pp_schedule=c.schedule,
-                microbatches=c.microbatches, layers_per_stage=lps, cp_method=c.cp_method, memory=mem,
-                step_time=st, mesh_shape=tuple(shape), mesh_dim_names=tuple(names), world_size=cluster.world_size,
-                global_batch=global_batch, seq_len=seq_len, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+    return Plan(degrees=d, sequence_parallel=bool(candidate.sp), activation_checkpointing=candidate.ac,
+                pp_schedule=candidate.schedule, microbatches=candidate.microbatches, layers_per_stage=lps,
+                cp_method=candidate.cp_method, memory=mem, step_time=step_time, mesh_shape=tuple(shape),
+                mesh_dim_names=tuple(names), world_size=cluster.world_size, global_batch=global_batch, seq_len=seq_len,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 device_memory=cluster.device_memory, fits=mem.total <= cluster.device_memory, _model_info=info)

@@ -24,8 +24,8 @@ for _name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_
         SAVE_OPS.add(getattr(_aten, _name).default)
 
 
-def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _policy(ctx, aten_op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if aten_op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _contexts():
@@ -61,18 +61,18 @@ def block_sac_bytes(info, trace):
     return out
 
 
-def selective_per_sample(ms, stages, tp, sp_div, cp, hidden):
+def selective_per_sample(summary, stages, tp_size, sp_div, cp_size, hidden):
     """Activation bytes per sample of a rank's ``stages`` (``cost._stages`` entries) under selective AC: each
     block keeps its input (``hidden`` bytes per sample, already divided by cp; split by sp) and the saved op
     outputs; backward re-materializes one block at a time (the largest block's activations less what it saved)."""
-    kept, working = selective_parts(ms, stages, tp, sp_div, cp, hidden)
+    kept, working = selective_parts(summary, stages, tp_size, sp_div, cp_size, hidden)
     return kept + working
 
 
-def selective_parts(ms, stages, tp, sp_div, cp, hidden):
+def selective_parts(summary, stages, tp_size, sp_div, cp_size, hidden):
     """(bytes per sample kept per in-flight microbatch, bytes per sample of the one block backward
     re-materializes at a time) under selective AC (see :func:`selective_per_sample`)."""
-    sac = ms.__dict__.get("blk_sac")
+    sac = summary.__dict__.get("blk_sac")
     if sac is None:
         raise ValueError("selective activation checkpointing: the model summary has no selective-AC trace "
                          "(hyper_parallel.auto.selective_ac.block_sac_bytes)")
@@ -80,9 +80,9 @@ def selective_parts(ms, stages, tp, sp_div, cp, hidden):
     for st in stages:
         for i in st["blocks"]:
             split, whole = sac[i]
-            saved = (split / tp + whole) / cp
+            saved = (split / tp_size + whole) / cp_size
             total += hidden / sp_div + saved
             # backward re-materializes block i's other activations next to its saved outputs (reused, not copied)
-            full = (ms.blk_inner[i] / tp + ms.blk_outer[i] / sp_div + ms.blk_gathered[i]) / cp
+            full = (summary.blk_inner[i] / tp_size + summary.blk_outer[i] / sp_div + summary.blk_gathered[i]) / cp_size
             biggest = max(biggest, full - saved)
     return total, biggest

@@ -32,6 +32,7 @@ are therefore taken from the local (plain) tensor.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -54,16 +55,16 @@ def _runs(idx):
     return out
 
 
-def _strided_boxes(dt):
+def _strided_boxes(dtensor):
     """Boxes ``(sizes, offsets, local starts)`` of a residual strided DTensor's piece (see the module doc)."""
-    coord = dt._mesh.get_coordinate()
+    coord = dtensor._mesh.get_coordinate()
     if coord is None:
         return []
-    key = (dt._layout, dt._gshape, coord)
+    key = (dtensor._layout, dtensor._gshape, coord)
     boxes = _STRIDED_BOXES.get(key)
     if boxes is None:
-        gshape = tuple(dt._gshape)
-        held = dt._layout.local_indices(gshape, coord=coord)
+        gshape = tuple(dtensor._gshape)
+        held = dtensor._layout.local_indices(gshape, coord=coord)
         per_dim = [[(0, 0, n)] if idx is None else _runs(idx) for n, idx in zip(gshape, held)]
         boxes = [(torch.Size(r[2] for r in combo), torch.Size(r[1] for r in combo), tuple(r[0] for r in combo))
                  for combo in itertools.product(*per_dim)]
@@ -73,30 +74,30 @@ def _strided_boxes(dt):
     return boxes
 
 
-def _box(dt):
-    """(sizes, offsets) of this rank's piece of ``dt`` as torch.Size, or None if the rank is off the mesh.
+def _box(dtensor):
+    """(sizes, offsets) of this rank's piece of ``dtensor`` as torch.Size, or None if the rank is off the mesh.
 
     Memoised per (layout, global shape, coordinate): DCP asks twice per tensor and save,
     and a model repeats few distinct shapes.
     """
-    coord = dt._mesh.get_coordinate()
+    coord = dtensor._mesh.get_coordinate()
     if coord is None:
         return None
-    key = (dt._layout, dt._gshape, coord)
+    key = (dtensor._layout, dtensor._gshape, coord)
     box = _BOXES.get(key)
     if box is None:
-        sizes, offsets = dt._layout.local_shape_and_offset(tuple(dt._gshape), coord=coord)
+        sizes, offsets = dtensor._layout.local_shape_and_offset(tuple(dtensor._gshape), coord=coord)
         if len(_BOXES) > 4096:
             _BOXES.clear()
         box = _BOXES[key] = (torch.Size(sizes), torch.Size(offsets))
     return box
 
 
-def _check_savable(fqn, dt):
-    if dt._layout.has_partial():
+def _check_savable(fqn, dtensor):
+    if dtensor._layout.has_partial():
         raise ValueError(
             f"torch.distributed.checkpoint: state_dict[{fqn!r}] is a DTensor with pending Partial placements "
-            f"{dt._layout.placements}; a partial sum cannot be saved. Call .reduce_partial() (or redistribute to "
+            f"{dtensor._layout.placements}; a partial sum cannot be saved. Call .reduce_partial() (or redistribute to "
             "Replicate/Shard) before saving, or use hyper_parallel.checkpoint.get_state_dict, which does it")
 
 
@@ -112,48 +113,48 @@ def _write_item(fqn, offsets, sizes, local, gshape):
     )
 
 
-def create_write_items(fqn: str, dt) -> list:
-    """The write items (this rank's box, or boxes for a residual strided layout) of ``dt`` saved under ``fqn``."""
-    _check_savable(fqn, dt)
-    if dt._layout.is_strided:
-        return [_write_item(fqn, offsets, sizes, dt._local_tensor, dt._gshape)
-                for sizes, offsets, _ in _strided_boxes(dt) if all(sizes)]
-    box = _box(dt)
+def create_write_items(fqn: str, dtensor: Any) -> list:
+    """The write items (this rank's box, or boxes for a residual strided layout) of ``dtensor`` saved under ``fqn``."""
+    _check_savable(fqn, dtensor)
+    if dtensor._layout.is_strided:
+        return [_write_item(fqn, offsets, sizes, dtensor._local_tensor, dtensor._gshape)
+                for sizes, offsets, _ in _strided_boxes(dtensor) if all(sizes)]
+    box = _box(dtensor)
     if box is None:
         return []
     sizes, offsets = box
-    local = dt._local_tensor
+    local = dtensor._local_tensor
     if tuple(local.shape) != tuple(sizes):
         raise ValueError(f"torch.distributed.checkpoint: state_dict[{fqn!r}]: the local tensor has shape "
-                         f"{tuple(local.shape)} but its layout {dt._layout.placements} over global shape "
-                         f"{tuple(dt._gshape)} gives this rank the box {tuple(sizes)} at {tuple(offsets)}")
-    return [_write_item(fqn, offsets, sizes, local, dt._gshape)]
+                         f"{tuple(local.shape)} but its layout {dtensor._layout.placements} over global shape "
+                         f"{tuple(dtensor._gshape)} gives this rank the box {tuple(sizes)} at {tuple(offsets)}")
+    return [_write_item(fqn, offsets, sizes, local, dtensor._gshape)]
 
 
-def create_chunk_list(dt) -> list:
+def create_chunk_list(dtensor: Any) -> list:
     """The boxes of the global tensor this rank holds (one, or none off the mesh)."""
-    if dt._layout.is_strided:
-        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for sizes, offsets, _ in _strided_boxes(dt)
+    if dtensor._layout.is_strided:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for sizes, offsets, _ in _strided_boxes(dtensor)
                 if all(sizes)]
-    box = _box(dt)
+    box = _box(dtensor)
     if box is None:
         return []
     sizes, offsets = box
     return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
 
 
-def get_tensor_shard(dt, index) -> torch.Tensor:
+def get_tensor_shard(dtensor: Any, index: MetadataIndex) -> torch.Tensor:
     """The plain local tensor behind the box ``index`` names (DCP reads/writes it in place)."""
-    if dt._layout.is_strided:
-        for sizes, offsets, starts in _strided_boxes(dt):
+    if dtensor._layout.is_strided:
+        for sizes, offsets, starts in _strided_boxes(dtensor):
             if index.offset is not None and index.offset == offsets:
-                view = dt._local_tensor
+                view = dtensor._local_tensor
                 for d, (a, n) in enumerate(zip(starts, sizes)):
                     view = view.narrow(d, a, n)
                 return view
-    box = _box(dt)
+    box = _box(dtensor)
     if box is None or (index.offset is not None and index.offset != box[1]):
-        raise ValueError(f"torch.distributed.checkpoint: rank {dt._mesh.get_rank()} holds no piece of "
+        raise ValueError(f"torch.distributed.checkpoint: rank {dtensor._mesh.get_rank()} holds no piece of "
                          f"{index.fqn!r} at offsets {tuple(index.offset or ())} (its piece: "
                          f"{None if box is None else (tuple(box[0]), tuple(box[1]))})")
-    return dt._local_tensor
+    return dtensor._local_tensor

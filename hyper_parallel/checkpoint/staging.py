@@ -16,12 +16,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from typing import Any
 
 _TARGET = "torch.distributed.checkpoint._state_dict_stager"
 
 
 def _patch(module) -> None:
-    cls = getattr(module, "StateDictStager", None)
+    cls: Any = getattr(module, "StateDictStager", None)
     orig = getattr(cls, "_offload_tensor", None)
     if orig is None or getattr(orig, "_hp_patched", False):
         return
@@ -34,7 +35,7 @@ def _patch(module) -> None:
         memo[id(x)] = y
         return y
 
-    _offload_tensor._hp_patched = True
+    _offload_tensor._hp_patched = True  # type: ignore[attr-defined]  # the idempotence mark
     cls._offload_tensor = _offload_tensor
 
 

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NamedTuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Protocol, Set, Tuple, TypeGuard, Union
 
 import torch
 import torch.distributed as dist
+
+#: what the optimizer helpers take: one optimizer or several (torchtitan's model parts)
+Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
 
 _FQN_SKIP = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -46,7 +49,7 @@ class StateDictOptions:
     strict: bool = True
     broadcast_from_rank0: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("full_state_dict", "cpu_offload", "strict", "broadcast_from_rank0"):
             v = getattr(self, name)
             if not isinstance(v, bool):
@@ -59,8 +62,25 @@ class IncompatibleKeys(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _is_dtensor(t) -> bool:
-    return isinstance(t, torch.Tensor) and hasattr(type(t), "__hp_stage__")
+class _DTensorLike(Protocol):
+    """What these helpers read of a DTensor (this package sits below ``dtensor``: duck typing, see above)."""
+
+    _local_tensor: torch.Tensor
+    _layout: Any
+    device_mesh: Any
+    shape: torch.Size
+
+    def detach(self) -> Any: ...
+
+    def full_tensor(self) -> torch.Tensor: ...
+
+    def redistribute(self, device_mesh: Any, placements: Any) -> Any: ...
+
+    def reduce_partial(self) -> Any: ...
+
+
+def _is_dtensor(obj: object) -> TypeGuard[_DTensorLike]:
+    return isinstance(obj, torch.Tensor) and hasattr(type(obj), "__hp_stage__")
 
 
 def _options(options) -> StateDictOptions:
@@ -114,7 +134,7 @@ def _fsdp_sharded_params(model):
 def _param_fqns(model) -> Dict[int, str]:
     """id(parameter) -> canonical FQN (the first name of a shared parameter; for a ``fully_shard``-ed
     parameter its sharded DTensor's, whether or not its group is unsharded right now)."""
-    out = {}
+    out: Dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), _canonical(name))
     for name, p in _fsdp_sharded_params(model):
@@ -122,11 +142,11 @@ def _param_fqns(model) -> Dict[int, str]:
     return out
 
 
-def _reduce(t):
+def _reduce(tensor):
     """A savable view of a live tensor: detached, Partial placements reduced."""
-    if _is_dtensor(t):
-        return t.reduce_partial().detach() if t._layout.has_partial() else t.detach()
-    return t.detach() if isinstance(t, torch.Tensor) else t
+    if _is_dtensor(tensor):
+        return tensor.reduce_partial().detach() if tensor._layout.has_partial() else tensor.detach()
+    return tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def _finish(value, opts: StateDictOptions, keep: bool):
@@ -191,7 +211,7 @@ def _copy_into(target, value, key: str) -> None:
 
 
 # -------------------------------------------------------------------------------------- broadcast from rank 0
-def _broadcast_tree(obj):
+def _broadcast_tree(obj: Any) -> Any:
     """Rank 0's nested dict/list of tensors and plain values, returned on every rank (collective).
 
     The skeleton (with tensor shapes and dtypes) goes as one pickled object, then each
@@ -202,18 +222,18 @@ def _broadcast_tree(obj):
         return obj
     tensors: List[torch.Tensor] = []
 
-    def strip(o):
-        if isinstance(o, torch.Tensor):
-            if _is_dtensor(o):
+    def strip(obj):
+        if isinstance(obj, torch.Tensor):
+            if _is_dtensor(obj):
                 raise TypeError("broadcast_from_rank0: rank 0's state dict must hold plain (full) tensors, "
                                 "got a DTensor")
-            tensors.append(o.detach())
-            return ("__hp_tensor__", len(tensors) - 1, tuple(o.shape), o.dtype)
-        if isinstance(o, dict):
-            return {k: strip(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(strip(v) for v in o)
-        return o
+            tensors.append(obj.detach())
+            return ("__hp_tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(strip(v) for v in obj)
+        return obj
 
     box = [strip(obj) if _rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -221,25 +241,26 @@ def _broadcast_tree(obj):
     if _rank() != 0:
         tensors = []
 
-    def fill(o):
-        if isinstance(o, tuple) and len(o) == 4 and o[0] == "__hp_tensor__":
-            _, i, shape, dtype = o
+    def fill(obj):
+        if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__hp_tensor__":
+            _, i, shape, dtype = obj
             t = tensors[i].contiguous() if _rank() == 0 else torch.empty(shape, dtype=dtype)
             dist.broadcast(t, src=0)
             return t
-        if isinstance(o, dict):
-            return {k: fill(v) for k, v in o.items()}
-        if isinstance(o, list):
-            return [fill(v) for v in o]
-        if isinstance(o, tuple):
-            return tuple(fill(v) for v in o)
-        return o
+        if isinstance(obj, dict):
+            return {k: fill(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [fill(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(fill(v) for v in obj)
+        return obj
 
     return fill(skeleton)
 
 
 # ------------------------------------------------------------------------------------------------ model
-def get_model_state_dict(model, *, submodules=None, options=None) -> Dict[str, Any]:
+def get_model_state_dict(model: torch.nn.Module, *, submodules: Optional[Set[torch.nn.Module]] = None,
+                         options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """The model's state dict keyed by canonical FQN (DTensors as they are, or full tensors; see options)."""
     opts = _options(options)
     if submodules is not None:
@@ -253,7 +274,8 @@ def get_model_state_dict(model, *, submodules=None, options=None) -> Dict[str, A
     return out
 
 
-def set_model_state_dict(model, model_state_dict, *, options=None) -> IncompatibleKeys:
+def set_model_state_dict(model: torch.nn.Module, model_state_dict: Dict[str, Any], *,
+                         options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
     """Load ``model_state_dict`` (sharded DTensors, full tensors, or rank 0's full dict) into ``model``.
 
     Returns the missing and unexpected keys; with ``strict`` (default) either kind raises.
@@ -320,15 +342,17 @@ def _init_optim_state(optim) -> None:
     optim.zero_grad(set_to_none=True)
 
 
-def _fqn_of(fqns, p, what):
-    name = fqns.get(id(p))
+def _fqn_of(fqns, param, what):
+    name = fqns.get(id(param))
     if name is None:
-        raise ValueError(f"{what}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not a "
+        raise ValueError(f"{what}: the optimizer holds a parameter of shape {tuple(param.shape)} that is not a "
                          "parameter of the model")
     return name
 
 
-def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None) -> Dict[str, Any]:
+def get_optimizer_state_dict(model: torch.nn.Module, optimizers: Optimizers, *,
+                             submodules: Optional[Set[torch.nn.Module]] = None,
+                             options: Optional[StateDictOptions] = None) -> Dict[str, Any]:
     """Optimizer state keyed by parameter FQN: ``{"state": {fqn: {...}}, "param_groups": [{"params": [fqn...]}]}``."""
     opts = _options(options)
     if submodules is not None:
@@ -350,7 +374,8 @@ def get_optimizer_state_dict(model, optimizers, *, submodules=None, options=None
     return {"state": state, "param_groups": groups}
 
 
-def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=None) -> None:
+def set_optimizer_state_dict(model: torch.nn.Module, optimizers: Optimizers, optim_state_dict: Dict[str, Any], *,
+                             options: Optional[StateDictOptions] = None) -> None:
     """Load an FQN-keyed optimizer state dict (sharded, full, or rank 0's full one) into ``optimizers``."""
     opts = _options(options)
     optims = _as_optimizers(optimizers)
@@ -409,13 +434,16 @@ def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=Non
 
 
 # ---------------------------------------------------------------------------------------------- combined
-def get_state_dict(model, optimizers, *, submodules=None, options=None):
+def get_state_dict(model: torch.nn.Module, optimizers: Optimizers, *,
+                   submodules: Optional[Set[torch.nn.Module]] = None,
+                   options: Optional[StateDictOptions] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``(get_model_state_dict(...), get_optimizer_state_dict(...))``."""
     return (get_model_state_dict(model, submodules=submodules, options=options),
             get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
 
 
-def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None) -> IncompatibleKeys:
+def set_state_dict(model: torch.nn.Module, optimizers: Optimizers, *, model_state_dict: Dict[str, Any],
+                   optim_state_dict: Dict[str, Any], options: Optional[StateDictOptions] = None) -> IncompatibleKeys:
     """Load both; returns the model's missing and unexpected keys."""
     keys = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
@@ -423,15 +451,15 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
 
 
 # ------------------------------------------------------------------------------------------ checked load
-def _describe(md) -> str:
-    size = getattr(md, "size", None)
+def _describe(metadata) -> str:
+    size = getattr(metadata, "size", None)
     return "a non-tensor value" if size is None else f"shape {tuple(size)}"
 
 
 def _check_files(path, metadata) -> None:
     """Every data file the metadata points at exists and holds the bytes it should (a truncated
     or missing shard file raises naming it, on every rank alike, before any collective)."""
-    need = {}
+    need: Dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel, end = getattr(info, "relative_path", None), None
         if rel is None:
@@ -450,7 +478,8 @@ def _check_files(path, metadata) -> None:
                              f"{size} bytes but the checkpoint metadata places data up to byte {end}")
 
 
-def load(state_dict, *, checkpoint_id, strict: bool = True, **kwargs) -> None:
+def load(state_dict: Dict[str, Any], *, checkpoint_id: Union[str, os.PathLike], strict: bool = True,
+         **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load`` after checking the checkpoint against ``state_dict``.
 
     Every rank reads the checkpoint's metadata (no collective) and compares it with

@@ -54,9 +54,9 @@ _CONSTS: list = []
 _CONST_IDS: dict = {}
 
 
-def _const(i):
+def _const(index):
     """FX-codegen accessor of a constant baked into a graph (see ``__fx_repr__``)."""
-    return _CONSTS[i]
+    return _CONSTS[index]
 
 
 def _fx_repr(self):
@@ -121,12 +121,12 @@ def _require_opaque():
 
 
 # ----------------------------------------------------------------------------- flatten / unflatten
-def _is_traced(t) -> bool:
+def _is_traced(obj) -> bool:
     """True for the fake/functional tensors of a trace (a real local tensor is a plain torch.Tensor)."""
-    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+    return type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter)
 
 
-def _is_example_history(t) -> bool:
+def _is_example_history(tensor) -> bool:
     """True for the fake history the meta converter gives a non-leaf example input.
 
     When dynamo fakeifies a DTensor whose local tensor is a non-leaf that requires
@@ -136,8 +136,8 @@ def _is_example_history(t) -> bool:
     and refuse it ("the callback you passed in doesn't detach"); it gives the
     *wrapper* its fake history itself afterwards.
     """
-    fn = t.grad_fn
-    return fn is not None and type(fn).__name__ == "Error" and _is_traced(t)
+    fn = tensor.grad_fn
+    return fn is not None and type(fn).__name__ == "Error" and _is_traced(tensor)
 
 
 def fake_detach(DTensor, func, args):
@@ -182,24 +182,24 @@ def tensor_unflatten(DTensor, inner_tensors, meta):
 
 
 # ----------------------------------------------------------------------------- argument encoding
-def _map_leaves(x, leaf):
+def _map_leaves(value, leaf):
     """``leaf`` applied to every non-container value of nested tuples, lists and dicts."""
-    t = type(x)
+    t = type(value)
     if t is tuple or t is list:
-        return t(_map_leaves(v, leaf) for v in x)
+        return t(_map_leaves(v, leaf) for v in value)
     if t is dict:
-        return {k: _map_leaves(v, leaf) for k, v in x.items()}
-    return leaf(x)
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    return leaf(value)
 
 
-def _enc(x):
+def _enc(args):
     """Arguments for a traced node: ``None`` becomes the opaque ``_NONE`` constant."""
-    return _map_leaves(x, lambda v: _NONE if v is None else v)
+    return _map_leaves(args, lambda v: _NONE if v is None else v)
 
 
-def _dec(x):
+def _dec(args):
     """The inverse of :func:`_enc`."""
-    return _map_leaves(x, lambda v: None if isinstance(v, _NoneArg) else v)
+    return _map_leaves(args, lambda v: None if isinstance(v, _NoneArg) else v)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -221,19 +221,19 @@ def _func_index(func) -> int:
     return i
 
 
-def _symbolic_shape(x):
-    """The first shape with a symbolic (dynamic) size among the tensors in ``x``, else None."""
-    if isinstance(x, torch.Tensor):
-        local = getattr(x, "_local_tensor", None)
-        for t in (x,) if local is None else (x, local):
+def _symbolic_shape(value):
+    """The first shape with a symbolic (dynamic) size among the tensors in ``value``, else None."""
+    if isinstance(value, torch.Tensor):
+        local = getattr(value, "_local_tensor", None)
+        for t in (value,) if local is None else (value, local):
             if any(isinstance(d, torch.SymInt) for d in t.shape):
                 return tuple(t.shape)
         return None
-    if isinstance(x, dict):
-        x = x.values()
-    elif not isinstance(x, (tuple, list)):
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
         return None
-    for v in x:
+    for v in value:
         s = _symbolic_shape(v)
         if s is not None:
             return s
@@ -326,8 +326,8 @@ def traceable_method(orig, name, static=False):
 
 
 # ----------------------------------------------------------------------------- eager hooks
-def eager_hook(fn):
-    """``fn`` (a module hook) that always runs eagerly, also when its module is compiled.
+def eager_hook(module_hook):
+    """``module_hook`` that always runs eagerly, also when its module is compiled.
 
     ``torch.compile(module)`` runs the module's hooks as frames of their own, which
     dynamo would trace. FSDP's pre/post-forward hooks keep Python state (unshard,
@@ -341,12 +341,12 @@ def eager_hook(fn):
 
     disabled = []
 
-    @functools.wraps(fn)
+    @functools.wraps(module_hook)
     def hook(*args, **kwargs):
         if not _STATE["dynamo_loaded"]:
-            return fn(*args, **kwargs)
+            return module_hook(*args, **kwargs)
         if not disabled:
-            disabled.append(torch._dynamo.disable(fn, recursive=True))
+            disabled.append(torch._dynamo.disable(module_hook, recursive=True))
         return disabled[0](*args, **kwargs)
     return hook
 

@@ -33,8 +33,9 @@ Design (one screen)
   local tensors or on sequence-sharded DTensors.
 * **Files.** ``plan.py``/``masks.py``: which positions each rank holds and which blocks are computed
   (no torch); ``api.py``: the attention entry points; ``ring.py``/``kernels.py``: the ring autograd
-  Function and block kernels; ``sdpa.py``/``intercept.py``: SDPA interception; ``opaque.py``: the
-  custom op for ``torch.compile``; ``torch_mechanics.py``: the torch operations the plan runs on.
+  Function and block kernels; ``sdpa_interception.py``: every route by which an SDPA call becomes
+  context-parallel (function mode, the ``torch.compile`` custom op, the DTensor rule);
+  ``torch_mechanics.py``: the torch operations the plan runs on.
   Imports: the ground floor, ``dtensor``, ``dispatch`` and the ``ParallelStyle`` base class.
 
 Communication per layer forward, per rank (``b`` = bytes of this rank's K+V shard, ``q``/``o`` its
@@ -44,7 +45,7 @@ all_to_alls of ``(cp-1)/cp * (q + b + o)`` bytes in all.
 """
 from hyper_parallel.context_parallel.api import (context_parallel_attention, hybrid_attention, options, ring_attention,
                                                  ulysses_attention)
-from hyper_parallel.context_parallel.intercept import attention_mask
+from hyper_parallel.context_parallel.sdpa_interception import attention_mask
 from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
 from hyper_parallel.context_parallel.masks import CausalMask, DocumentMask, Mask, NoMask, SlidingWindowMask
 from hyper_parallel.context_parallel.plan import shard_layout

@@ -61,15 +61,15 @@ def _check_rotate(rotate, what):
     return rotate
 
 
-def _mesh_dims(mesh, method, what):
+def _ulysses_ring_groups(mesh, method, what):
     """(U, R, ulysses group, ring group, flat index of this rank) for ``method`` on ``mesh``."""
     if method == "hybrid":
         if mesh.ndim != 2:
-            raise ValueError(f"{what}: method='hybrid' needs a 2-D cp mesh (dim 0 Ulysses, dim 1 ring), got a "
-                             f"{mesh.ndim}-D mesh {mesh}")
+            raise ValueError(f"{what}: method='hybrid' needs a 2-D cp mesh (mesh dim 0 Ulysses, mesh dim 1 ring), "
+                             f"got a {mesh.ndim}-D mesh {mesh}")
     elif mesh.ndim != 1:
         raise ValueError(f"{what}: method={method!r} needs a 1-D cp mesh, got a {mesh.ndim}-D mesh {mesh} (slice "
-                         "the cp dim, e.g. mesh['cp'], or use method='hybrid' on a 2-D mesh)")
+                         "the cp mesh dim, e.g. mesh['cp'], or use method='hybrid' on a 2-D mesh)")
     coord = mesh.get_coordinate()
     if coord is None:
         raise RuntimeError(f"{what}: this rank is not part of the cp mesh {mesh}")
@@ -93,7 +93,7 @@ def _flat_index(mesh):
     return f
 
 
-def _seq_layout(mesh, L, seq_len, load_balance, what, order=None):
+def _seq_layout(mesh, local_len, seq_len, load_balance, what, order=None):
     """(global length, per batch row of the order, per rank, the segments it holds) of plain-tensor inputs.
 
     The order is explicit: ``order=`` (a :class:`~.order.SequenceOrder`), else the one the last shard
@@ -106,14 +106,14 @@ def _seq_layout(mesh, L, seq_len, load_balance, what, order=None):
         if not isinstance(order, SequenceOrder):
             raise TypeError(f"{what}: order must be a hyper_parallel.context_parallel.SequenceOrder, got "
                             f"{type(order).__name__}")
-        if order.cp != cp or order.local_len(f) != L or (seq_len is not None and seq_len != order.seq_len):
-            raise ValueError(f"{what}: this rank (cp index {f} of {cp}) holds {L} sequence rows, which does not fit "
-                             f"the given order {order!r} (it gives this rank {order.local_len(f)} rows of "
+        if order.cp != cp or order.local_len(f) != local_len or (seq_len is not None and seq_len != order.seq_len):
+            raise ValueError(f"{what}: this rank (cp index {f} of {cp}) holds {local_len} sequence rows, which does "
+                             f"not fit the given order {order!r} (it gives this rank {order.local_len(f)} rows of "
                              f"{order.seq_len} over cp {order.cp})")
         return order.seq_len, order.layouts()
     if seq_len is None:
         rec = recorded(group_key(mesh))
-        if rec is not None and rec.cp == cp and rec.local_len(f) == L:
+        if rec is not None and rec.cp == cp and rec.local_len(f) == local_len:
             ours = SequenceOrder.from_layout(shard_layout(rec.seq_len, cp, bool(load_balance)))
             if rec != ours:
                 raise ValueError(f"{what}: the inputs were sharded in the order {rec!r}, not in hyper_parallel's "
@@ -121,10 +121,10 @@ def _seq_layout(mesh, L, seq_len, load_balance, what, order=None):
                                  "and the attention, or pass order=recorded_order(mesh)")
             seq_len = rec.seq_len
         else:
-            seq_len = L * cp
+            seq_len = local_len * cp
     layout = shard_layout(seq_len, cp, bool(load_balance))
-    if seg_len(layout[f]) != L:
-        raise ValueError(f"{what}: this rank (cp index {f} of {cp}) holds {L} sequence rows, but a sequence of "
+    if seg_len(layout[f]) != local_len:
+        raise ValueError(f"{what}: this rank (cp index {f} of {cp}) holds {local_len} sequence rows, but a sequence of "
                          f"{seq_len} positions gives it {seg_len(layout[f])} (load_balance={load_balance}); "
                          "shard the inputs with cp_shard or pass seq_len=")
     return seq_len, [layout]
@@ -164,7 +164,7 @@ def context_parallel_attention(query, key, value, mesh=None, *, method: str = "r
             stream for the score matrix, which is not implemented).
         cp_mesh_dim: the cp mesh dim(s) of ``mesh`` (names or indices; two for ``"hybrid"``): plain
             tensors run on that slice of ``mesh``; DTensors must have their sequence sharded on exactly
-            these dims. Default: the whole ``mesh`` / the dims sharding the DTensors' sequence.
+            these mesh dims. Default: the whole ``mesh`` / the mesh dims sharding the DTensors' sequence.
         order: the sequence order of plain-tensor shards (:class:`~.order.SequenceOrder`; e.g.
             ``recorded_order(mesh)`` after torch's ``_context_parallel_shard`` with any load balancer);
             default: the order the last shard helper recorded for ``mesh``, checked against
@@ -182,29 +182,32 @@ def context_parallel_attention(query, key, value, mesh=None, *, method: str = "r
         return _dtensor_attention(query, key, value, method, mask, scale, rotate, what, cp_mesh_dim)
     mesh = resolve_mesh(mesh, what)
     if cp_mesh_dim is not None:
-        dims = _resolve_cp_dims(mesh, cp_mesh_dim, what)
-        if len(dims) != mesh.ndim or dims != sorted(dims):
+        cp_axes = _resolve_cp_axes(mesh, cp_mesh_dim, what)
+        if len(cp_axes) != mesh.ndim or cp_axes != sorted(cp_axes):
             names = mesh.mesh_dim_names
             if not names:
                 raise ValueError(f"{what}: slicing cp_mesh_dim={cp_mesh_dim!r} out of {mesh} needs mesh dim names")
-            sel = tuple(names[d] for d in dims)
+            sel = tuple(names[axis] for axis in cp_axes)
             mesh = mesh[sel if len(sel) > 1 else sel[0]]
     _check_qkv(query, key, value, what)
     L = query.shape[-2]
     S, layouts = _seq_layout(mesh, L, seq_len, load_balance, what, order)
     check_mask_len(mask, S, what)
-    U, R, ug, rg, f = _mesh_dims(mesh, method, what)
+    U, R, ug, rg, f = _ulysses_ring_groups(mesh, method, what)
     return run_ordered(query, key, value, layouts, U, R, ug, rg, f, mask, scale, rotate, what)
 
 
-def run_ordered(q, k, v, layouts, U, R, ug, rg, f, mask, scale, rotate, what):
+def run_ordered(query, key, value, layouts, ulysses_size, ring_size, ulysses_group, ring_group, flat_index, mask,
+                scale, rotate, what):
     """:func:`_run` with one layout for the batch, or one per batch row (dim 0) of q/k/v."""
     if len(layouts) == 1:
-        return _run(q, k, v, layouts[0], U, R, ug, rg, f, mask, scale, rotate, what)
-    if q.dim() < 4 or q.shape[0] != len(layouts):
+        return _run(query, key, value, layouts[0], ulysses_size, ring_size, ulysses_group, ring_group, flat_index,
+                    mask, scale, rotate, what)
+    if query.dim() < 4 or query.shape[0] != len(layouts):
         raise ValueError(f"{what}: the sequence order has {len(layouts)} batch rows but query has shape "
-                         f"{tuple(q.shape)} (expected batch dim 0 of size {len(layouts)})")
-    outs = [_run(q[b], k[b], v[b], layouts[b], U, R, ug, rg, f, mask, scale, rotate, what)
+                         f"{tuple(query.shape)} (expected batch dim 0 of size {len(layouts)})")
+    outs = [_run(query[b], key[b], value[b], layouts[b], ulysses_size, ring_size, ulysses_group, ring_group,
+                 flat_index, mask, scale, rotate, what)
             for b in range(len(layouts))]
     return _tm.stack(outs, 0)
 
@@ -224,67 +227,69 @@ def hybrid_attention(query, key, value, mesh=None, **kwargs):
     return context_parallel_attention(query, key, value, mesh, method="hybrid", **kwargs)
 
 
-def _check_qkv(q, k, v, what):
-    for name, t in (("query", q), ("key", k), ("value", v)):
+def _check_qkv(query, key, value, what):
+    for name, t in (("query", query), ("key", key), ("value", value)):
         if not _tm.is_tensor(t):
             raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
         if t.dim() < 3:
             raise ValueError(f"{what}: {name} must be [..., heads, seq, head_dim] (>= 3 dims), got shape "
                              f"{tuple(t.shape)}")
-    if not (q.dim() == k.dim() == v.dim()):
+    if not (query.dim() == key.dim() == value.dim()):
         raise ValueError(f"{what}: query, key and value must have the same number of dims, got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[-2] != q.shape[-2] or v.shape[-2] != q.shape[-2]:
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[-2] != query.shape[-2] or value.shape[-2] != query.shape[-2]:
         raise ValueError(f"{what}: mismatched sequence shards between query and key/value: local sequence lengths "
-                         f"query {q.shape[-2]}, key {k.shape[-2]}, value {v.shape[-2]}; context parallelism "
+                         f"query {query.shape[-2]}, key {key.shape[-2]}, value {value.shape[-2]}; context parallelism "
                          "expects self-attention shards of one layout (equal local lengths)")
-    if tuple(k.shape[:-3]) != tuple(q.shape[:-3]) or tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-        raise ValueError(f"{what}: batch dims of query/key/value must agree, got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{what}: query and key head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
-    hq, hk = q.shape[-3], k.shape[-3]
+    if tuple(key.shape[:-3]) != tuple(query.shape[:-3]) or tuple(value.shape[:-1]) != tuple(key.shape[:-1]):
+        raise ValueError(f"{what}: batch dims of query/key/value must agree, got shapes {tuple(query.shape)}, "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"{what}: query and key head dims differ: {query.shape[-1]} vs {key.shape[-1]}")
+    hq, hk = query.shape[-3], key.shape[-3]
     if hk < 1 or hq % hk:
         raise ValueError(f"{what}: the number of query heads ({hq}) must be a multiple of the number of key/value "
                          f"heads ({hk})")
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(ring_layout, me, mask):
-    return ring_schedule([list(s) for s in ring_layout], me, mask)
+def _schedule(ring_layout, ring_index, mask):
+    return ring_schedule([list(s) for s in ring_layout], ring_index, mask)
 
 
-def _run(q, k, v, layout, U, R, ug, rg, f, mask, scale, rotate, what):
+def _run(query, key, value, layout, ulysses_size, ring_size, ulysses_group, ring_group, flat_index, mask, scale,
+         rotate, what):
     impl = _tm
-    lead = tuple(q.shape[:-3])
-    hq, hk = q.shape[-3], k.shape[-3]
-    q4 = q.reshape((-1,) + tuple(q.shape[-3:]))
-    k4 = k.reshape((-1,) + tuple(k.shape[-3:]))
-    v4 = v.reshape((-1,) + tuple(v.shape[-3:]))
+    lead = tuple(query.shape[:-3])
+    hq, hk = query.shape[-3], key.shape[-3]
+    q4 = query.reshape((-1,) + tuple(query.shape[-3:]))
+    k4 = key.reshape((-1,) + tuple(key.shape[-3:]))
+    v4 = value.reshape((-1,) + tuple(value.shape[-3:]))
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    r_me, u_me = f % R, f // R
-    if U > 1:
-        q_sizes = head_split(hq, U, what)
-        rep, kv_sizes = kv_head_plan(hq, hk, U, what)
-        seq_sizes = [seg_len(layout[ui * R + r_me]) for ui in range(U)]
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    r_me, u_me = flat_index % ring_size, flat_index // ring_size
+    if ulysses_size > 1:
+        q_sizes = head_split(hq, ulysses_size, what)
+        rep, kv_sizes = kv_head_plan(hq, hk, ulysses_size, what)
+        seq_sizes = [seg_len(layout[ui * ring_size + r_me]) for ui in range(ulysses_size)]
         k4, v4 = impl.repeat_heads(k4, rep), impl.repeat_heads(v4, rep)
-        q4 = impl.all_to_all(q4, ug, 1, 2, q_sizes, seq_sizes)
-        k4 = impl.all_to_all(k4, ug, 1, 2, kv_sizes, seq_sizes)
-        v4 = impl.all_to_all(v4, ug, 1, 2, kv_sizes, seq_sizes)
-        ring_layout = tuple(tuple(concat_layout(layout, [ui * R + rr for ui in range(U)])) for rr in range(R))
+        q4 = impl.all_to_all(q4, ulysses_group, 1, 2, q_sizes, seq_sizes)
+        k4 = impl.all_to_all(k4, ulysses_group, 1, 2, kv_sizes, seq_sizes)
+        v4 = impl.all_to_all(v4, ulysses_group, 1, 2, kv_sizes, seq_sizes)
+        ring_layout = tuple(tuple(concat_layout(layout, [ui * ring_size + rr for ui in range(ulysses_size)]))
+                            for rr in range(ring_size))
     else:
-        ring_layout = tuple(tuple(layout[rr]) for rr in range(R))
+        ring_layout = tuple(tuple(layout[rr]) for rr in range(ring_size))
     sched = _schedule(ring_layout, r_me, mask)
-    plan = RingPlan(rg if R > 1 else None, sched, [seg_len(s) for s in ring_layout], mask.spec(), float(scale),
-                    rotate)
+    plan = RingPlan(ring_group if ring_size > 1 else None, sched, [seg_len(s) for s in ring_layout], mask.spec(),
+                    float(scale), rotate)
     out = impl.ring_attention(q4, k4, v4, plan)
-    if U > 1:
-        out = impl.all_to_all(out, ug, 2, 1, seq_sizes, q_sizes)
+    if ulysses_size > 1:
+        out = impl.all_to_all(out, ulysses_group, 2, 1, seq_sizes, q_sizes)
     return out.reshape(lead + tuple(out.shape[-3:]))
 
 
-def _resolve_cp_dims(mesh, cp_mesh_dim, what):
+def _resolve_cp_axes(mesh, cp_mesh_dim, what):
     dims = list(cp_mesh_dim) if isinstance(cp_mesh_dim, (tuple, list)) else [cp_mesh_dim]
     names = tuple(mesh.mesh_dim_names or ())
     out = []
@@ -299,37 +304,37 @@ def _resolve_cp_dims(mesh, cp_mesh_dim, what):
     return out
 
 
-def _dtensor_attention(q, k, v, method, mask, scale, rotate, what, cp_mesh_dim=None):
-    for name, t in (("query", q), ("key", k), ("value", v)):
+def _dtensor_attention(query, key, value, method, mask, scale, rotate, what, cp_mesh_dim=None):
+    for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, DTensor):
             raise TypeError(f"{what}: query, key and value must all be DTensors or all plain tensors; {name} is a "
                             f"{type(t).__name__}")
-    mesh, pl, nd = q.device_mesh, tuple(q.placements), q.ndim
-    for name, t in (("key", k), ("value", v)):
+    mesh, pl, nd = query.device_mesh, tuple(query.placements), query.ndim
+    for name, t in (("key", key), ("value", value)):
         if t.device_mesh != mesh or tuple(t.placements) != pl:
             raise ValueError(f"{what}: mismatched sequence shards between query and {name}: query placements {pl}, "
                              f"{name} placements {tuple(t.placements)} (expected the same mesh and placements)")
     seq = nd - 2
-    dims = [i for i, p in enumerate(pl) if isinstance(p, Shard) and p.dim % nd == seq]
+    cp_axes = [axis for axis, p in enumerate(pl) if isinstance(p, Shard) and p.dim % nd == seq]
     names = mesh.mesh_dim_names
     need = 2 if method == "hybrid" else 1
     if cp_mesh_dim is not None:
-        want = _resolve_cp_dims(mesh, cp_mesh_dim, what)
-        if want != dims:
-            raise ValueError(f"{what}: the sequence dim {seq} of query (global shape {tuple(q.shape)}) is not sharded "
-                             f"on the cp mesh dim(s) {cp_mesh_dim!r} (mesh dims {want}); its placements are {pl} "
-                             f"(expected Shard({seq}) on exactly those mesh dims)")
-    if len(dims) != need:
-        raise ValueError(f"{what}: the sequence dim {seq} of query (global shape {tuple(q.shape)}) must be sharded "
+        want = _resolve_cp_axes(mesh, cp_mesh_dim, what)
+        if want != cp_axes:
+            raise ValueError(f"{what}: the sequence dim {seq} of query (global shape {tuple(query.shape)}) is not "
+                             f"sharded on the cp mesh dim(s) {cp_mesh_dim!r} (mesh dims {want}); its placements are "
+                             f"{pl} (expected Shard({seq}) on exactly those mesh dims)")
+    if len(cp_axes) != need:
+        raise ValueError(f"{what}: the sequence dim {seq} of query (global shape {tuple(query.shape)}) must be sharded "
                          f"on {need} cp mesh dim(s) (Shard({seq})), got placements {pl} on mesh dims "
                          f"{names or tuple(range(mesh.ndim))}")
-    _check_qkv(q.to_local(), k.to_local(), v.to_local(), what)
+    _check_qkv(query.to_local(), key.to_local(), value.to_local(), what)
     coord = mesh.get_coordinate()
-    sizes = [mesh.shape[d] for d in dims]
+    sizes = [mesh.shape[axis] for axis in cp_axes]
     f = 0
-    for d in dims:
-        f = f * mesh.shape[d] + coord[d]
-    S = q.shape[seq]
+    for axis in cp_axes:
+        f = f * mesh.shape[axis] + coord[axis]
+    S = query.shape[seq]
     cp = 1
     for s in sizes:
         cp *= s
@@ -337,13 +342,13 @@ def _dtensor_attention(q, k, v, method, mask, scale, rotate, what, cp_mesh_dim=N
     check_mask_len(mask, S, what)
     if method == "hybrid":
         U, R = sizes
-        ug, rg = mesh.get_comm_group(dims[0]), mesh.get_comm_group(dims[1])
+        ug, rg = mesh.get_comm_group(cp_axes[0]), mesh.get_comm_group(cp_axes[1])
     elif method == "ring":
-        U, R, ug, rg = 1, cp, None, mesh.get_comm_group(dims[0])
+        U, R, ug, rg = 1, cp, None, mesh.get_comm_group(cp_axes[0])
     else:
-        U, R, ug, rg = cp, 1, mesh.get_comm_group(dims[0]), None
-    out = _run(q.to_local(), k.to_local(), v.to_local(), layout, U, R, ug, rg, f, mask, scale, rotate, what)
-    shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+        U, R, ug, rg = cp, 1, mesh.get_comm_group(cp_axes[0]), None
+    out = _run(query.to_local(), key.to_local(), value.to_local(), layout, U, R, ug, rg, f, mask, scale, rotate, what)
+    shape = tuple(query.shape[:-1]) + (value.shape[-1],)
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

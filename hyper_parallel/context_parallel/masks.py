@@ -32,7 +32,7 @@ class Mask:
     kind = "?"
     causal = False
 
-    def classify(self, qs: int, qe: int, ks: int, ke: int) -> int:
+    def classify(self, q_start: int, q_end: int, k_start: int, k_end: int) -> int:
         raise NotImplementedError
 
     def spec(self):
@@ -44,8 +44,8 @@ class Mask:
 class NoMask(Mask):
     kind = "none"
 
-    def classify(self, qs, qe, ks, ke):
-        return FULL if qe > qs and ke > ks else EMPTY
+    def classify(self, q_start, q_end, k_start, k_end):
+        return FULL if q_end > q_start and k_end > k_start else EMPTY
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,10 @@ class CausalMask(Mask):
     kind = "causal"
     causal = True
 
-    def classify(self, qs, qe, ks, ke):
-        if qe <= qs or ke <= ks or ks > qe - 1:
+    def classify(self, q_start, q_end, k_start, k_end):
+        if q_end <= q_start or k_end <= k_start or k_start > q_end - 1:
             return EMPTY
-        return FULL if ke - 1 <= qs else PARTIAL
+        return FULL if k_end - 1 <= q_start else PARTIAL
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,11 @@ class SlidingWindowMask(Mask):
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ValueError(f"SlidingWindowMask: window must be an int >= 1, got {self.window!r}")
 
-    def classify(self, qs, qe, ks, ke):
+    def classify(self, q_start, q_end, k_start, k_end):
         w = self.window
-        if qe <= qs or ke <= ks or ks > qe - 1 or ke - 1 <= qs - w:
+        if q_end <= q_start or k_end <= k_start or k_start > q_end - 1 or k_end - 1 <= q_start - w:
             return EMPTY
-        return FULL if ke - 1 <= qs and ks > qe - 1 - w else PARTIAL
+        return FULL if k_end - 1 <= q_start and k_start > q_end - 1 - w else PARTIAL
 
     def spec(self):
         return (self.kind, self.window)
@@ -120,14 +120,14 @@ class DocumentMask(Mask):
     def doc(self, pos: int) -> int:
         return bisect.bisect_right(self.cu_seqlens, pos) - 1
 
-    def classify(self, qs, qe, ks, ke):
-        if qe <= qs or ke <= ks or (self.causal and ks > qe - 1):
+    def classify(self, q_start, q_end, k_start, k_end):
+        if q_end <= q_start or k_end <= k_start or (self.causal and k_start > q_end - 1):
             return EMPTY
-        dq0, dq1, dk0, dk1 = self.doc(qs), self.doc(qe - 1), self.doc(ks), self.doc(ke - 1)
+        dq0, dq1, dk0, dk1 = self.doc(q_start), self.doc(q_end - 1), self.doc(k_start), self.doc(k_end - 1)
         if dq1 < dk0 or dk1 < dq0:
             return EMPTY
         if dq0 == dq1 == dk0 == dk1:
-            return FULL if not self.causal or ke - 1 <= qs else PARTIAL
+            return FULL if not self.causal or k_end - 1 <= q_start else PARTIAL
         return PARTIAL
 
     def spec(self):
@@ -218,10 +218,10 @@ def step_calls(q_segs: Sequence[Segment], k_segs: Sequence[Segment], mask: Mask)
     return calls
 
 
-def ring_schedule(ring_layout: Sequence[Sequence[Segment]], me: int, mask: Mask) -> List[List[Call]]:
-    """Rank ``me``'s calls at every ring step ``i`` (K/V block of ring rank ``(me - i) % R``)."""
+def ring_schedule(ring_layout: Sequence[Sequence[Segment]], ring_index: int, mask: Mask) -> List[List[Call]]:
+    """Rank ``ring_index``'s calls at every ring step ``i`` (K/V block of ring rank ``(ring_index - i) % R``)."""
     R = len(ring_layout)
-    return [step_calls(ring_layout[me], ring_layout[(me - i) % R], mask) for i in range(R)]
+    return [step_calls(ring_layout[ring_index], ring_layout[(ring_index - i) % R], mask) for i in range(R)]
 
 
 def schedule_work(sched: Sequence[Sequence[Call]]) -> int:

@@ -37,7 +37,7 @@ class SequenceOrder:
 
     __slots__ = ("perm", "cp", "source", "_layouts")
 
-    def __init__(self, perm: Sequence[Sequence[int]], cp: int, source: str = "", what: str = "SequenceOrder"):
+    def __init__(self, perm: Sequence[Sequence[int]], cp_size: int, source: str = "", what: str = "SequenceOrder"):
         rows = tuple(tuple(int(i) for i in row) for row in perm)
         if not rows:
             raise ValueError(f"{what}: the reorder indices are empty (expected shape (1, seq_len) or (B, seq_len))")
@@ -47,11 +47,11 @@ class SequenceOrder:
                 raise ValueError(f"{what}: reorder indices row {b} is not a permutation of range({S}) (got "
                                  f"{list(row[:16])}{'...' if len(row) > 16 else ''}); a load balancer must "
                                  "return a permutation of the sequence positions")
-        if not isinstance(cp, int) or cp < 1:
-            raise ValueError(f"{what}: cp degree must be an int >= 1, got {cp!r}")
-        if S < cp:
-            raise ValueError(f"{what}: sequence length {S} is smaller than the cp degree {cp}")
-        self.perm, self.cp, self.source = rows, cp, source
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"{what}: cp degree must be an int >= 1, got {cp_size!r}")
+        if S < cp_size:
+            raise ValueError(f"{what}: sequence length {S} is smaller than the cp degree {cp_size}")
+        self.perm, self.cp, self.source = rows, cp_size, source
         self._layouts = None
 
     @classmethod
@@ -65,8 +65,8 @@ class SequenceOrder:
         return order
 
     @classmethod
-    def natural(cls, seq_len: int, cp: int, source: str = "") -> "SequenceOrder":
-        return cls([list(range(seq_len))], cp, source)
+    def natural(cls, seq_len: int, cp_size: int, source: str = "") -> "SequenceOrder":
+        return cls([list(range(seq_len))], cp_size, source)
 
     @property
     def seq_len(self) -> int:

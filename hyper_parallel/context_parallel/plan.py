@@ -20,58 +20,58 @@ Segment = Tuple[int, int]  # (global start, length)
 Layout = List[List[Segment]]
 
 
-def balanced_sizes(n: int, parts: int) -> List[int]:
-    """``n`` split into ``parts`` sizes differing by at most one, larger first."""
+def balanced_sizes(total: int, parts: int) -> List[int]:
+    """``total`` split into ``parts`` sizes differing by at most one, larger first."""
     if parts < 1:
         raise ValueError(f"balanced_sizes: parts must be >= 1, got {parts}")
-    q, e = divmod(n, parts)
+    q, e = divmod(total, parts)
     return [q + (1 if i < e else 0) for i in range(parts)]
 
 
-def check_seq_len(seq_len: int, cp: int, what: str) -> None:
+def check_seq_len(seq_len: int, cp_size: int, what: str) -> None:
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 0:
         raise ValueError(f"{what}: sequence length must be a non-negative int, got {seq_len!r}")
-    if seq_len < cp:
-        raise ValueError(f"{what}: sequence length {seq_len} is smaller than the cp degree {cp}; every cp rank "
-                         f"needs at least one position (expected seq_len >= {cp})")
+    if seq_len < cp_size:
+        raise ValueError(f"{what}: sequence length {seq_len} is smaller than the cp degree {cp_size}; every cp rank "
+                         f"needs at least one position (expected seq_len >= {cp_size})")
 
 
-def zigzag_chunk_sizes(seq_len: int, cp: int) -> List[int]:
-    """Lengths of the ``2 * cp`` head-tail chunks (chunk ``c`` covers positions in order)."""
-    q, e = divmod(seq_len, 2 * cp)
-    sizes = [q] * (2 * cp)
-    for r in range(min(e, cp)):
+def zigzag_chunk_sizes(seq_len: int, cp_size: int) -> List[int]:
+    """Lengths of the ``2 * cp_size`` head-tail chunks (chunk ``c`` covers positions in order)."""
+    q, e = divmod(seq_len, 2 * cp_size)
+    sizes = [q] * (2 * cp_size)
+    for r in range(min(e, cp_size)):
         sizes[r] += 1                   # head chunk of rank r
-    for r in range(max(0, e - cp)):
-        sizes[2 * cp - 1 - r] += 1      # tail chunk of rank r
+    for r in range(max(0, e - cp_size)):
+        sizes[2 * cp_size - 1 - r] += 1      # tail chunk of rank r
     return sizes
 
 
-def shard_layout(seq_len: int, cp: int, load_balance: bool) -> Layout:
+def shard_layout(seq_len: int, cp_size: int, load_balance: bool) -> Layout:
     """Per cp rank, the segments of global positions it holds (in local order)."""
-    check_seq_len(seq_len, cp, "cp layout")
+    check_seq_len(seq_len, cp_size, "cp layout")
     if not load_balance:
         out, start = [], 0
-        for n in balanced_sizes(seq_len, cp):
+        for n in balanced_sizes(seq_len, cp_size):
             out.append([(start, n)])
             start += n
         return out
-    sizes = zigzag_chunk_sizes(seq_len, cp)
+    sizes = zigzag_chunk_sizes(seq_len, cp_size)
     starts = [0]
     for n in sizes[:-1]:
         starts.append(starts[-1] + n)
     out = []
-    for r in range(cp):
-        segs = [(starts[c], sizes[c]) for c in (r, 2 * cp - 1 - r) if sizes[c] > 0]
+    for r in range(cp_size):
+        segs = [(starts[c], sizes[c]) for c in (r, 2 * cp_size - 1 - r) if sizes[c] > 0]
         out.append(segs)
     return out
 
 
-def chunk_layout(seq_len: int, cp: int) -> Layout:
+def chunk_layout(seq_len: int, cp_size: int) -> Layout:
     """The layout of a ``Shard(seq)`` DTensor (``torch.chunk`` rules: ceil-sized, last pieces short/empty)."""
-    c = -(-seq_len // cp) if cp else 0
+    c = -(-seq_len // cp_size) if cp_size else 0
     out = []
-    for r in range(cp):
+    for r in range(cp_size):
         s = min(r * c, seq_len)
         out.append([(s, max(0, min(c, seq_len - s)))])
     return out
@@ -125,29 +125,29 @@ def is_identity(idx: Sequence[int]) -> bool:
     return all(i == j for j, i in enumerate(idx))
 
 
-def head_split(n_heads: int, cp: int, what: str) -> List[int]:
-    """Heads per rank for Ulysses (uneven when ``cp`` does not divide ``n_heads``)."""
-    if n_heads < cp:
-        raise ValueError(f"{what}: Ulysses cannot split {n_heads} query heads over cp degree {cp}; every rank "
-                         f"needs at least one head (expected n_heads >= {cp}; use method='ring' or 'hybrid')")
-    return balanced_sizes(n_heads, cp)
+def head_split(n_heads: int, cp_size: int, what: str) -> List[int]:
+    """Heads per rank for Ulysses (uneven when ``cp_size`` does not divide ``n_heads``)."""
+    if n_heads < cp_size:
+        raise ValueError(f"{what}: Ulysses cannot split {n_heads} query heads over cp degree {cp_size}; every rank "
+                         f"needs at least one head (expected n_heads >= {cp_size}; use method='ring' or 'hybrid')")
+    return balanced_sizes(n_heads, cp_size)
 
 
-def kv_head_plan(n_q: int, n_kv: int, cp: int, what: str) -> Tuple[int, List[int]]:
+def kv_head_plan(n_q: int, n_kv: int, cp_size: int, what: str) -> Tuple[int, List[int]]:
     """Ulysses K/V heads: (replication factor applied before the all_to_all, per-rank kv head counts).
 
-    Even query split (``cp | n_q``): K/V heads are repeated ``lcm(n_kv, cp) / n_kv`` times (1 when
-    ``cp | n_kv``), so rank r's query heads find their K/V heads locally with the same GQA grouping.
+    Even query split (``cp_size | n_q``): K/V heads are repeated ``lcm(n_kv, cp_size) / n_kv`` times (1 when
+    ``cp_size | n_kv``), so rank r's query heads find their K/V heads locally with the same GQA grouping.
     Uneven query split: K/V are expanded to one head per query head and split like the queries.
     """
     if n_kv < 1 or n_q % n_kv:
         raise ValueError(f"{what}: the number of query heads ({n_q}) must be a multiple of the number of "
                          f"key/value heads ({n_kv})")
-    qs = head_split(n_q, cp, what)
-    if n_q % cp == 0:
+    qs = head_split(n_q, cp_size, what)
+    if n_q % cp_size == 0:
         import math
-        f = (n_kv * cp // math.gcd(n_kv, cp)) // n_kv
-        return f, balanced_sizes(n_kv * f, cp)
+        f = (n_kv * cp_size // math.gcd(n_kv, cp_size)) // n_kv
+        return f, balanced_sizes(n_kv * f, cp_size)
     return n_q // n_kv, qs
 
 

@@ -39,22 +39,22 @@ def _tick():
     return time.perf_counter() if STATS is not None else 0.0
 
 
-def _add(key, t0):
+def _add(key, start):
     if STATS is not None:
-        STATS[key] = STATS.get(key, 0.0) + time.perf_counter() - t0
+        STATS[key] = STATS.get(key, 0.0) + time.perf_counter() - start
 
 
 class _Exchange:
-    """One posted ring exchange: send ``buf`` to the next rank, receive ``n`` elements from the previous."""
+    """One posted ring exchange: send ``buf`` to the next rank, receive ``recv_numel`` elements from the previous."""
 
-    def __init__(self, buf, n, group):
+    def __init__(self, buf, recv_numel, group):
         me, R = group.rank, group.size
         nxt, prv = group.ranks[(me + 1) % R], group.ranks[(me - 1) % R]
         buf = buf.contiguous()
-        self.recv = buf.new_empty(n)
+        self.recv = buf.new_empty(recv_numel)
         esz = buf.element_size()
         rec.record(rec.SEND, buf.numel() * esz, (group.ranks[me], nxt))
-        rec.record(rec.RECV, n * esz, (prv, group.ranks[me]))
+        rec.record(rec.RECV, recv_numel * esz, (prv, group.ranks[me]))
         self._keep = buf
         self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, nxt, group=group.handle),
                                             dist.P2POp(dist.irecv, self.recv, prv, group=group.handle)])
@@ -86,14 +86,14 @@ class _AllGather:
         return [self.out.narrow(0, i * m, n) for i, n in enumerate(self.sizes)]
 
 
-def _pack(k, v):
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
+def _pack(key, value):
+    return torch.cat([key.reshape(-1), value.reshape(-1)])
 
 
-def _unpack(buf, kshape, vshape, n):
-    """K, V of a block with ``n`` rows from a packed buffer (shapes of this rank's block, rows replaced)."""
-    ks = kshape[:-2] + (n, kshape[-1])
-    vs = vshape[:-2] + (n, vshape[-1])
+def _unpack(buf, kshape, vshape, rows):
+    """K, V of a block with ``rows`` rows from a packed buffer (shapes of this rank's block, rows replaced)."""
+    ks = kshape[:-2] + (rows, kshape[-1])
+    vs = vshape[:-2] + (rows, vshape[-1])
     nk = ks[0] * ks[1] * ks[2] * ks[3]
     return buf[:nk].view(ks), buf[nk:].view(vs)
 
@@ -107,11 +107,11 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
-        out, lse = _forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, query, key, value, plan):
+        out, lse = _forward(query, key, value, plan)
+        ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan = plan
-        return out.to(q.dtype)
+        return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -120,75 +120,75 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _fold(x, hk):
-    B, H, L, D = x.shape
-    return x.reshape(B, hk, H // hk, L, D)
+def _fold(tensor, kv_heads):
+    B, H, L, D = tensor.shape
+    return tensor.reshape(B, kv_heads, H // kv_heads, L, D)
 
 
-def _run_calls(calls, q5, kb, vb, plan, acc_o, acc_l, written):
+def _run_calls(calls, query5, key_block, value_block, plan, acc_o, acc_l, written):
     for c in calls:
         t0 = _tick()
-        qc = K.rows(q5, c.q_rows)
-        kc, vc = K.rows(kb, c.k_rows), K.rows(vb, c.k_rows)
-        if K.fused_ok(c, plan.mask_spec, q5, vb):
+        qc = K.rows(query5, c.q_rows)
+        kc, vc = K.rows(key_block, c.k_rows), K.rows(value_block, c.k_rows)
+        if K.fused_ok(c, plan.mask_spec, query5, value_block):
             o, l = K.fused_forward(qc, kc, vc, c.masked, plan.scale)
         else:
-            mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, q5.device) if c.masked else None
+            mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, query5.device) if c.masked else None
             o, l = K.block_forward(qc, kc, vc, mask, plan.scale)
         K.merge_into(acc_o, acc_l, o, l, c.q_rows, written)
         _add("compute_s", t0)
 
 
-def _forward(q, k, v, plan):
-    dt = K.acc_dtype(q.dtype)
-    hk = k.shape[1]
-    q5 = _fold(q.to(dt), hk)
-    k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
+def _forward(query, key, value, plan):
+    dt = K.acc_dtype(query.dtype)
+    hk = key.shape[1]
+    q5 = _fold(query.to(dt), hk)
+    key, value = key.to(dt).contiguous(), value.to(dt).contiguous()
     B, _, g, L, _ = q5.shape
-    acc_o = q5.new_zeros(B, hk, g, L, v.shape[-1])
+    acc_o = q5.new_zeros(B, hk, g, L, value.shape[-1])
     acc_l = q5.new_full((B, hk, g, L), K.NEG_INF)
     written = []
     group, sched = plan.group, plan.schedule
     R = 1 if group is None else group.size
     me = 0 if group is None else group.rank
     if R == 1:
-        _run_calls(sched[0], q5, k, v, plan, acc_o, acc_l, written)
+        _run_calls(sched[0], q5, key, value, plan, acc_o, acc_l, written)
     elif plan.rotate == "allgather":
-        sizes = [n * B * hk * (k.shape[-1] + v.shape[-1]) for n in plan.kv_lens]
-        ag = _AllGather(_pack(k, v), sizes, group)
-        _run_calls(sched[0], q5, k, v, plan, acc_o, acc_l, written)
+        sizes = [n * B * hk * (key.shape[-1] + value.shape[-1]) for n in plan.kv_lens]
+        ag = _AllGather(_pack(key, value), sizes, group)
+        _run_calls(sched[0], q5, key, value, plan, acc_o, acc_l, written)
         blocks = ag.wait()
         for i in range(1, R):
             src = (me - i) % R
-            kb, vb = _unpack(blocks[src], tuple(k.shape), tuple(v.shape), plan.kv_lens[src])
+            kb, vb = _unpack(blocks[src], tuple(key.shape), tuple(value.shape), plan.kv_lens[src])
             _run_calls(sched[i], q5, kb, vb, plan, acc_o, acc_l, written)
     else:
-        kb, vb, buf = k, v, None
+        kb, vb, buf = key, value, None
         for i in range(R):
             src = (me - i) % R
             ex = None
             if i < R - 1:
                 nsrc = (me - i - 1) % R
-                n = plan.kv_lens[nsrc] * B * hk * (k.shape[-1] + v.shape[-1])
+                n = plan.kv_lens[nsrc] * B * hk * (key.shape[-1] + value.shape[-1])
                 ex = _Exchange(_pack(kb, vb) if buf is None else buf, n, group)
             _run_calls(sched[i], q5, kb, vb, plan, acc_o, acc_l, written)
             if ex is not None:
                 buf = ex.wait()
-                kb, vb = _unpack(buf, tuple(k.shape), tuple(v.shape), plan.kv_lens[nsrc])
-    out = acc_o.reshape(B, hk * g, L, v.shape[-1])
+                kb, vb = _unpack(buf, tuple(key.shape), tuple(value.shape), plan.kv_lens[nsrc])
+    out = acc_o.reshape(B, hk * g, L, value.shape[-1])
     return out, acc_l
 
 
-def _bwd_calls(calls, q5, kb, vb, do5, o5, lse, delta, plan, dq5, dkb, dvb):
+def _bwd_calls(calls, query5, key_block, value_block, do5, out5, lse, delta, plan, dq5, dkb, dvb):
     for c in calls:
         t0 = _tick()
-        qc, doc = K.rows(q5, c.q_rows), K.rows(do5, c.q_rows)
+        qc, doc = K.rows(query5, c.q_rows), K.rows(do5, c.q_rows)
         lc, dc = K.rows(lse, c.q_rows, -1), K.rows(delta, c.q_rows, -1)
-        kc, vc = K.rows(kb, c.k_rows), K.rows(vb, c.k_rows)
-        if K.fused_ok(c, plan.mask_spec, q5, vb):
-            dq, dk, dv = K.fused_backward(qc, kc, vc, doc, K.rows(o5, c.q_rows), lc, c.masked, plan.scale)
+        kc, vc = K.rows(key_block, c.k_rows), K.rows(value_block, c.k_rows)
+        if K.fused_ok(c, plan.mask_spec, query5, value_block):
+            dq, dk, dv = K.fused_backward(qc, kc, vc, doc, K.rows(out5, c.q_rows), lc, c.masked, plan.scale)
         else:
-            mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, q5.device) if c.masked else None
+            mask = K.dense_mask(plan.mask_spec, c.q_pos, c.k_pos, query5.device) if c.masked else None
             dq, dk, dv = K.block_backward(qc, kc, vc, doc, lc, dc, mask, plan.scale)
         K.add_rows(dq5, dq, c.q_rows)
         K.add_rows(dkb, dk, c.k_rows)
@@ -196,13 +196,13 @@ def _bwd_calls(calls, q5, kb, vb, do5, o5, lse, delta, plan, dq5, dkb, dvb):
         _add("compute_s", t0)
 
 
-def _backward(q, k, v, out, lse, dout, plan):
-    dt = K.acc_dtype(q.dtype)
-    kdt, vdt = k.dtype, v.dtype
-    hk = k.shape[1]
-    q5 = _fold(q.to(dt), hk)
+def _backward(query, key, value, out, lse, dout, plan):
+    dt = K.acc_dtype(query.dtype)
+    kdt, vdt = key.dtype, value.dtype
+    hk = key.shape[1]
+    q5 = _fold(query.to(dt), hk)
     do5 = _fold(dout.to(dt), hk)
-    k, v = k.to(dt).contiguous(), v.to(dt).contiguous()
+    key, value = key.to(dt).contiguous(), value.to(dt).contiguous()
     B, _, g, L, D = q5.shape
     o5 = _fold(out, hk)
     delta = (do5 * o5).sum(-1)
@@ -210,17 +210,17 @@ def _backward(q, k, v, out, lse, dout, plan):
     group, sched = plan.group, plan.schedule
     R = 1 if group is None else group.size
     me = 0 if group is None else group.rank
-    kshape, vshape = tuple(k.shape), tuple(v.shape)
-    per_row = B * hk * (k.shape[-1] + v.shape[-1])
+    kshape, vshape = tuple(key.shape), tuple(value.shape)
+    per_row = B * hk * (key.shape[-1] + value.shape[-1])
     if R == 1:
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        _bwd_calls(sched[0], q5, k, v, do5, o5, lse, delta, plan, dq5, dk, dv)
+        dk, dv = torch.zeros_like(key), torch.zeros_like(value)
+        _bwd_calls(sched[0], q5, key, value, do5, o5, lse, delta, plan, dq5, dk, dv)
     elif plan.rotate == "allgather":
         sizes = [n * per_row for n in plan.kv_lens]
-        ag = _AllGather(_pack(k, v), sizes, group)
+        ag = _AllGather(_pack(key, value), sizes, group)
         dflat = [None] * R
-        dk0, dv0 = torch.zeros_like(k), torch.zeros_like(v)
-        _bwd_calls(sched[0], q5, k, v, do5, o5, lse, delta, plan, dq5, dk0, dv0)
+        dk0, dv0 = torch.zeros_like(key), torch.zeros_like(value)
+        _bwd_calls(sched[0], q5, key, value, do5, o5, lse, delta, plan, dq5, dk0, dv0)
         dflat[me] = _pack(dk0, dv0)
         blocks = ag.wait()
         for i in range(1, R):
@@ -232,7 +232,7 @@ def _backward(q, k, v, out, lse, dout, plan):
         mine = C.reduce_scatter(torch.cat(dflat), 0, group, sizes)
         dk, dv = _unpack(mine, kshape, vshape, plan.kv_lens[me])
     else:
-        kb, vb, buf = k, v, None
+        kb, vb, buf = key, value, None
         dex = None
         for i in range(R):
             src = (me - i) % R
@@ -253,7 +253,7 @@ def _backward(q, k, v, out, lse, dout, plan):
                 kb, vb = _unpack(buf, kshape, vshape, plan.kv_lens[nsrc])
         dk, dv = _unpack(dex.wait(), kshape, vshape, plan.kv_lens[me])
     dq = dq5.reshape(B, hk * g, L, D)
-    return dq.to(q.dtype), dk.to(kdt), dv.to(vdt)
+    return dq.to(query.dtype), dk.to(kdt), dv.to(vdt)
 
 
 __all__ = ["RingAttention", "STATS"]

@@ -25,12 +25,13 @@ def _containers(buffers, seq_dims, what):
     return list(buffers), list(seq_dims), list
 
 
-def _seq_dim(x, d, i, what):
-    if not _tm.is_tensor(x) or isinstance(x, DTensor):
-        raise TypeError(f"{what}: buffer {i} must be a plain tensor, got {type(x).__name__}")
-    if not isinstance(d, int) or isinstance(d, bool) or not -x.dim() <= d < x.dim():
-        raise ValueError(f"{what}: seq_dims[{i}]={d!r} is not a dim of buffer {i} (shape {tuple(x.shape)})")
-    return d % x.dim()
+def _seq_dim(buffer, seq_dim, index, what):
+    if not _tm.is_tensor(buffer) or isinstance(buffer, DTensor):
+        raise TypeError(f"{what}: buffer {index} must be a plain tensor, got {type(buffer).__name__}")
+    if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or not -buffer.dim() <= seq_dim < buffer.dim():
+        raise ValueError(f"{what}: seq_dims[{index}]={seq_dim!r} is not a dim of buffer {index} "
+                         f"(shape {tuple(buffer.shape)})")
+    return seq_dim % buffer.dim()
 
 
 def cp_shard(mesh, buffers, seq_dims, *, load_balance: bool = True):

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from hyper_parallel.context_parallel import api as _api
-from hyper_parallel.context_parallel.intercept import sdpa_handler
+from hyper_parallel.context_parallel.sdpa_interception import hook_module, sdpa_handler
 from hyper_parallel.dtensor.device_mesh import resolve_mesh
 from hyper_parallel.tensor_parallel.style import ParallelStyle
-from hyper_parallel.context_parallel import torch_mechanics as _tm
 
 
 class ContextParallel(ParallelStyle):
@@ -36,9 +35,9 @@ class ContextParallel(ParallelStyle):
     def apply(self, module, device_mesh):
         what = f"ContextParallel(method={self.method!r})"
         device_mesh = resolve_mesh(device_mesh, what)
-        _api._mesh_dims(device_mesh, self.method, what)   # checks the mesh's dims (and membership) now
+        _api._ulysses_ring_groups(device_mesh, self.method, what)   # checks the mesh's axes (and membership) now
         handler = sdpa_handler(device_mesh, self.method, self.load_balance, None, what)
-        handles = _tm.hook_module(module, handler, what)
+        handles = hook_module(module, handler, what)
         module.__dict__.setdefault("_hp_context_parallel", []).append((self, handles))
         return module
 

@@ -16,7 +16,7 @@ import contextlib
 from typing import List, Optional, Set
 
 from hyper_parallel.context_parallel import api as _api
-from hyper_parallel.context_parallel.intercept import sdpa_handler
+from hyper_parallel.context_parallel.sdpa_interception import SDPAMode, sdpa_handler
 from hyper_parallel.context_parallel.shard import cp_shard, cp_unshard
 from hyper_parallel.dtensor.device_mesh import resolve_mesh
 from hyper_parallel.context_parallel import torch_mechanics as _tm
@@ -49,7 +49,7 @@ def context_parallel(mesh, *, buffers: Optional[List] = None, buffer_seq_dims: O
         if not any(b is x for x in buffers):
             raise ValueError("`no_restore_buffers` must be a subset of `buffers`.")
     method = "hybrid" if mesh.ndim == 2 else "ring"
-    _api._mesh_dims(mesh, method, what)
+    _api._ulysses_ring_groups(mesh, method, what)
     impl = _tm
     lb = _api.options.enable_load_balance
     originals = [None if any(b is x for x in no_restore_buffers) else impl.clone(b) for b in buffers]
@@ -57,7 +57,7 @@ def context_parallel(mesh, *, buffers: Optional[List] = None, buffer_seq_dims: O
         shards = cp_shard(mesh, list(buffers), list(buffer_seq_dims), load_balance=lb)
         for b, s in zip(buffers, shards):
             impl.resize_copy_(b, s)
-    mode = impl.sdpa_mode(sdpa_handler(mesh, method, lb, None, what))
+    mode = SDPAMode(sdpa_handler(mesh, method, lb, None, what))
     mode.__enter__()
     try:
         yield

@@ -1,41 +1,41 @@
-"""The torch operations the context-parallel plan runs on: ring/all_to_all attention pieces, SDPA interception hooks."""
+"""The torch operations the context-parallel plan runs on: ring/all_to_all attention pieces, shard helpers.
+
+SDPA interception (function mode, compile op, DTensor rule) lives in :mod:`.sdpa_interception`."""
 from __future__ import annotations
 
 import torch
 
 from hyper_parallel.distributed import collectives as C
 from hyper_parallel.distributed import differentiable as Fn
-from hyper_parallel.context_parallel import opaque as _opaque
 from hyper_parallel.context_parallel import ring as _ring
 from hyper_parallel.context_parallel.ring import RingAttention
-from hyper_parallel.context_parallel.sdpa import SDPAMode, hook_module
 
 
-def ring_attention(q, k, v, plan):
+def ring_attention(query, key, value, plan):
     """Differentiable ring attention on local ``[B, H, L, D]`` tensors (see :mod:`.ring`)."""
-    return RingAttention.apply(q, k, v, plan)
+    return RingAttention.apply(query, key, value, plan)
 
 
-def all_to_all(x, group, split_dim, cat_dim, split_sizes, cat_sizes):
+def all_to_all(tensor, group, split_dim, cat_dim, split_sizes, cat_sizes):
     """Differentiable all_to_all (uneven sizes allowed); backward is the inverse all_to_all."""
     if group is None or group.size == 1:
-        return x
-    return Fn.AllToAll.apply(x.contiguous(), split_dim, cat_dim, group, list(split_sizes), list(cat_sizes))
+        return tensor
+    return Fn.AllToAll.apply(tensor.contiguous(), split_dim, cat_dim, group, list(split_sizes), list(cat_sizes))
 
 
-def repeat_heads(x, times: int, dim: int = 1):
-    return x if times == 1 else x.repeat_interleave(times, dim=dim)
+def repeat_heads(tensor, times: int, dim: int = 1):
+    return tensor if times == 1 else tensor.repeat_interleave(times, dim=dim)
 
 
-def take(x, dim: int, index):
-    """``x`` rows ``index`` (a list of ints) along ``dim`` (differentiable)."""
-    return torch.index_select(x, dim, torch.tensor(index, dtype=torch.long, device=x.device))
+def take(tensor, dim: int, index):
+    """``tensor`` rows ``index`` (a list of ints) along ``dim`` (differentiable)."""
+    return torch.index_select(tensor, dim, torch.tensor(index, dtype=torch.long, device=tensor.device))
 
 
-def all_gather(x, dim: int, group, sizes):
+def all_gather(tensor, dim: int, group, sizes):
     if group is None or group.size == 1:
-        return x
-    return C.all_gather(x.contiguous(), dim, group, list(sizes))
+        return tensor
+    return C.all_gather(tensor.contiguous(), dim, group, list(sizes))
 
 
 def gather_ints(value: int, group, device):
@@ -46,31 +46,13 @@ def gather_ints(value: int, group, device):
     return [int(a) for a in C.all_gather(t, 0, group).tolist()]
 
 
-def is_tensor(x) -> bool:
-    return isinstance(x, torch.Tensor)
+def is_tensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor)
 
 
-def set_stats(d):
+def set_stats(stats):
     """Benchmarks: a dict that ring steps add ``compute_s`` / ``wait_s`` to (None: off)."""
-    _ring.STATS = d
-
-
-def sdpa_mode(handler):
-    return SDPAMode(handler)
-
-
-def register_sdpa_handler(handler) -> int:
-    """An id for ``handler`` that the compile-opaque op ``hyper_parallel_cp::sdpa`` runs (:mod:`.opaque`)."""
-    return _opaque.register_handler(handler)
-
-
-def is_compiling() -> bool:
-    return _opaque.is_compiling()
-
-
-def opaque_sdpa(hid, q, k, v, is_causal, scale, enable_gqa):
-    """While compiling: one opaque graph node running handler ``hid`` (differentiable)."""
-    return _opaque.sdpa(q, k, v, hid, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))
+    _ring.STATS = stats
 
 
 def resize_copy_(buffer, value):
@@ -79,38 +61,37 @@ def resize_copy_(buffer, value):
         buffer.copy_(value)
 
 
-def clone(x):
+def clone(tensor):
     with torch.no_grad():
-        return x.clone()
+        return tensor.clone()
 
 
 
-def stack(xs, dim: int = 0):
-    return torch.stack(list(xs), dim)
+def stack(tensors, dim: int = 0):
+    return torch.stack(list(tensors), dim)
 
 
-def gather_seq(x, dim: int, index_rows):
-    """``x`` reordered along ``dim`` by ``index_rows`` (shape ``(1, S)`` or ``(B, S)``; batch dim 0), as torch's
+def gather_seq(tensor, dim: int, index_rows):
+    """``tensor`` reordered along ``dim`` by ``index_rows`` (shape ``(1, S)`` or ``(B, S)``; batch dim 0), as torch's
     ``_context_parallel_shard`` does before sharding."""
-    idx = torch.as_tensor(index_rows, dtype=torch.long, device=x.device)
+    idx = torch.as_tensor(index_rows, dtype=torch.long, device=tensor.device)
     if dim == 0:
-        return torch.index_select(x, 0, idx[0])
+        return torch.index_select(tensor, 0, idx[0])
     if idx.shape[0] == 1:
-        idx = idx.expand(x.shape[0], idx.shape[1])
-    shape = [idx.shape[0]] + [1] * (dim - 1) + [idx.shape[1]] + [1] * (x.dim() - dim - 1)
-    return torch.gather(x, dim, idx.reshape(shape).expand(x.shape))
+        idx = idx.expand(tensor.shape[0], idx.shape[1])
+    shape = [idx.shape[0]] + [1] * (dim - 1) + [idx.shape[1]] + [1] * (tensor.dim() - dim - 1)
+    return torch.gather(tensor, dim, idx.reshape(shape).expand(tensor.shape))
 
 
-def chunk_of(x, dim: int, n: int, i: int):
+def chunk_of(tensor, dim: int, chunks: int, index: int):
     """``torch.chunk(x, n, dim)[i]`` (empty past the last chunk), contiguous - DTensor's ``Shard`` local piece."""
-    pieces = torch.chunk(x, n, dim)
-    if i < len(pieces):
-        return pieces[i].contiguous()
-    shape = list(x.shape)
+    pieces = torch.chunk(tensor, chunks, dim)
+    if index < len(pieces):
+        return pieces[index].contiguous()
+    shape = list(tensor.shape)
     shape[dim] = 0
-    return x.new_empty(shape)
+    return tensor.new_empty(shape)
 
 
 __all__ = ["ring_attention", "all_to_all", "repeat_heads", "take", "all_gather", "gather_ints", "is_tensor",
-           "set_stats", "sdpa_mode", "register_sdpa_handler", "is_compiling", "opaque_sdpa", "hook_module",
-           "resize_copy_", "clone", "stack", "gather_seq", "chunk_of"]
+           "set_stats", "resize_copy_", "clone", "stack", "gather_seq", "chunk_of"]

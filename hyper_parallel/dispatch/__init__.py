@@ -14,8 +14,8 @@ Design (one screen)
   switches (strict layouts, replicate fallback, debug). ``strict_layouts.py``: the strict-layout
   verdict and HyperParallel's error messages. ``rules/``: one file per op family, each registering
   ``DistributedOp`` rules (``rules/base.py``: the registry, ``register``/``override``).
-  ``dfunction.py`` (``DFunction``), ``local_map.py``, ``shard_module.py`` + ``sharding_plan.py``
-  (HyperParallel's module API).
+  ``dfunction.py`` (``DFunction``), ``local_map.py``. (HyperParallel's ``shard_module`` /
+  ``ShardingPlan`` live in ``compat/hyperparallel/``.)
 * **Imports.** The ground floor, ``compile``, ``dtensor``; nothing above.
 * **Where a change goes.** A new op: a rule in the family's file under ``rules/``. A new switch:
   ``modes.py``. A change to every op's cost: ``dispatcher.py`` (benchmark with bench_dispatch.py).
@@ -26,5 +26,5 @@ from hyper_parallel.dispatch.rules.op_table import load_all as _load_all
 
 _load_all()
 from hyper_parallel.dispatch.dfunction import DFunction
-from hyper_parallel.dtensor.dispatch_state import SkipDTensorDispatch
+from hyper_parallel.dtensor.skip_and_replication import SkipDTensorDispatch
 from hyper_parallel.dispatch.local_map import local_map, custom_shard

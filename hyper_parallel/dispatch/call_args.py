@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
-from hyper_parallel.dtensor.dispatch_state import IMPLICIT_REPLICATION as _IMPLICIT
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
+from hyper_parallel.dtensor.skip_and_replication import IMPLICIT_REPLICATION as _IMPLICIT
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.placement_types import Replicate
 from hyper_parallel.dispatch.rules import base as _base
@@ -28,37 +28,37 @@ def _op_name(func):
     return n
 
 
-def _signature(a):
+def _signature(arg):
     """Hashable signature of a non-DTensor argument (part of the cache key)."""
-    if isinstance(a, _LEAF_TYPES):
-        return a
-    if isinstance(a, DTensor):
-        return (a._layout, a._gshape)
-    if isinstance(a, _Tensor):
-        return ("T", tuple(a.shape), a.dtype, a.requires_grad)
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__,) + tuple(_signature(x) for x in a)
-    if isinstance(a, slice):
-        return ("slice", _signature(a.start), _signature(a.stop), _signature(a.step))
-    if isinstance(a, dict):
-        return ("dict",) + tuple((k, _signature(v)) for k, v in a.items())
+    if isinstance(arg, _LEAF_TYPES):
+        return arg
+    if isinstance(arg, DTensor):
+        return (arg._layout, arg._gshape)
+    if isinstance(arg, _Tensor):
+        return ("T", tuple(arg.shape), arg.dtype, arg.requires_grad)
+    if isinstance(arg, (list, tuple)):
+        return (type(arg).__name__,) + tuple(_signature(x) for x in arg)
+    if isinstance(arg, slice):
+        return ("slice", _signature(arg.start), _signature(arg.stop), _signature(arg.step))
+    if isinstance(arg, dict):
+        return ("dict",) + tuple((k, _signature(v)) for k, v in arg.items())
     try:
-        hash(a)
-        return a
+        hash(arg)
+        return arg
     except TypeError:
-        return ("id", id(a))
+        return ("id", id(arg))
 
 
-def _signature_without_floats(a):
+def _signature_without_floats(arg):
     """:func:`_signature` with float values replaced by their type (for rules whose answer ignores them)."""
-    t = type(a)
+    t = type(arg)
     if t is float:
         return float
     if t is list or t is tuple:
-        return (t.__name__,) + tuple(_signature_without_floats(x) for x in a)
+        return (t.__name__,) + tuple(_signature_without_floats(x) for x in arg)
     if t is dict:
-        return ("dict",) + tuple((k, _signature_without_floats(v)) for k, v in a.items())
-    return _signature(a)
+        return ("dict",) + tuple((k, _signature_without_floats(v)) for k, v in arg.items())
+    return _signature(arg)
 
 
 def _inplace_target(args, kwargs, dts):
@@ -84,14 +84,14 @@ def _collect(args, out):
             _collect(a, out)
 
 
-def _replace(args, it):
-    """Rebuild ``args`` with DTensors replaced by successive items of ``it``."""
+def _replace(args, replacements):
+    """Rebuild ``args`` with DTensors replaced by successive items of ``replacements``."""
     res = []
     for a in args:
         if isinstance(a, DTensor):
-            res.append(next(it))
+            res.append(next(replacements))
         elif isinstance(a, (list, tuple)) and any(isinstance(x, (DTensor, list, tuple)) for x in a):
-            res.append(type(a)(_replace(a, it)) if type(a) in (list, tuple) else _replace(a, it))
+            res.append(type(a)(_replace(a, replacements)) if type(a) in (list, tuple) else _replace(a, replacements))
         else:
             res.append(a)
     return res
@@ -108,22 +108,22 @@ def _check_plain_tensors(func, args, kwargs, mesh):
     one_elem = []
     scalar_grad = []
 
-    def bad(a):
-        if not isinstance(a, _Tensor) or isinstance(a, DTensor):
+    def bad(arg):
+        if not isinstance(arg, _Tensor) or isinstance(arg, DTensor):
             return False
-        if a.dim() == 0:
-            if a.requires_grad:
-                scalar_grad.append(a)
+        if arg.dim() == 0:
+            if arg.requires_grad:
+                scalar_grad.append(arg)
             return False
-        if a.numel() == 1:  # as PyTorch: a one-element tensor is taken as replicated
-            one_elem.append(a)
+        if arg.numel() == 1:  # as PyTorch: a one-element tensor is taken as replicated
+            one_elem.append(arg)
             return False
         # integer index tensors of indexing ops are naturally replicated (bool masks are not:
         # the output shape depends on their values, which the cache key does not hold)
-        return not (index_op and a.dtype != _BOOL and not a.is_floating_point() and not a.is_complex())
+        return not (index_op and arg.dtype != _BOOL and not arg.is_floating_point() and not arg.is_complex())
 
-    def walk(xs):
-        for a in xs:
+    def walk(items):
+        for a in items:
             if bad(a):
                 return a
             if isinstance(a, (list, tuple)):
@@ -141,17 +141,17 @@ def _check_plain_tensors(func, args, kwargs, mesh):
                       f"{tuple(one_elem[0].shape)}) mixed with DTensors; it is taken as replicated. Consider a "
                       "scalar (0-d) tensor or an explicit DTensor instead", UserWarning, stacklevel=4)
     elif offender is not None and not _IMPLICIT[0] and \
-            _op_name(func) not in _base.PLAIN_AS_REPLICATED and not uses_hp_semantics(mesh):
+            _op_name(func) not in _base.PLAIN_AS_REPLICATED and not semantics_of(mesh).plain_tensors_replicated:
         # (HyperParallel's meshes take plain tensors as replicated, as HyperParallel does)
         # RuntimeError, not TypeError: Python turns a TypeError from an operator into "unsupported operand"
         raise RuntimeError(
             f"{torch_internals.op_name(func)}: got a plain tensor of shape {tuple(offender.shape)} mixed with DTensors; "
             "convert it with distribute_tensor()/DTensor.from_local(), or wrap the code in "
             "`with hyper_parallel.implicit_replication():` to treat plain tensors as replicated")
-    def conv(a):
-        if isinstance(a, _Tensor) and not isinstance(a, DTensor) and (a.dim() > 0 or a.requires_grad):
-            return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim)
-        if isinstance(a, (list, tuple)):
-            return type(a)(conv(x) for x in a) if type(a) in (list, tuple) else a
-        return a
+    def conv(arg):
+        if isinstance(arg, _Tensor) and not isinstance(arg, DTensor) and (arg.dim() > 0 or arg.requires_grad):
+            return DTensor.from_local(arg, mesh, [Replicate()] * mesh.ndim)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(conv(x) for x in arg) if type(arg) in (list, tuple) else arg
+        return arg
     return [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}

@@ -43,8 +43,8 @@ import torch
 class _LocalCallable:
     """A callable named after the op, so the dispatcher finds the op's rule by name."""
 
-    def __init__(self, fn, op_name: str):
-        self._fn = fn
+    def __init__(self, func, op_name: str):
+        self._fn = func
         self.__name__ = op_name
         self.name = op_name
 
@@ -79,9 +79,9 @@ class DFunction(torch.autograd.Function):
     def _local_callable(cls) -> _LocalCallable:
         lc = cls.__dict__.get("_hp_local_callable")
         if lc is None or lc.__name__ != cls._op_name:
-            def _local(*a, **kw):
+            def _local(*args, **kwargs):
                 # local tensors only here: the ordinary autograd path of this class
-                return torch.autograd.Function.apply.__func__(cls, *a, **kw)
+                return torch.autograd.Function.apply.__func__(cls, *args, **kwargs)
             lc = _LocalCallable(_local, str(cls._op_name))
             cls._hp_local_callable = lc  # type: ignore[attr-defined]
         return lc

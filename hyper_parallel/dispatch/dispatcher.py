@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import warnings
 
-from hyper_parallel.dtensor import dispatch_state as _ds
+from hyper_parallel.dtensor import skip_and_replication as _ds
 from hyper_parallel.dtensor import dtensor as _dt
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.layout import Layout as _Layout
 from hyper_parallel.dtensor.redistribute import partial_grad_view
@@ -289,7 +289,7 @@ class OpDispatcher:
         key = (func, tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()) if kwargs else ())
         semantic = getattr(_base.get_rule(name), "mesh_semantics_matter", False)
         if semantic:  # the rule answers differently on HyperParallel and PyTorch meshes with equal layouts
-            key += (uses_hp_semantics(mesh),)
+            key += (semantics_of(mesh),)
         entry = _CACHE.get(key)
         if entry is None:
             converted = False
@@ -301,7 +301,8 @@ class OpDispatcher:
             _collect(args, dts)
             _collect(kwargs.values(), dts)
             entry = self._build(func, args, kwargs, dts, mesh)
-            if entry is not None and converted and (name in _base.PLAIN_AS_REPLICATED or uses_hp_semantics(mesh)):
+            if entry is not None and converted and (name in _base.PLAIN_AS_REPLICATED
+                                                    or semantics_of(mesh).plain_tensors_replicated):
                 # plain index/mask tensors of these ops are always replicated: cache the entry under the
                 # call's own key (not the fast path); a hit converts them again, as here
                 entry.plain_conv = True
@@ -440,14 +441,14 @@ def _off_mesh_result(entry, func, args, kwargs, dts, mesh):
     needs = [d._local_tensor for d in dts if d._local_tensor.requires_grad] if torch.is_grad_enabled() else []
     anchor = sum(t.sum() for t in needs) * 0 if needs else None
 
-    def empty(m, lay, shape):
-        if lay is None or not isinstance(m, _Tensor):
-            return m
+    def empty(meta_out, lay, shape):
+        if lay is None or not isinstance(meta_out, _Tensor):
+            return meta_out
         base = dts[0]._local_tensor
-        local = base.new_zeros((), dtype=m.dtype) if m.dim() == 0 else base.new_empty((0,), dtype=m.dtype)
+        local = base.new_zeros((), dtype=meta_out.dtype) if meta_out.dim() == 0 else base.new_empty((0,), dtype=meta_out.dtype)
         if anchor is not None and local.is_floating_point():
             local = local + anchor.to(local.dtype)
-        return DTensor._wrap(local, mesh, lay, shape if shape is not None else torch.Size(m.shape))
+        return DTensor._wrap(local, mesh, lay, shape if shape is not None else torch.Size(meta_out.shape))
     if isinstance(meta, _Tensor):
         return empty(meta, entry.out_layouts, entry.out_shapes if isinstance(entry.out_shapes, torch.Size)
                      else None)

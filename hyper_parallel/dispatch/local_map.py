@@ -43,18 +43,18 @@ def _non_replicated_mesh_dims(out_placements, mesh) -> set:
     return dims
 
 
-def _is_spec(x) -> bool:
+def _is_spec(spec) -> bool:
     """A single placement spec (one output), as opposed to a sequence of per-output specs."""
-    if x is None:
+    if spec is None:
         return True
-    items = list(x)
+    items = list(spec)
     return all(isinstance(p, (Placement, str)) for p in items) or (
         bool(items) and all(isinstance(p, tuple) and all(isinstance(q, str) for q in p) for p in items))
 
 
-def _same_placements(a, want) -> bool:
+def _same_placements(dtensor, want) -> bool:
     want = tuple(want)
-    return all(isinstance(p, Placement) for p in want) and tuple(a.placements) == want
+    return all(isinstance(p, Placement) for p in want) and tuple(dtensor.placements) == want
 
 
 def _per_output(out_placements) -> bool:
@@ -83,8 +83,8 @@ def local_map(func: Optional[Callable] = None, out_placements: Any = None, in_pl
         redistribute_inputs: redistribute mismatched inputs instead of raising.
     """
     if func is None:
-        def decorated(f):
-            return local_map(f, out_placements, in_placements, in_grad_placements, device_mesh,
+        def decorated(func):
+            return local_map(func, out_placements, in_placements, in_grad_placements, device_mesh,
                              redistribute_inputs=redistribute_inputs)
         return decorated
     return functools.partial(_local_map_wrapped, func, out_placements, in_placements, in_grad_placements,

@@ -12,11 +12,11 @@ are put back in the original order. A call whose DTensors share one mesh is not 
 from __future__ import annotations
 
 
-def _mesh_at(lists, i):
-    """The mesh of the first DTensor at list position ``i`` (None when there is none)."""
+def _mesh_at(lists, position):
+    """The mesh of the first DTensor at list position ``position`` (None when there is none)."""
     from hyper_parallel.dtensor.dtensor import DTensor
     for lst in lists:
-        x = lst[i]
+        x = lst[position]
         if isinstance(x, DTensor):
             return x._mesh
     return None

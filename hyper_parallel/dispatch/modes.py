@@ -5,7 +5,7 @@ State only: this module imports nothing of the dispatcher; the dispatcher reads 
 flags here on every call and registers (:func:`on_switch_change`) the function that
 clears its caches when a switch that changes cached answers is flipped.
 ``implicit_replication`` and ``SkipDTensorDispatch`` are the very objects of
-``dtensor/dispatch_state.py`` (the DTensor layer needs them too).
+``dtensor/skip_and_replication.py`` (the DTensor layer needs them too).
 
 **Strict layouts.**
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from hyper_parallel.dtensor import dispatch_state as _ds
-from hyper_parallel.dtensor.dispatch_state import (  # noqa: F401  (public home of these names)
+from hyper_parallel.dtensor import skip_and_replication as _ds
+from hyper_parallel.dtensor.skip_and_replication import (  # noqa: F401  (public home of these names)
     SkipDTensorDispatch, add_no_skip_ops, disable_dtensor_dispatch, enable_dtensor_dispatch, get_dtensor_dispatch,
     get_no_skip_ops,
     implicit_replication, remove_no_skip_ops)
@@ -130,12 +130,12 @@ WARNED_FALLBACK: set = set()  # ops the replicate fallback has warned about
 _ON_CHANGE: list = []
 
 
-def on_switch_change(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
+def on_switch_change(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever a switch that changes cached dispatch answers is flipped (the dispatcher's
     cache clearing)."""
-    if not callable(fn):
-        raise TypeError(f"on_switch_change: fn must be callable, got {fn!r}")
-    _ON_CHANGE.append(fn)
+    if not callable(callback):
+        raise TypeError(f"on_switch_change: callback must be callable, got {callback!r}")
+    _ON_CHANGE.append(callback)
 
 
 def _changed() -> None:

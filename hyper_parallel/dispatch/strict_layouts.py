@@ -20,15 +20,30 @@ whose K and V (or Q and K on the batch/head/embedding dims) are laid out differe
 and ``scatter`` whose index or src is laid out unlike the input (our rules slice a
 replicated operand locally there).
 
-Every message starts with HyperParallel's own message for that call, word for word
-(:mod:`._strict_hp`), then ours.
+Every message starts with HyperParallel's own message for that call, word for word, then ours.
+HyperParallel's messages (and its SDPA/scatter layout-agreement refusals) come from its registered
+semantics (``dtensor/mesh_semantics.hyperparallel()``: ``strict_message`` / ``strict_semantic``, whose
+code is in ``compat/hyperparallel/strict_messages.py``); they apply on every mesh.
 """
 from __future__ import annotations
 
 import warnings
 
-from hyper_parallel.dispatch import strict_hp as _strict_hp
 from hyper_parallel.dispatch import modes as _modes
+from hyper_parallel.dtensor import mesh_semantics as _mesh_semantics
+
+
+def _hp_message(name, dts, args, kwargs):
+    """HyperParallel's ``(exception class, message)`` for this refused call, or None."""
+    hp = _mesh_semantics.hyperparallel()
+    return None if hp is None else hp.strict_message(name, dts, args, kwargs)
+
+
+def _hp_semantic(name, dts, args, kwargs):
+    """HyperParallel's refusal of operands laid out unlike each other (SDPA, scatter), or None."""
+    hp = _mesh_semantics.hyperparallel()
+    return None if hp is None else hp.strict_semantic(name, dts, args, kwargs)
+
 
 _WARNED = _modes.STRICT_WARNED  # (op, layouts) warned about; cleared by modes._reset
 _SDPA = "scaled_dot_product_attention"
@@ -65,9 +80,9 @@ def _dim_changes(src, tgt):
     return out
 
 
-def _is_ring_attention(name, i, t, ndim):
+def _is_ring_attention(name, arg_index, tensor_dim, ndim):
     """HyperParallel's NotImplementedError cases of SDPA: K/V sequence sharding, last (embedding) dim sharding."""
-    return name == _SDPA and ((i in (1, 2) and t == ndim - 2) or t == ndim - 1)
+    return name == _SDPA and ((arg_index in (1, 2) and tensor_dim == ndim - 2) or tensor_dim == ndim - 1)
 
 
 def violation(name, dts, redist, args, kwargs):
@@ -97,7 +112,7 @@ def violation(name, dts, redist, args, kwargs):
         if cls is _modes.StrictLayoutNotImplementedError:
             msg += ("; HyperParallel supports neither K/V sequence sharding (ring attention) nor a sharded "
                     "last (embedding) dim here")
-        hp = _strict_hp.message(name, dts, args, kwargs)   # HyperParallel's own message first (issue 33)
+        hp = _hp_message(name, dts, args, kwargs)   # HyperParallel's own message first (issue 33)
         if hp is not None:
             if hp[0] is NotImplementedError:
                 cls = _modes.StrictLayoutNotImplementedError
@@ -124,7 +139,7 @@ def _squeeze(name, dts, args, kwargs):
     if not bad:
         return None
     lay = dts[0]._layout
-    hp = _strict_hp.message(name, dts, args, kwargs)
+    hp = _hp_message(name, dts, args, kwargs)
     msg = (f"strict layouts: {name} of dim {bad[0] % len(shape)} of size {shape[bad[0]]} (global shape {shape}, "
            f"layout {_placements_text(lay)}): the dim is not a singleton, so PyTorch keeps it (a no-op) and HyperParallel "
            "raises. Fix: squeeze only size-1 dims, or leave strict mode (hyper_parallel.strict_layouts(False))")
@@ -137,7 +152,7 @@ def _layouts_agree(name, dts, args, kwargs):
     Our rules slice a replicated operand locally to match the others (no communication), so no
     redistribution is implicit here; HyperParallel's rules refuse the call, and strict mode does too.
     """
-    hp = _strict_hp.semantic(name, dts, args, kwargs)
+    hp = _hp_semantic(name, dts, args, kwargs)
     if hp is None:
         return None
     got = ", ".join(f"input {i}: {_placements_text(d._layout)}" for i, d in enumerate(dts))

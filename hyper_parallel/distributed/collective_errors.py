@@ -34,9 +34,9 @@ class CollectiveError(RuntimeError):
     ``reason`` (``"peer closed"``, ``"timeout"``, ``"mismatch"`` or ``"error"``).
     """
 
-    def __init__(self, message, *, op=None, ranks=None, where=None, peer=None, reason="error"):
+    def __init__(self, message, *, collective=None, ranks=None, where=None, peer=None, reason="error"):
         super().__init__(message)
-        self.op, self.ranks, self.where, self.peer, self.reason = op, ranks, where, peer, reason
+        self.op, self.ranks, self.where, self.peer, self.reason = collective, ranks, where, peer, reason
 
 
 class CollectiveMismatchError(CollectiveError):
@@ -46,9 +46,9 @@ class CollectiveMismatchError(CollectiveError):
     call site).
     """
 
-    def __init__(self, message, *, descriptions=None, **kw):
-        kw.setdefault("reason", "mismatch")
-        super().__init__(message, **kw)
+    def __init__(self, message, *, descriptions=None, **fields):
+        fields.setdefault("reason", "mismatch")
+        super().__init__(message, **fields)
         self.descriptions = descriptions or {}
 
 
@@ -114,10 +114,10 @@ def set_collective_timeout(seconds) -> None:
         fn(_explicit_timeout[0])
 
 
-def on_timeout_change(fn) -> None:
-    """The group code (groups.py) registers ``fn(seconds)``, called by :func:`set_collective_timeout`."""
-    if fn not in _listeners:
-        _listeners.append(fn)
+def on_timeout_change(callback) -> None:
+    """The group code (groups.py) registers ``callback(seconds)``, called by :func:`set_collective_timeout`."""
+    if callback not in _listeners:
+        _listeners.append(callback)
 
 
 def check_collectives_enabled() -> bool:

@@ -73,8 +73,8 @@ def classify(exc) -> str:
     return "error"
 
 
-def error(op: str, group, exc, *, peer=None) -> CollectiveError:
-    """The :class:`CollectiveError` for torch's ``exc`` raised by collective ``op`` on ``group``."""
+def error(collective: str, group, exc, *, peer=None) -> CollectiveError:
+    """The :class:`CollectiveError` for torch's ``exc`` raised by the collective ``collective`` on ``group``."""
     reason = classify(exc)
     me = _my_rank()
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -92,25 +92,25 @@ def error(op: str, group, exc, *, peer=None) -> CollectiveError:
     else:
         why = "the backend raised an error"
     on = f" on {where(group)}" if group is not None else ""
-    msg = (f"hyper_parallel: {op}{on}{peer_txt} failed on rank {me}: {why}. "
+    msg = (f"hyper_parallel: {collective}{on}{peer_txt} failed on rank {me}: {why}. "
            f"torch said: {type(exc).__name__}: {first}")
-    return CollectiveError(msg, op=op, ranks=tuple(group.ranks) if group is not None else None,
+    return CollectiveError(msg, collective=collective, ranks=tuple(group.ranks) if group is not None else None,
                            where=getattr(group, "dims", None) or None, peer=peer, reason=reason)
 
 
-def fail(op: str, group, exc, *, peer=None):
+def fail(collective: str, group, exc, *, peer=None):
     """Raise the :class:`CollectiveError` for ``exc`` (chained); an error already ours passes through."""
     if isinstance(exc, CollectiveError):
         raise exc
-    raise error(op, group, exc, peer=peer) from exc
+    raise error(collective, group, exc, peer=peer) from exc
 
 
-def wait(work, op: str, group, *, peer=None) -> None:
+def wait(work, collective: str, group, *, peer=None) -> None:
     """``work.wait()`` with torch's error turned into a :class:`CollectiveError`."""
     try:
         work.wait()
     except RuntimeError as exc:
-        fail(op, group, exc, peer=peer)
+        fail(collective, group, exc, peer=peer)
 
 
 def is_comm_error(exc) -> bool:
@@ -205,13 +205,13 @@ def call_site(with_line: bool = True) -> str:
     return ", ".join(parts)
 
 
-def describe(op: str, group, x=None, detail: str = "", *, peer=None, site: str = None, shape=True,
+def describe(collective: str, group, tensor=None, detail: str = "", *, peer=None, site: str = None, shape=True,
              dims=True) -> str:
-    d = f"{op} on {where(group, dims)}"
+    d = f"{collective} on {where(group, dims)}"
     if peer is not None:
         d += f" with peer {peer}"
-    if x is not None:
-        d += (f", tensor {list(x.shape)} " if shape else ", ") + str(x.dtype).replace('torch.', '')
+    if tensor is not None:
+        d += (f", tensor {list(tensor.shape)} " if shape else ", ") + str(tensor.dtype).replace('torch.', '')
     if detail:
         d += f", {detail}"
     s = call_site() if site is None else site
@@ -222,7 +222,7 @@ def _hash(text: str) -> int:
     return (zlib.crc32(text.encode()) << 31) ^ zlib.adler32(text.encode())
 
 
-def check(op: str, group, x=None, detail: str = "", shape: bool = True) -> None:
+def check(collective: str, group, tensor=None, detail: str = "", shape: bool = True) -> None:
     """Compare this collective's description across ``group`` (collective); raise on a mismatch, everywhere.
 
     Called only when ``faults.CHECK[0]`` is on (the callers test it first).
@@ -230,10 +230,10 @@ def check(op: str, group, x=None, detail: str = "", shape: bool = True) -> None:
     if group is None or group.size <= 1 or torch.compiler.is_compiling():
         return
     site = call_site()
-    desc = describe(op, group, x, detail, shape=shape, site=site)
+    desc = describe(collective, group, tensor, detail, shape=shape, site=site)
     # the hash leaves out the mesh-dim names: a group's list depends on which meshes were built before
-    key = describe(op, group, x, detail, shape=shape, site=site, dims=False)
-    dev = x.device if x is not None else torch.device("cpu")
+    key = describe(collective, group, tensor, detail, shape=shape, site=site, dims=False)
+    dev = tensor.device if tensor is not None else torch.device("cpu")
     if dev.type == "meta":
         dev = torch.device("cpu")
     mine = torch.tensor([_hash(key)], dtype=torch.int64, device=dev)
@@ -241,29 +241,29 @@ def check(op: str, group, x=None, detail: str = "", shape: bool = True) -> None:
     try:
         _all_gather_single(every, mine, group=group.handle)
     except RuntimeError as exc:
-        fail(f"collective check before {op}", group, exc)
+        fail(f"collective check before {collective}", group, exc)
     if bool((every == mine[0]).all()):
         return
     descs = [None] * group.size
     try:
         dist.all_gather_object(descs, desc, group=group.handle)
     except RuntimeError as exc:
-        fail(f"collective check before {op}", group, exc)
-    raise _mismatch(op, group, dict(zip(group.ranks, descs)))
+        fail(f"collective check before {collective}", group, exc)
+    raise _mismatch(collective, group, dict(zip(group.ranks, descs)))
 
 
-def _mismatch(op, group, by_rank, peer=None):
+def _mismatch(collective, group, by_rank, peer=None):
     me = _my_rank()
     lines = "\n".join(f"  rank {r}: {d}" for r, d in sorted(by_rank.items()))
     msg = (f"hyper_parallel: the ranks of {where(group)} are about to issue different collectives "
-           f"(desynchronized; rank {me} was about to issue {op}):\n{lines}\n"
+           f"(desynchronized; rank {me} was about to issue {collective}):\n{lines}\n"
            "Common causes: a data-dependent branch, a plan or layout differing per rank, an uneven last batch. "
            f"(Checked because {faults.CHECK_ENV}=1 / hyper_parallel.debug.check_collectives().)")
-    return CollectiveMismatchError(msg, op=op, ranks=tuple(group.ranks) if group is not None else None,
+    return CollectiveMismatchError(msg, collective=collective, ranks=tuple(group.ranks) if group is not None else None,
                                    where=getattr(group, "dims", None) or None, peer=peer, descriptions=by_rank)
 
 
-def check_p2p(x, prog) -> None:
+def check_p2p(tensor, prog) -> None:
     """The cross-mesh exchange's check: each pair of peers compares what one sends and the other expects.
 
     Every peer in this rank's program gets ``[hash(what I send you), hash(what I expect from you)]``
@@ -271,7 +271,7 @@ def check_p2p(x, prog) -> None:
     """
     me = prog.rank
     site = call_site(with_line=True)
-    dt = str(x.dtype).replace("torch.", "")
+    dt = str(tensor.dtype).replace("torch.", "")
 
     def n_of(pieces):
         total = 0
@@ -294,8 +294,8 @@ def check_p2p(x, prog) -> None:
         s = sends.get(p, f"nothing from rank {me} to rank {p}")
         r = recvs.get(p, f"nothing from rank {p} to rank {me}")
         out[p] = (s, r)
-        t = torch.tensor([_hash(s), _hash(r)], dtype=torch.int64, device=x.device)
-        inc[p] = torch.empty(2, dtype=torch.int64, device=x.device)
+        t = torch.tensor([_hash(s), _hash(r)], dtype=torch.int64, device=tensor.device)
+        inc[p] = torch.empty(2, dtype=torch.int64, device=tensor.device)
         ops.append(dist.P2POp(dist.isend, t, p))
         ops.append(dist.P2POp(dist.irecv, inc[p], p))
     try:

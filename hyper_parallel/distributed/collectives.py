@@ -49,28 +49,28 @@ def reduce_op(name: str):
         raise ValueError(f"reduce_op={name!r} is not supported; expected one of {sorted(_REDUCE_OPS)}") from None
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
-def all_reduce(x: torch.Tensor, group, op: str = "sum", what: str = "all_reduce") -> torch.Tensor:
-    """Return the reduction of ``x`` over ``group`` (``x`` itself is not modified).
+def all_reduce(tensor: torch.Tensor, group, reduction: str = "sum", what: str = "all_reduce") -> torch.Tensor:
+    """Return the reduction of ``tensor`` over ``group`` (``tensor`` itself is not modified).
 
     ``what`` names the collective in error messages (e.g. the deferred gradients' all_reduce).
     """
     if _tracing() and group.size > 1:
-        return _traced.all_reduce(x, group, op)
+        return _traced.all_reduce(tensor, group, reduction)
     if group.size == 1:
-        return x
-    x, op, back = wire.logical(x, op)
-    out = x.contiguous().clone()
+        return tensor
+    tensor, reduction, back = wire.logical(tensor, reduction)
+    out = tensor.contiguous().clone()
     rec.record(rec.ALL_REDUCE, _nbytes(out), group.ranks)
-    if op == "avg" and not out.is_floating_point():
+    if reduction == "avg" and not out.is_floating_point():
         raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {out.dtype}")
     if _CHECK[0]:
-        _fault.check(what, group, out, f"op {op}")
+        _fault.check(what, group, out, f"op {reduction}")
     try:
-        dist.all_reduce(out, op=reduce_op(op), group=group.handle)
+        dist.all_reduce(out, op=reduce_op(reduction), group=group.handle)
     except RuntimeError as exc:
         _fault.fail(what, group, exc)
     return out if back is None else out.to(back)
@@ -79,26 +79,26 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum", what: str = "all_reduce"
 _GLOO_WIDER = {torch.bool: torch.uint8, torch.int16: torch.int32}
 
 
-def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``.
+def all_gather(tensor: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``.
 
     ``sizes[i]`` is rank i's extent along ``dim`` (torch.chunk rules may make them
     uneven, or zero); shorter pieces are padded for the wire and trimmed after.
     """
     if _tracing() and group.size > 1:
-        return _traced.all_gather(x, dim, group, sizes)
+        return _traced.all_gather(tensor, dim, group, sizes)
     k = group.size
     if k == 1:
-        return x
-    wide = _GLOO_WIDER.get(x.dtype)
+        return tensor
+    wide = _GLOO_WIDER.get(tensor.dtype)
     if wide is not None:  # gloo has no bool/int16 all_gather ("Invalid scalar type"): a lossless wider dtype
-        return all_gather(x.to(wide), dim, group, sizes).to(x.dtype)
+        return all_gather(tensor.to(wide), dim, group, sizes).to(tensor.dtype)
     if sizes is None:
-        sizes = [x.shape[dim]] * k
+        sizes = [tensor.shape[dim]] * k
     m = max(sizes)
     even = all(s == m for s in sizes)
     if dim == 0:
-        xt = wire.pad_dim(x, 0, m).contiguous()
+        xt = wire.pad_dim(tensor, 0, m).contiguous()
         buf = xt.new_empty((k * m,) + tuple(xt.shape[1:]))
         rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
         if _CHECK[0]:
@@ -109,11 +109,11 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
             _fault.fail("all_gather", group, exc)
         return buf if even else torch.cat([buf[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
     # other dims: gather whole (padded) pieces, then one cat along dim
-    if x.shape[dim] < m:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = m - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    xt = x.contiguous()
+    if tensor.shape[dim] < m:
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = m - tensor.shape[dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+    xt = tensor.contiguous()
     # the wire format is dim-0 concatenation; view it as (k, *piece) afterwards
     buf = xt.new_empty((k * xt.shape[0],) + tuple(xt.shape[1:]))
     rec.record(rec.ALL_GATHER, _nbytes(xt), group.ranks)
@@ -127,70 +127,72 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     return torch.cat([buf[i] if even else buf[i].narrow(dim, 0, s) for i, s in enumerate(sizes)], dim=dim)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over ``group`` and keep this rank's piece along ``dim``.
+def reduce_scatter(tensor: torch.Tensor, dim: int, group, sizes: Sequence[int] = None,
+                   reduction: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over ``group`` and keep this rank's piece along ``dim``.
 
-    ``sizes`` are the per-rank piece sizes along ``dim`` (sum = ``x.shape[dim]``).
+    ``sizes`` are the per-rank piece sizes along ``dim`` (sum = ``tensor.shape[dim]``).
     """
     if _tracing() and group.size > 1:
-        return _traced.reduce_scatter(x, dim, group, sizes, op)
+        return _traced.reduce_scatter(tensor, dim, group, sizes, reduction)
     k = group.size
     if k == 1:
-        return x
-    x, op, back = wire.logical(x, op)
-    sizes = wire.reduce_scatter_sizes(x, dim, k, sizes)
-    inp = wire.reduce_scatter_input(x, dim, sizes)
+        return tensor
+    tensor, reduction, back = wire.logical(tensor, reduction)
+    sizes = wire.reduce_scatter_sizes(tensor, dim, k, sizes)
+    inp = wire.reduce_scatter_input(tensor, dim, sizes)
     out = inp.new_empty((max(sizes),) + tuple(inp.shape[1:]))
     rec.record(rec.REDUCE_SCATTER, _nbytes(inp), group.ranks)
     if _CHECK[0]:
-        _fault.check("reduce_scatter", group, inp, f"dim {dim}, sizes {list(sizes)}, op {op}")
+        _fault.check("reduce_scatter", group, inp, f"dim {dim}, sizes {list(sizes)}, op {reduction}")
     try:
-        if op == "avg":
+        if reduction == "avg":
             _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group.handle)
             out = out / k
         else:
-            _reduce_scatter_single(out, inp, op=reduce_op(op), group=group.handle)
+            _reduce_scatter_single(out, inp, op=reduce_op(reduction), group=group.handle)
     except RuntimeError as exc:
         _fault.fail("reduce_scatter", group, exc)
     out = wire.reduce_scatter_output(out, dim, sizes[group.rank])
     return out if back is None else out.to(back)
 
 
-def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
+def all_to_all(tensor: torch.Tensor, split_dim: int, cat_dim: int, group,
                split_sizes: Sequence[int], cat_sizes: Sequence[int]) -> torch.Tensor:
     """Shard(cat_dim) -> Shard(split_dim) exchange with one ``all_to_all_single``.
 
-    ``x`` holds this rank's piece along ``cat_dim`` (``cat_sizes[me]``) and the
+    ``tensor`` holds this rank's piece along ``cat_dim`` (``cat_sizes[me]``) and the
     full extent along ``split_dim``; it is cut along ``split_dim`` into
     ``split_sizes`` (rank i receives piece i) and the received pieces are joined
     along ``cat_dim``. Uneven sizes are sent with uneven splits (no padding).
     """
     if _tracing() and group.size > 1:
-        return _traced.all_to_all(x, split_dim, cat_dim, group, split_sizes, cat_sizes)
+        return _traced.all_to_all(tensor, split_dim, cat_dim, group, split_sizes, cat_sizes)
     k = group.size
     if k == 1:
-        return x
+        return tensor
     me = group.rank
-    send, in_splits, out_splits = wire.all_to_all_pack(x, split_dim, cat_dim, split_sizes, cat_sizes, me)
-    recv = x.new_empty(sum(out_splits))
-    esz = x.element_size()
+    send, in_splits, out_splits = wire.all_to_all_pack(tensor, split_dim, cat_dim, split_sizes, cat_sizes, me)
+    recv = tensor.new_empty(sum(out_splits))
+    esz = tensor.element_size()
     rec.record(rec.ALL_TO_ALL, _nbytes(send), group.ranks, sent=(sum(in_splits) - in_splits[me]) * esz)
     if _CHECK[0]:  # the local pieces differ per rank: compare the global split, not the local shape
-        _fault.check("all_to_all", group, x, f"split dim {split_dim} sizes {list(split_sizes)}, cat dim {cat_dim} "
-                     f"sizes {list(cat_sizes)}, other dims {[s for d, s in enumerate(x.shape) if d not in (split_dim, cat_dim)]}",
+        _fault.check("all_to_all", group, tensor, f"split dim {split_dim} sizes {list(split_sizes)}, cat dim {cat_dim} "
+                     f"sizes {list(cat_sizes)}, other dims "
+                     f"{[s for d, s in enumerate(tensor.shape) if d not in (split_dim, cat_dim)]}",
                      shape=False)
     try:
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.handle)
     except RuntimeError as exc:
         _fault.fail("all_to_all", group, exc)
-    return wire.all_to_all_unpack(recv, x.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)
+    return wire.all_to_all_unpack(recv, tensor.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)
 
 
-def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, group, src: int) -> torch.Tensor:
     """Broadcast from global rank ``src`` (in ``group``); returns the received tensor."""
     if group.size == 1:
-        return x
-    out = x.contiguous()
+        return tensor
+    out = tensor.contiguous()
     me_src = dist.get_rank() == src
     if not me_src:
         out = out.clone()
@@ -221,47 +223,47 @@ def scatter(out: torch.Tensor, chunks, group, src: int) -> torch.Tensor:
     return out
 
 
-def split_scatter(x: torch.Tensor, dim: int, group, src: int, sizes: Sequence[int]) -> torch.Tensor:
-    """Cut ``x`` (read on global rank ``src`` only) along ``dim`` into ``sizes`` and give piece i to group rank i.
+def split_scatter(tensor: torch.Tensor, dim: int, group, src: int, sizes: Sequence[int]) -> torch.Tensor:
+    """Cut ``tensor`` (read on global rank ``src`` only) along ``dim`` into ``sizes`` and give piece i to group rank i.
 
     Every rank passes a tensor of the full shape (the non-source ranks' values are
     ignored); uneven pieces are padded for the wire and trimmed after.
     """
     k = group.size
     if k == 1:
-        return x
+        return tensor
     m = max(sizes)
     me = group.rank
-    shape = list(x.shape)
+    shape = list(tensor.shape)
     shape[dim] = m
-    out = x.new_empty(shape)
+    out = tensor.new_empty(shape)
     if out.numel() == 0:  # nothing to move (known alike on every rank)
         return out.narrow(dim, 0, sizes[me])
     chunks = None
     if dist.get_rank() == src:
         chunks, start = [], 0
         for s in sizes:
-            chunks.append(wire.pad_dim(x.narrow(dim, start, s), dim, m).contiguous())
+            chunks.append(wire.pad_dim(tensor.narrow(dim, start, s), dim, m).contiguous())
             start += s
     scatter(out, chunks, group, src)
     return out if sizes[me] == m else out.narrow(dim, 0, sizes[me]).contiguous()
 
 
-def gather(x: torch.Tensor, dim: int, group, dst: int, sizes: Sequence[int]):
-    """Concatenate every rank's ``x`` along ``dim`` on global rank ``dst`` (``None`` elsewhere).
+def gather(tensor: torch.Tensor, dim: int, group, dst: int, sizes: Sequence[int]):
+    """Concatenate every rank's ``tensor`` along ``dim`` on global rank ``dst`` (``None`` elsewhere).
 
     ``sizes[i]`` is group rank i's extent along ``dim``; pieces are padded for the wire.
     """
     k = group.size
     if k == 1:
-        return x
+        return tensor
     m = max(sizes)
-    xt = wire.pad_dim(x, dim, m).contiguous()
+    xt = wire.pad_dim(tensor, dim, m).contiguous()
     me_dst = dist.get_rank() == dst
     if xt.numel() == 0:
-        shape = list(x.shape)
+        shape = list(tensor.shape)
         shape[dim] = sum(sizes)
-        return x.new_empty(shape) if me_dst else None
+        return tensor.new_empty(shape) if me_dst else None
     bufs = [torch.empty_like(xt) for _ in range(k)] if me_dst else None
     rec.record(rec.GATHER, _nbytes(xt), group.ranks, is_src=me_dst)
     if _CHECK[0]:
@@ -275,48 +277,48 @@ def gather(x: torch.Tensor, dim: int, group, dst: int, sizes: Sequence[int]):
     return torch.cat([b if s == m else b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim=dim)
 
 
-def reduce(x: torch.Tensor, group, dst: int, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over ``group`` onto global rank ``dst``.
+def reduce(tensor: torch.Tensor, group, dst: int, reduction: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over ``group`` onto global rank ``dst``.
 
     Returns the reduction on ``dst``; on the other ranks the returned buffer's
-    contents are unspecified (``x`` itself is never modified).
+    contents are unspecified (``tensor`` itself is never modified).
     """
     k = group.size
     if k == 1:
-        return x
-    x, op, back = wire.logical(x, op)
+        return tensor
+    tensor, reduction, back = wire.logical(tensor, reduction)
     if back is not None:
-        return reduce(x, group, dst, op).to(back)
-    out = x.contiguous().clone()
+        return reduce(tensor, group, dst, reduction).to(back)
+    out = tensor.contiguous().clone()
     me_dst = dist.get_rank() == dst
     rec.record(rec.REDUCE, _nbytes(out), group.ranks, is_src=me_dst)
-    if op == "avg" and not out.is_floating_point():
+    if reduction == "avg" and not out.is_floating_point():
         raise TypeError(f"reduce(op='avg') needs a floating dtype, got {out.dtype}")
     if _CHECK[0]:
-        _fault.check("reduce", group, out, f"dst {dst}, op {op}")
+        _fault.check("reduce", group, out, f"dst {dst}, op {reduction}")
     try:
-        dist.reduce(out, dst=dst, op=reduce_op("sum" if op == "avg" else op), group=group.handle)
+        dist.reduce(out, dst=dst, op=reduce_op("sum" if reduction == "avg" else reduction), group=group.handle)
     except RuntimeError as exc:
         _fault.fail("reduce", group, exc, peer=None if me_dst else dst)
-    if op == "avg":
+    if reduction == "avg":
         return out / k if me_dst else out
     return out
 
 
-def send(x: torch.Tensor, dst: int, group=None) -> None:
-    """Send ``x`` to global rank ``dst`` (blocking)."""
-    rec.record(rec.SEND, _nbytes(x), (dist.get_rank(), dst))
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking)."""
+    rec.record(rec.SEND, _nbytes(tensor), (dist.get_rank(), dst))
     try:
-        dist.send(x.contiguous(), dst=dst, group=group.handle if group is not None else None)
+        dist.send(tensor.contiguous(), dst=dst, group=group.handle if group is not None else None)
     except RuntimeError as exc:
         _fault.fail("send", group, exc, peer=dst)
 
 
-def recv(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
-    """Receive into ``x`` from global rank ``src`` (blocking); returns ``x``."""
-    rec.record(rec.RECV, _nbytes(x), (src, dist.get_rank()))
+def recv(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """Receive into ``tensor`` from global rank ``src`` (blocking); returns ``tensor``."""
+    rec.record(rec.RECV, _nbytes(tensor), (src, dist.get_rank()))
     try:
-        dist.recv(x, src=src, group=group.handle if group is not None else None)
+        dist.recv(tensor, src=src, group=group.handle if group is not None else None)
     except RuntimeError as exc:
         _fault.fail("recv", group, exc, peer=src)
-    return x
+    return tensor

@@ -83,9 +83,9 @@ def record(kind: str, input_bytes: int, group_ranks: tuple, *, is_src: bool = Tr
         rec(kind, nbytes, k, group_ranks)
 
 
-def push_recorder(fn) -> None:
-    _RECORDERS.append(fn)
+def push_recorder(recorder) -> None:
+    _RECORDERS.append(recorder)
 
 
-def pop_recorder(fn) -> None:
-    _RECORDERS.remove(fn)
+def pop_recorder(recorder) -> None:
+    _RECORDERS.remove(recorder)

@@ -53,13 +53,13 @@ _seq = [0]
 _pending = {}
 
 
-def _order(t):
+def _order(tensor):
     """A per-tensor sequence number (assigned on first use) so every rank flattens in the same order."""
-    s = getattr(t, "_hp_defer_seq", None)
+    s = getattr(tensor, "_hp_defer_seq", None)
     if s is None:
         with _lock:
             _seq[0] += 1
-            s = t._hp_defer_seq = _seq[0]
+            s = tensor._hp_defer_seq = _seq[0]
     return s
 
 
@@ -96,24 +96,25 @@ class DeferredPartialGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, leave_partial=True):
+    def forward(ctx, tensor, group, leave_partial=True):
         ctx.group = group
-        ctx.leaf = x
+        ctx.leaf = tensor
         ctx.leave_partial = leave_partial
-        _order(x)
-        if leave_partial and getattr(x, "_hp_dtensor_leaf", False) and not getattr(x, "_hp_partial_hook", False):
-            x.register_hook(_leaf_hook(weakref.ref(x)))
-            x._hp_partial_hook = True
-        return x.view_as(x)
+        _order(tensor)
+        if leave_partial and getattr(tensor, "_hp_dtensor_leaf", False) \
+                and not getattr(tensor, "_hp_partial_hook", False):
+            tensor.register_hook(_leaf_hook(weakref.ref(tensor)))
+            tensor._hp_partial_hook = True
+        return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         task = torch._C._current_graph_task_id()
         acc = ctx.next_functions[0][0]
         if task < 0 or torch.is_grad_enabled() or not _will_accumulate(acc):
-            return C.all_reduce(g, ctx.group, "sum"), None, None
+            return C.all_reduce(grad_output, ctx.group, "sum"), None, None
         leaf = ctx.leaf
-        d = g.detach().clone()  # the engine may accumulate into g in place
+        d = grad_output.detach().clone()  # the engine may accumulate into g in place
         with _lock:
             pend = _queue(task)
             if ctx.leave_partial and getattr(leaf, "_hp_partial_hook", False):
@@ -125,7 +126,7 @@ class DeferredPartialGrad(torch.autograd.Function):
                 key = (id(leaf), ctx.group.ranks)
                 prev = pend["sum"].get(key)
                 pend["sum"][key] = (leaf, ctx.group, d if prev is None else prev[2] + d)
-        return g, None, None
+        return grad_output, None, None
 
 
 def _leaf_hook(ref):
@@ -225,15 +226,15 @@ def flush_pending() -> None:
                 v._hp_grad_reduced()
 
 
-def defer_average(t, group) -> None:
-    """Average ``t.grad`` over ``group`` at the end of the running backward (call from a grad hook)."""
+def defer_average(tensor, group) -> None:
+    """Average ``tensor.grad`` over ``group`` at the end of the running backward (call from a grad hook)."""
     task = torch._C._current_graph_task_id()
     if task < 0:  # not inside backward (a hook run by hand): reduce now
-        t.grad.copy_(C.all_reduce(t.grad, group, "avg", "data-parallel gradient all_reduce"))
+        tensor.grad.copy_(C.all_reduce(tensor.grad, group, "avg", "data-parallel gradient all_reduce"))
         return
-    _order(t)
+    _order(tensor)
     with _lock:
-        _queue(task)["avg"][(id(t), group.ranks)] = (t, group)
+        _queue(task)["avg"][(id(tensor), group.ranks)] = (tensor, group)
 
 
 def sum_incoming_grads(leaf, group, scale: float = 1.0) -> None:
@@ -246,19 +247,19 @@ def sum_incoming_grads(leaf, group, scale: float = 1.0) -> None:
     correction ``allreduce(d) - d`` on top of what was accumulated, so gradient
     accumulation over several passes stays exact.
     """
-    def hook(g):
+    def hook(grad):
         if scale != 1.0:
-            g = g * scale
+            grad = grad * scale
         task = torch._C._current_graph_task_id()
         acc = getattr(leaf_ref(), "_hp_acc_node", None) if leaf_ref() is not None else None
         if task < 0 or (acc is not None and not _will_accumulate(acc)):
-            return C.all_reduce(g, group, "sum")  # outside backward or autograd.grad(): now
+            return C.all_reduce(grad, group, "sum")  # outside backward or autograd.grad(): now
         lf = leaf_ref()
         if lf is not None:
             _order(lf)
             with _lock:
-                _queue(task)["sum"][(id(lf), group.ranks)] = (lf, group, g)
-        return g
+                _queue(task)["sum"][(id(lf), group.ranks)] = (lf, group, grad)
+        return grad
 
     leaf_ref = weakref.ref(leaf)
     if leaf.is_leaf and getattr(leaf, "_hp_acc_node", None) is None:
@@ -278,11 +279,11 @@ def _buckets(items):
     return [out[k] for k in sorted(out, key=lambda k: (k[0], str(k[1]), str(k[2])))]
 
 
-def _flat_reduce(tensors, group, op):
+def _flat_reduce(tensors, group, reduction):
     what = "deferred gradient all_reduce (pending Partial gradients)"
     if len(tensors) == 1:
-        return [C.all_reduce(tensors[0], group, op, what)]
-    flat = C.all_reduce(torch.cat([x.reshape(-1) for x in tensors]), group, op, what)
+        return [C.all_reduce(tensors[0], group, reduction, what)]
+    flat = C.all_reduce(torch.cat([x.reshape(-1) for x in tensors]), group, reduction, what)
     return [piece.view_as(x) for piece, x in zip(flat.split([x.numel() for x in tensors]), tensors)]
 
 

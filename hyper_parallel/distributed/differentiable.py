@@ -47,46 +47,46 @@ import torch
 from hyper_parallel.distributed import collectives as C
 
 
-def _chunk_of(x, dim, sizes, idx):
+def _chunk_of(tensor, dim, sizes, idx):
     start = sum(sizes[:idx])
-    return x.narrow(dim, start, sizes[idx])
+    return tensor.narrow(dim, start, sizes[idx])
 
 
 class AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes, reduce_scatter_bwd):
+    def forward(ctx, tensor, dim, group, sizes, reduce_scatter_bwd):
         ctx.dim, ctx.group, ctx.sizes, ctx.rs = dim, group, sizes, reduce_scatter_bwd
-        return C.all_gather(x, dim, group, sizes)
+        return C.all_gather(tensor, dim, group, sizes)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         if ctx.rs:
-            return C.reduce_scatter(g, ctx.dim, ctx.group, ctx.sizes), None, None, None, None
-        return _chunk_of(g, ctx.dim, ctx.sizes, ctx.group.rank).contiguous(), None, None, None, None
+            return C.reduce_scatter(grad_output, ctx.dim, ctx.group, ctx.sizes), None, None, None, None
+        return _chunk_of(grad_output, ctx.dim, ctx.sizes, ctx.group.rank).contiguous(), None, None, None, None
 
 
 class Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes):
+    def forward(ctx, tensor, dim, group, sizes):
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
-        return _chunk_of(x, dim, sizes, group.rank).contiguous()
+        return _chunk_of(tensor, dim, sizes, group.rank).contiguous()
 
     @staticmethod
-    def backward(ctx, g):
-        return C.all_gather(g.contiguous(), ctx.dim, ctx.group, ctx.sizes), None, None, None
+    def backward(ctx, grad_output):
+        return C.all_gather(grad_output.contiguous(), ctx.dim, ctx.group, ctx.sizes), None, None, None
 
 
-def _chunk_sizes(n, k):
-    """torch.chunk extents of ``n`` elements cut into ``k`` pieces (zeros padded in)."""
-    full = -(-n // k) if n else 0
-    return [max(0, min(full, n - full * i)) for i in range(k)]
+def _chunk_sizes(numel, pieces):
+    """torch.chunk extents of ``numel`` elements cut into ``pieces`` pieces (zeros padded in)."""
+    full = -(-numel // pieces) if numel else 0
+    return [max(0, min(full, numel - full * i)) for i in range(pieces)]
 
 
-def _exclusive_prod(t):
+def _exclusive_prod(tensor):
     """Along dim 0: entry r is the product of all entries except r (prefix * suffix, no division)."""
-    ones = t.new_ones((1,) + tuple(t.shape[1:]))
-    pre = torch.cumprod(torch.cat([ones, t[:-1]], 0), 0)
-    suf = torch.cumprod(torch.cat([ones, t.flip(0)[:-1]], 0), 0).flip(0)
+    ones = tensor.new_ones((1,) + tuple(tensor.shape[1:]))
+    pre = torch.cumprod(torch.cat([ones, tensor[:-1]], 0), 0)
+    suf = torch.cumprod(torch.cat([ones, tensor.flip(0)[:-1]], 0), 0).flip(0)
     return pre * suf
 
 
@@ -105,100 +105,101 @@ def _prod_grad(flat, sizes, g_mine, group):
     return C.all_to_all(contrib, 0, 1, group, ones, sizes)      # (1, N)
 
 
-def _hit(x, out):
-    """Where a piece ``x`` equals the max/min ``out`` (a NaN piece matches a NaN result)."""
-    hit = x == out
-    return hit | (x.isnan() & out.isnan()) if x.is_floating_point() else hit
+def _hit(tensor, out):
+    """Where a piece ``tensor`` equals the max/min ``out`` (a NaN piece matches a NaN result)."""
+    hit = tensor == out
+    return hit | (tensor.isnan() & out.isnan()) if tensor.is_floating_point() else hit
 
 
 class AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, op):
-        out = C.all_reduce(x, group, op)
-        ctx.op, ctx.group = op, group
-        if op in ("max", "min"):
-            ctx.save_for_backward(x, out)
-        elif op == "prod":
-            ctx.save_for_backward(x)
+    def forward(ctx, tensor, group, reduction):
+        out = C.all_reduce(tensor, group, reduction)
+        ctx.op, ctx.group = reduction, group
+        if reduction in ("max", "min"):
+            ctx.save_for_backward(tensor, out)
+        elif reduction == "prod":
+            ctx.save_for_backward(tensor)
         return out
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         op, group = ctx.op, ctx.group
         if op == "sum" or group.size == 1:
-            return g, None, None
+            return grad_output, None, None
         if op in ("all", "any"):  # logical reductions are piecewise constant: no gradient
             return None, None, None
         if op == "avg":
-            return g / group.size, None, None
+            return grad_output / group.size, None, None
         if op == "prod":
             (x,) = ctx.saved_tensors
             n = x.numel()
             sizes = _chunk_sizes(n, group.size)
             start = sum(sizes[:group.rank])
-            g_mine = g.reshape(-1)[start:start + sizes[group.rank]]
+            g_mine = grad_output.reshape(-1)[start:start + sizes[group.rank]]
             return _prod_grad(x.reshape(1, n), sizes, g_mine, group).view(x.shape), None, None
         x, out = ctx.saved_tensors
-        return g * _hit(x, out).to(g.dtype), None, None
+        return grad_output * _hit(x, out).to(grad_output.dtype), None, None
 
 
 class ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, sizes, op):
-        C.reduce_op(op)  # validates op
-        ctx.dim, ctx.group, ctx.sizes, ctx.op = dim, group, sizes, op
-        out = C.reduce_scatter(x, dim, group, sizes, op)
-        if op in ("max", "min"):
-            ctx.save_for_backward(x, out)
-        elif op == "prod":
-            ctx.save_for_backward(x)
+    def forward(ctx, tensor, dim, group, sizes, reduction):
+        C.reduce_op(reduction)  # validates op
+        ctx.dim, ctx.group, ctx.sizes, ctx.op = dim, group, sizes, reduction
+        out = C.reduce_scatter(tensor, dim, group, sizes, reduction)
+        if reduction in ("max", "min"):
+            ctx.save_for_backward(tensor, out)
+        elif reduction == "prod":
+            ctx.save_for_backward(tensor)
         return out
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         dim, group, sizes, op = ctx.dim, ctx.group, ctx.sizes, ctx.op
         if op in ("all", "any"):
             return None, None, None, None, None
         if op in ("sum", "avg") or group.size == 1:
-            full = C.all_gather(g.contiguous(), dim, group, sizes)
+            full = C.all_gather(grad_output.contiguous(), dim, group, sizes)
             return (full / group.size if op == "avg" else full), None, None, None, None
         if op == "prod":
             (x,) = ctx.saved_tensors
             xt = x.movedim(dim, 0).contiguous()
             rest = xt.numel() // xt.shape[0] if xt.shape[0] else 0
-            grad = _prod_grad(xt.reshape(1, -1), [s * rest for s in sizes], g.movedim(dim, 0).contiguous(), group)
+            grad = _prod_grad(xt.reshape(1, -1), [s * rest for s in sizes], grad_output.movedim(dim, 0).contiguous(),
+                              group)
             return grad.view(xt.shape).movedim(0, dim).contiguous(), None, None, None, None
         # max / min: gather the gradient and the reduced values in one all_gather, then mask
         x, out = ctx.saved_tensors
-        both = C.all_gather(torch.stack([g.to(out.dtype), out]), dim + 1, group, sizes)
-        return both[0] * _hit(x, both[1]).to(g.dtype), None, None, None, None
+        both = C.all_gather(torch.stack([grad_output.to(out.dtype), out]), dim + 1, group, sizes)
+        return both[0] * _hit(x, both[1]).to(grad_output.dtype), None, None, None, None
 
 
 class AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, split_dim, cat_dim, group, split_sizes, cat_sizes):
+    def forward(ctx, tensor, split_dim, cat_dim, group, split_sizes, cat_sizes):
         ctx.args = (split_dim, cat_dim, group, split_sizes, cat_sizes)
-        return C.all_to_all(x, split_dim, cat_dim, group, split_sizes, cat_sizes)
+        return C.all_to_all(tensor, split_dim, cat_dim, group, split_sizes, cat_sizes)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         split_dim, cat_dim, group, split_sizes, cat_sizes = ctx.args
-        return (C.all_to_all(g.contiguous(), cat_dim, split_dim, group, cat_sizes, split_sizes),
+        return (C.all_to_all(grad_output.contiguous(), cat_dim, split_dim, group, cat_sizes, split_sizes),
                 None, None, None, None, None)
 
 
 class ReplicateToPartial(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, op):
-        if op in ("sum",) and group.rank != 0:
-            return torch.zeros_like(x)
-        if op == "prod" and group.rank != 0:
-            return torch.ones_like(x)
-        return x.clone()
+    def forward(ctx, tensor, group, reduction):
+        if reduction in ("sum",) and group.rank != 0:
+            return torch.zeros_like(tensor)
+        if reduction == "prod" and group.rank != 0:
+            return torch.ones_like(tensor)
+        return tensor.clone()
 
     @staticmethod
-    def backward(ctx, g):
-        return g, None, None
+    def backward(ctx, grad_output):
+        return grad_output, None, None
 
 
 class PartialGrad(torch.autograd.Function):
@@ -211,13 +212,13 @@ class PartialGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, tensor, group):
         ctx.group = group
-        return x.detach().view_as(x)
+        return tensor.detach().view_as(tensor)
 
     @staticmethod
-    def backward(ctx, g):
-        return C.all_reduce(g, ctx.group, "sum"), None
+    def backward(ctx, grad_output):
+        return C.all_reduce(grad_output, ctx.group, "sum"), None
 
 
 class GatheredPartialGrad(torch.autograd.Function):
@@ -228,13 +229,13 @@ class GatheredPartialGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, gathered, dim, group, sizes):
+    def forward(ctx, tensor, gathered, dim, group, sizes):
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
         return gathered.view_as(gathered)
 
     @staticmethod
-    def backward(ctx, g):
-        return C.reduce_scatter(g.contiguous(), ctx.dim, ctx.group, ctx.sizes), None, None, None, None
+    def backward(ctx, grad_output):
+        return C.reduce_scatter(grad_output.contiguous(), ctx.dim, ctx.group, ctx.sizes), None, None, None, None
 
 
 class WithValue(torch.autograd.Function):
@@ -245,14 +246,14 @@ class WithValue(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, value):
-        if tuple(value.shape) != tuple(x.shape):
-            raise ValueError(f"WithValue: value shape {tuple(value.shape)} differs from x shape {tuple(x.shape)}")
-        return value.detach().clone() if value.data_ptr() == x.data_ptr() else value.detach()
+    def forward(ctx, tensor, value):
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise ValueError(f"WithValue: value shape {tuple(value.shape)} differs from tensor shape {tuple(tensor.shape)}")
+        return value.detach().clone() if value.data_ptr() == tensor.data_ptr() else value.detach()
 
     @staticmethod
-    def backward(ctx, g):
-        return g, None
+    def backward(ctx, grad_output):
+        return grad_output, None
 
 
 # ----------------------------------------------------------------------------- rooted and point-to-point
@@ -265,17 +266,17 @@ class Broadcast(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, src):
+    def forward(ctx, tensor, group, src):
         ctx.group, ctx.src = group, src
-        out = C.broadcast(x, group, src)
-        return x.view_as(x) if out is x else out
+        out = C.broadcast(tensor, group, src)
+        return tensor.view_as(tensor) if out is tensor else out
 
     @staticmethod
-    def backward(ctx, g):
-        total = C.reduce(g.contiguous(), ctx.group, ctx.src, "sum")
+    def backward(ctx, grad_output):
+        total = C.reduce(grad_output.contiguous(), ctx.group, ctx.src, "sum")
         if ctx.group.size == 1 or ctx.group.ranks[ctx.group.rank] == ctx.src:
             return total, None, None
-        return torch.zeros_like(g), None, None
+        return torch.zeros_like(grad_output), None, None
 
 
 class Scatter(torch.autograd.Function):
@@ -287,24 +288,24 @@ class Scatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, dim, group, src, sizes=None):
+    def forward(ctx, tensor, dim, group, src, sizes=None):
         if sizes is None:
-            sizes = _chunk_sizes(x.shape[dim], group.size)
-        if len(sizes) != group.size or sum(sizes) != x.shape[dim]:
+            sizes = _chunk_sizes(tensor.shape[dim], group.size)
+        if len(sizes) != group.size or sum(sizes) != tensor.shape[dim]:
             raise ValueError(f"Scatter: sizes={list(sizes)} must have {group.size} entries summing to "
-                             f"x.shape[{dim}]={x.shape[dim]}")
+                             f"x.shape[{dim}]={tensor.shape[dim]}")
         ctx.dim, ctx.group, ctx.src, ctx.sizes = dim, group, src, tuple(sizes)
         if group.size == 1:
-            return x.view_as(x)
-        return C.split_scatter(x, dim, group, src, sizes)
+            return tensor.view_as(tensor)
+        return C.split_scatter(tensor, dim, group, src, sizes)
 
     @staticmethod
-    def backward(ctx, g):
-        full = C.gather(g.contiguous(), ctx.dim, ctx.group, ctx.src, ctx.sizes)
+    def backward(ctx, grad_output):
+        full = C.gather(grad_output.contiguous(), ctx.dim, ctx.group, ctx.src, ctx.sizes)
         if full is None:  # not the source: the input was never read
-            shape = list(g.shape)
+            shape = list(grad_output.shape)
             shape[ctx.dim] = sum(ctx.sizes)
-            full = g.new_zeros(shape)
+            full = grad_output.new_zeros(shape)
         return full, None, None, None, None
 
 
@@ -318,11 +319,11 @@ class Send(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, dst, group=None):
+    def forward(ctx, tensor, dst, group=None):
         ctx.dst, ctx.group = dst, group
-        ctx.meta = (tuple(x.shape), x.dtype, x.device)
-        C.send(x, dst, group)
-        return x.new_zeros(())
+        ctx.meta = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        C.send(tensor, dst, group)
+        return tensor.new_zeros(())
 
     @staticmethod
     def backward(ctx, _token_grad):
@@ -343,14 +344,14 @@ class Recv(torch.autograd.Function):
         return C.recv(anchor.new_empty(tuple(shape)), src, group)
 
     @staticmethod
-    def backward(ctx, g):
-        C.send(g.contiguous(), ctx.src, ctx.group)
+    def backward(ctx, grad_output):
+        C.send(grad_output.contiguous(), ctx.src, ctx.group)
         return None, None, None, None
 
 
-def send(x, dst, group=None):
+def send(tensor, dst, group=None):
     """Differentiable send (see :class:`Send`); returns the token to run backward through."""
-    return Send.apply(x, dst, group)
+    return Send.apply(tensor, dst, group)
 
 
 def recv(shape, src, group=None, *, dtype=None, device=None, requires_grad=True):

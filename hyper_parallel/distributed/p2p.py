@@ -22,11 +22,11 @@ from hyper_parallel.distributed.collective_errors import CHECK as _CHECK
 from hyper_parallel.distributed import collective_guard as _fault
 
 
-def _box(x: torch.Tensor, start, shape) -> torch.Tensor:
+def _box(tensor: torch.Tensor, start, shape) -> torch.Tensor:
     for d, (s, n) in enumerate(zip(start, shape)):
-        if s != 0 or n != x.shape[d]:
-            x = x.narrow(d, s, n)
-    return x
+        if s != 0 or n != tensor.shape[d]:
+            tensor = tensor.narrow(d, s, n)
+    return tensor
 
 
 def _numel(shape) -> int:
@@ -36,31 +36,31 @@ def _numel(shape) -> int:
     return n
 
 
-def exchange(x: torch.Tensor, prog) -> torch.Tensor:
-    """Run ``prog`` on this rank's ``x``; returns the output local tensor.
+def exchange(tensor: torch.Tensor, prog) -> torch.Tensor:
+    """Run ``prog`` on this rank's ``tensor``; returns the output local tensor.
 
     A rank with no output shape (not on the target mesh) gets an empty 1-d
-    tensor; a rank with no input shape (not on the source mesh) never reads ``x``
+    tensor; a rank with no input shape (not on the source mesh) never reads ``tensor``
     (only its dtype and device).
     """
-    if prog.in_shape is not None and tuple(x.shape) != tuple(prog.in_shape):
-        raise ValueError(f"cross-mesh redistribute: rank {prog.rank}'s local tensor has shape {tuple(x.shape)} but "
-                         f"the source layout gives it {tuple(prog.in_shape)}; the DTensor's global shape does not "
+    if prog.in_shape is not None and tuple(tensor.shape) != tuple(prog.in_shape):
+        raise ValueError(f"cross-mesh redistribute: rank {prog.rank}'s local tensor has shape {tuple(tensor.shape)} "
+                         f"but the source layout gives it {tuple(prog.in_shape)}; the DTensor's global shape does not "
                          "match its local data")
-    out = x.new_empty(prog.out_shape) if prog.out_shape is not None else x.new_empty(0)
+    out = tensor.new_empty(prog.out_shape) if prog.out_shape is not None else tensor.new_empty(0)
     if _CHECK[0]:
-        _fault.check_p2p(x, prog)
+        _fault.check_p2p(tensor, prog)
     ops, unpack, peers = [], [], []
-    esz = x.element_size()
+    esz = tensor.element_size()
     me = prog.rank
     for peer, pieces in prog.sends:
-        parts = [_box(x, st, sh).reshape(-1) for st, sh in pieces]
+        parts = [_box(tensor, st, sh).reshape(-1) for st, sh in pieces]
         buf = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
         rec.record(rec.SEND, buf.numel() * esz, (me, peer))
         ops.append(dist.P2POp(dist.isend, buf, peer))
         peers.append(("send to", peer))
     for peer, pieces in prog.recvs:
-        buf = x.new_empty(sum(_numel(sh) for _st, sh in pieces))
+        buf = tensor.new_empty(sum(_numel(sh) for _st, sh in pieces))
         rec.record(rec.RECV, buf.numel() * esz, (peer, me))
         ops.append(dist.P2POp(dist.irecv, buf, peer))
         peers.append(("recv from", peer))
@@ -72,7 +72,7 @@ def exchange(x: torch.Tensor, prog) -> torch.Tensor:
         _fault.fail(f"cross-mesh p2p (batch_isend_irecv with ranks {ps})", None, exc,
                     peer=ps[0] if len(ps) == 1 else None)
     for in_start, out_start, shape in prog.copies:
-        _box(out, out_start, shape).copy_(_box(x, in_start, shape))
+        _box(out, out_start, shape).copy_(_box(tensor, in_start, shape))
     for i, r in enumerate(reqs):
         try:
             r.wait()
@@ -101,17 +101,17 @@ class CrossMeshExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, fwd, bwd):
+    def forward(ctx, tensor, fwd, bwd):
         ctx.bwd = bwd
-        ctx.x_shape = tuple(x.shape)
-        return exchange(x, fwd)
+        ctx.x_shape = tuple(tensor.shape)
+        return exchange(tensor, fwd)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         bwd = ctx.bwd
-        gx = exchange(g.contiguous(), bwd)
+        gx = exchange(grad_output.contiguous(), bwd)
         if bwd.out_shape is None:
-            gx = g.new_zeros(ctx.x_shape)
+            gx = grad_output.new_zeros(ctx.x_shape)
         return gx, None, None
 
 

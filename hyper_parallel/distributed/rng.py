@@ -23,9 +23,9 @@ def seeded_random(kind: str, shape, seed: int, dtype=None, device=None):
     return out if device is None or torch.device(device).type == "cpu" else out.to(device)
 
 
-def narrow_block(x, offsets, sizes):
-    """The block of ``x`` at ``offsets`` with ``sizes`` (contiguous)."""
+def narrow_block(tensor, offsets, sizes):
+    """The block of ``tensor`` at ``offsets`` with ``sizes`` (contiguous)."""
     for d, (o, s) in enumerate(zip(offsets, sizes)):
-        if o != 0 or s != x.shape[d]:
-            x = x.narrow(d, o, s)
-    return x.contiguous()
+        if o != 0 or s != tensor.shape[d]:
+            tensor = tensor.narrow(d, o, s)
+    return tensor.contiguous()

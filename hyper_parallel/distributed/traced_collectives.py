@@ -35,20 +35,20 @@ def _op(name: str) -> str:
         raise ValueError(f"reduce_op={name!r} is not supported; expected one of {sorted(_OPS)}") from None
 
 
-def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    x, op, back = wire.logical(x, op)
-    if op == "avg" and not x.is_floating_point():
-        raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}")
-    out = funcol.wait_tensor(funcol.all_reduce(x.contiguous(), _op(op), group.handle))
+def all_reduce(tensor: torch.Tensor, group, reduction: str = "sum") -> torch.Tensor:
+    tensor, reduction, back = wire.logical(tensor, reduction)
+    if reduction == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {tensor.dtype}")
+    out = funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), _op(reduction), group.handle))
     return out if back is None else out.to(back)
 
 
-def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) -> torch.Tensor:
     k = group.size
     if sizes is None:
-        sizes = [x.shape[dim]] * k
+        sizes = [tensor.shape[dim]] * k
     m = max(sizes)
-    xt = wire.pad_dim(x, dim, m)
+    xt = wire.pad_dim(tensor, dim, m)
     if dim != 0:
         xt = xt.movedim(dim, 0)
     buf = funcol.wait_tensor(funcol.all_gather_tensor(xt.contiguous(), 0, group.handle))
@@ -58,18 +58,19 @@ def all_gather(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None) ->
     return torch.cat([p if dim == 0 else p.movedim(0, dim) for p in pieces], dim=dim)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group, sizes: Sequence[int] = None, op: str = "sum") -> torch.Tensor:
-    x, op, back = wire.logical(x, op)
-    sizes = wire.reduce_scatter_sizes(x, dim, group.size, sizes)
-    inp = wire.reduce_scatter_input(x, dim, sizes)
-    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(inp, _op(op), 0, group.handle))
+def reduce_scatter(tensor: torch.Tensor, dim: int, group, sizes: Sequence[int] = None,
+                   reduction: str = "sum") -> torch.Tensor:
+    tensor, reduction, back = wire.logical(tensor, reduction)
+    sizes = wire.reduce_scatter_sizes(tensor, dim, group.size, sizes)
+    inp = wire.reduce_scatter_input(tensor, dim, sizes)
+    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(inp, _op(reduction), 0, group.handle))
     out = wire.reduce_scatter_output(out, dim, sizes[group.rank])
     return out if back is None else out.to(back)
 
 
-def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group,
+def all_to_all(tensor: torch.Tensor, split_dim: int, cat_dim: int, group,
                split_sizes: Sequence[int], cat_sizes: Sequence[int]) -> torch.Tensor:
     me = group.rank
-    send, in_splits, out_splits = wire.all_to_all_pack(x, split_dim, cat_dim, split_sizes, cat_sizes, me)
+    send, in_splits, out_splits = wire.all_to_all_pack(tensor, split_dim, cat_dim, split_sizes, cat_sizes, me)
     recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, group.handle))
-    return wire.all_to_all_unpack(recv, x.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)
+    return wire.all_to_all_unpack(recv, tensor.shape, split_dim, cat_dim, split_sizes, cat_sizes, me, out_splits)

@@ -7,10 +7,11 @@ Design (one screen)
   backward has no DTensor work per op. Its torch entry points are defined once and delegate to the
   op dispatcher object (``dispatch/dispatcher.py``, handed over with ``set_dispatcher``).
 * **Layout math is pure.** ``placement_types.py`` (``Shard``/``Replicate``/``Partial``, torch's
-  semantics), ``layout.py`` (the immutable ``Layout``: per tensor dim the mesh dims sharding it, per
-  mesh dim a pending reduction; HyperParallel's alias spelling), ``layout_builder.py``,
-  ``mesh_coords.py``, ``device_mesh.py`` (``DeviceMesh``, both libraries' ``init_device_mesh``,
-  torch meshes adopted). The planners ``redistribute_plan.py`` (Dijkstra over layout states, minimum
+  semantics), ``layout_math.py`` (the immutable ``LayoutMath``: per tensor dim the mesh dims sharding
+  it, per mesh dim a pending reduction; HyperParallel's alias spelling), ``strided_math.py``,
+  ``mesh_coords.py``: no torch, directly or indirectly. ``layout.py`` (``Layout``: the math plus its
+  mesh), ``layout_builder.py``, ``device_mesh.py`` (``DeviceMesh``, both libraries'
+  ``init_device_mesh``, torch meshes adopted) sit on top. The planners ``redistribute_plan.py`` (Dijkstra over layout states, minimum
   bytes) and ``cross_mesh_plan.py`` are pure functions of layouts and shapes: no torch (the
   ``pure-math`` import contract), so they are tested without processes.
 * **Executors.** ``redistribute.py`` (runs a plan with the ground floor's differentiable collectives,
@@ -18,7 +19,7 @@ Design (one screen)
   ``random.py`` (layout-independent random streams), ``api.py`` (``distribute_tensor``,
   ``distribute_module``, factories), ``grad_state.py`` / ``partial_grad_seed.py`` (Partial gradients),
   ``function_bridge.py`` (``autograd.Function`` on DTensors), ``special_methods.py`` (``detach``,
-  ``backward``, ``item``...), ``dispatch_state.py`` (``SkipDTensorDispatch``, ``implicit_replication``),
+  ``backward``, ``item``...), ``skip_and_replication.py`` (``SkipDTensorDispatch``, ``implicit_replication``),
   ``cache_key.py`` (the interned (layout, shape) token the dispatcher's cache keys use).
 * **Torch patches owned here** (each listed with its reason in docs/design.md): ``patch_function_apply.py``,
   ``patch_testing.py``, ``vmap_bridge.py``; ``torch_internals.py`` names the few private torch APIs used.

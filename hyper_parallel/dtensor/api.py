@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch.nn as nn
 
-from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh, uses_hp_semantics
-from hyper_parallel.dtensor.placement_lists import drop_extra_placements
+from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.dtensor import DTensor, _check_strided_label, _off_mesh_local, build_layout
 from hyper_parallel.dtensor.hp_module_names import provide_dtensor_names
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
@@ -33,10 +33,11 @@ def _slice_local(tensor, layout, mesh, gshape):
     return rng.narrow_block(tensor, offset, shape)
 
 
-def _chunk_sizes(n: int, k: int):
-    """Extents of ``torch.chunk(x, k)`` pieces of an ``n``-long dim, padded with zeros to ``k`` entries."""
-    c = -(-n // k) if n else 0
-    return [max(0, min(c, n - i * c)) for i in range(k)]
+def _chunk_sizes(length: int, pieces: int):
+    """Extents of ``torch.chunk(x, pieces)`` pieces of a ``length``-long dim, padded with zeros to ``pieces``
+    entries."""
+    c = -(-length // pieces) if length else 0
+    return [max(0, min(c, length - i * c)) for i in range(pieces)]
 
 
 def _scatter_from(tensor, mesh: DeviceMesh, layout, src_data_rank: int):
@@ -103,9 +104,10 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = 
                            "DTensor, or pass tensor.detach()")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
-    placements = drop_extra_placements(mesh, placements, "distribute_tensor")  # HyperParallel meshes only
+    semantics = semantics_of(mesh)
+    placements = semantics.trim_placements(mesh, placements, "distribute_tensor")  # HyperParallel's: extras ignored
     if isinstance(placements, (list, tuple)) and not is_alias_spelling(placements) and len(placements) != mesh.ndim \
-            and not uses_hp_semantics(mesh):  # HyperParallel's: shorter lists padded, as from_local
+            and not semantics.short_placement_lists:  # HyperParallel's: shorter lists padded, as from_local
         # as PyTorch (alias names are per tensor dim and checked against the tensor's rank instead)
         raise ValueError(f"`placements` must have the same length as `device_mesh.ndim`! Found placements length: "
                          f"{len(placements)} ({tuple(placements)}), and device_mesh.ndim: {mesh.ndim} ({mesh}).")
@@ -168,19 +170,19 @@ def _replicate_params(module, mesh: DeviceMesh):
         module._buffers[key] = distribute_tensor(buf, mesh, rep)
 
 
-def _wrap_hook(fn, mesh, kind):
-    n = len(inspect.signature(fn).parameters)
+def _wrap_hook(hook, mesh, kind):
+    n = len(inspect.signature(hook).parameters)
     if n == 2:
         warnings.warn(f"Deprecating {kind} that takes two arguments ({'inputs' if kind == 'input_fn' else 'outputs'}, "
                       f"device_mesh); use ({'module, inputs' if kind == 'input_fn' else 'module, outputs'}, "
                       "device_mesh) instead", FutureWarning, stacklevel=4)
         if kind == "input_fn":
-            return lambda mod, inputs: fn(inputs, mesh)
-        return lambda mod, inputs, outputs: fn(outputs, mesh)
+            return lambda mod, inputs: hook(inputs, mesh)
+        return lambda mod, inputs, outputs: hook(outputs, mesh)
     if n == 3:
         if kind == "input_fn":
-            return lambda mod, inputs: fn(mod, inputs, mesh)
-        return lambda mod, inputs, outputs: fn(mod, outputs, mesh)
+            return lambda mod, inputs: hook(mod, inputs, mesh)
+        return lambda mod, inputs, outputs: hook(mod, outputs, mesh)
     raise ValueError(f"distribute_module: {kind} should take 2 or 3 arguments, but got {n} arguments")
 
 

@@ -27,12 +27,12 @@ from hyper_parallel.distributed import differentiable
 _F = differentiable
 
 
-def cross_mesh_local(x, mesh, dst_layout):
-    """This rank's local tensor of ``x`` (a DTensor) laid out as ``dst_layout`` on ``mesh`` (another mesh).
+def cross_mesh_local(tensor, mesh, dst_layout):
+    """This rank's local tensor of ``tensor`` (a DTensor) laid out as ``dst_layout`` on ``mesh`` (another mesh).
 
     An empty tensor on ranks that are not on ``mesh``; the caller wraps the result.
     """
-    src_mesh = x._mesh
+    src_mesh = tensor._mesh
     if src_mesh.device_type != mesh.device_type:
         raise ValueError(f"redistribute: the source mesh {src_mesh} has device type {src_mesh.device_type!r} but "
                          f"the target mesh {mesh} has {mesh.device_type!r}; cross-mesh redistribution needs both "
@@ -41,23 +41,23 @@ def cross_mesh_local(x, mesh, dst_layout):
         raise ValueError(f"redistribute: placements were given as a layout of a mesh of shape {dst_layout.mesh_shape} "
                          f"over ranks {dst_layout.rank_list}, but the target mesh is {mesh}; build the layout "
                          "from the target mesh")
-    gshape = tuple(x._gshape)
-    local = x._local_tensor
-    plan = cmp.cross_mesh_plan(x._layout, dst_layout, gshape, local.element_size())
+    gshape = tuple(tensor._gshape)
+    local = tensor._local_tensor
+    plan = cmp.cross_mesh_plan(tensor._layout, dst_layout, gshape, local.element_size())
     me = src_mesh.get_rank()
     in_src = src_mesh.get_coordinate() is not None
     in_dst = mesh.get_coordinate() is not None
     if not in_src and not in_dst:
         return local.new_empty(0)
     if in_src:
-        expect = x._layout.local_shape(gshape, coord=src_mesh.get_coordinate())
+        expect = tensor._layout.local_shape(gshape, coord=src_mesh.get_coordinate())
         if tuple(local.shape) != tuple(expect):
             raise ValueError(f"redistribute: rank {me}'s local tensor has shape {tuple(local.shape)} but the global "
-                             f"shape {gshape} with placements {x._layout.placements} gives it {tuple(expect)}; the "
+                             f"shape {gshape} with placements {tensor._layout.placements} gives it {tuple(expect)}; the "
                              "DTensor's global shape assumption does not match its data (build it with "
                              "from_local(..., shape=...))")
         if plan.pre_steps is not None:
-            local = x.redistribute(src_mesh, plan.pre_layout)._local_tensor
+            local = tensor.redistribute(src_mesh, plan.pre_layout)._local_tensor
     out = _F.CrossMeshExchange.apply(local, plan.moves.program(me), plan.backward.program(me))
     if in_dst and plan.post_steps is not None:
         out = run_plan(out, plan.post_steps, mesh, mesh._rank_index())

@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Dict, List, Tuple
 
 from hyper_parallel.dtensor import redistribute_plan as rp
-from hyper_parallel.dtensor.layout import Layout, coordinate_of, local_shape_and_offset
+from hyper_parallel.dtensor.layout_math import LayoutMath, coordinate_of, local_shape_and_offset
 
 
 def _numel(shape) -> int:
@@ -39,7 +39,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _boxes(layout: Layout, global_shape) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
+def _boxes(layout: LayoutMath, global_shape) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
     """(rank, offset, shape) of every rank of ``layout``'s mesh, in mesh order."""
     out = []
     for i, r in enumerate(layout.rank_list):
@@ -193,7 +193,7 @@ class P2PPlan:
                 f"{self.dst.rank_list}, {len(self.messages())} messages, {self.total_bytes} bytes)")
 
 
-def _check_pair(src: Layout, dst: Layout, global_shape):
+def _check_pair(src: LayoutMath, dst: LayoutMath, global_shape):
     if src.dim_map is None or dst.dim_map is None:
         raise ValueError("cross-mesh plan: both layouts must describe a tensor (call the mesh layout with aliases "
                          "or placements first)")
@@ -206,7 +206,7 @@ def _check_pair(src: Layout, dst: Layout, global_shape):
 
 
 @lru_cache(maxsize=4096)
-def p2p_plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> P2PPlan:
+def p2p_plan(src: LayoutMath, dst: LayoutMath, global_shape, itemsize: int = 4) -> P2PPlan:
     """Minimal-byte point-to-point plan from ``src`` to ``dst`` (both without ``Partial``).
 
     For every target rank and every distinct source box it overlaps: a local copy
@@ -251,7 +251,7 @@ def p2p_plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> P2PPl
     return P2PPlan(src, dst, global_shape, itemsize, transfers)
 
 
-def min_bytes(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> int:
+def min_bytes(src: LayoutMath, dst: LayoutMath, global_shape, itemsize: int = 4) -> int:
     """Lower bound on bytes for ``src`` -> ``dst`` (non-partial): every element a target rank
     needs and does not hold itself must reach it once."""
     global_shape = tuple(global_shape)
@@ -313,7 +313,7 @@ class CrossMeshPlan:
         return f"CrossMeshPlan({self.describe()})"
 
 
-def _pre_candidates(src: Layout):
+def _pre_candidates(src: LayoutMath):
     """Non-partial layouts a partial ``src`` can be reduced to: all-reduced (Replicate), or
     reduce-scattered onto one tensor dim (every partial mesh dim appended to that dim)."""
     base = src.without_partial()
@@ -326,7 +326,7 @@ def _pre_candidates(src: Layout):
 
 
 @lru_cache(maxsize=4096)
-def cross_mesh_plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> CrossMeshPlan:
+def cross_mesh_plan(src: LayoutMath, dst: LayoutMath, global_shape, itemsize: int = 4) -> CrossMeshPlan:
     """Plan ``src`` (one mesh) -> ``dst`` (another mesh or shape) for a tensor of ``global_shape``."""
     global_shape = tuple(int(s) for s in global_shape)
     _check_pair(src, dst, global_shape)

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.dtensor.mesh_coords import coordinate_of
 from hyper_parallel.dtensor.device_mesh_hp_methods import DeviceMeshCompatMixin
+from hyper_parallel.dtensor.mesh_semantics import uses_hp_semantics  # (the mesh decides; re-exported here)
 from hyper_parallel.distributed import groups
 import torch
 
@@ -50,11 +51,12 @@ class DeviceMesh(DeviceMeshCompatMixin):
     _groups: List[Any]
     _flat_meshes: Dict[str, Any]
     _foreign: Any
+    _base_layout: Any  # the device-matrix Layout, made on first use (dtensor/layout_builder.py)
 
     def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Optional[Sequence[str]] = None,
                  _root: Optional["DeviceMesh"] = None, _root_dims: Optional[Tuple[int, ...]] = None,
                  _init_groups: bool = True,
-                 _hp: bool = False):
+                 _hp_semantics: bool = False):
         flat, shape = _flatten(mesh)
         if not shape:
             raise ValueError(f"DeviceMesh: mesh must have at least one dim, got {mesh!r}")
@@ -78,7 +80,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
                        if self._rank in self.rank_list else None)
         # which library's semantics DTensors on this mesh follow (uses_hp_semantics): part of the
         # mesh's identity, so caches keyed by layouts never mix the two
-        self._hp_flag = bool(_root._hp_flag) if _root is not None else bool(_hp)
+        self._hp_flag = bool(_root._hp_flag) if _root is not None else bool(_hp_semantics)
         self._key = (device_type, self.rank_list, self._shape, self._names, self._hp_flag)
         self._hash = hash(self._key)
         self._groups = [None] * len(shape)
@@ -270,7 +272,7 @@ class DeviceMesh(DeviceMeshCompatMixin):
                 g.name_dim(f"flattened mesh dim {mesh_dim_name!r} of mesh {root._shape}")
         assert my_line is not None, "every rank of a mesh lies on one line of each flattening"
         flat = DeviceMesh(self.device_type, list(my_line[0]), mesh_dim_names=(mesh_dim_name,), _init_groups=False,
-                          _hp=uses_hp_semantics(root))
+                          _hp_semantics=uses_hp_semantics(root))
         flat._groups[0] = my_line[1]
         root._flat_meshes[mesh_dim_name] = (self._root_dims, flat)
         return flat
@@ -377,7 +379,7 @@ def resolve_mesh(mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
     return cur
 
 
-def _rebuild_mesh(device_type, rank_list, shape, names, hp=False):
+def _rebuild_mesh(device_type, rank_list, shape, names, hp_semantics=False):
     """Unpickle a DeviceMesh (a DTensor loaded with ``torch.load``).
 
     In a process that has not initialised distributed at all the mesh is rebuilt
@@ -388,7 +390,7 @@ def _rebuild_mesh(device_type, rank_list, shape, names, hp=False):
     every rank before loading. Creating them here would be a collective that only
     some ranks might reach, so a missing group is an error instead of a hang.
     """
-    mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False, _hp=hp)
+    mesh = DeviceMesh(device_type, _reshape(rank_list, shape), mesh_dim_names=names, _init_groups=False, _hp_semantics=hp_semantics)
     if not groups.is_initialized():
         # a process without torch.distributed (inspecting a checkpoint, as PyTorch allows): the
         # shard loads as rank 0's view; anything needing a collective fails when it asks for a group
@@ -475,7 +477,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                 or len(set(ranks)) != n:
             raise ValueError(f"init_device_mesh: rank_list {list(rank_list)} must hold {n} distinct ranks in "
                              f"[0, {world}) for mesh_shape {mesh_shape}")
-        return DeviceMesh(device_type, _reshape(ranks, mesh_shape), mesh_dim_names=mesh_dim_names, _hp=True)
+        return DeviceMesh(device_type, _reshape(ranks, mesh_shape), mesh_dim_names=mesh_dim_names, _hp_semantics=True)
     if world % n:
         raise ValueError(f"init_device_mesh: mesh_shape {mesh_shape} has {n} devices, which does not divide the world "
                          f"size {world}; pass rank_list= to choose the ranks, or use "
@@ -483,23 +485,11 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     mine = None
     for b in range(world // n):  # every block's groups, in one order on every rank
         m = DeviceMesh(device_type, _reshape(range(b * n, (b + 1) * n), mesh_shape), mesh_dim_names=mesh_dim_names,
-                       _hp=True)
+                       _hp_semantics=True)
         if m._coord is not None:
             mine = m
     assert mine is not None, "every rank of the world lies in one block"
     return mine
-
-
-def uses_hp_semantics(mesh: Any) -> bool:
-    """Whether DTensors on ``mesh`` follow HyperParallel's semantics rather than PyTorch's.
-
-    True for meshes made by HyperParallel's entry points (``hyper_parallel.init_device_mesh``,
-    ``hyper_parallel.dtensor.device_mesh.init_device_mesh``, a ``Layout``'s mesh) and
-    meshes sliced or flattened from them; False for PyTorch's (``hyper_parallel.device_mesh``,
-    the ``DeviceMesh(...)`` constructor, ``torch.distributed`` meshes). Where the two libraries
-    differ, the rule is in docs/migrating_from_hyperparallel.md.
-    """
-    return bool(getattr(mesh, "_hp_flag", False))
 
 
 class _MeshResources:

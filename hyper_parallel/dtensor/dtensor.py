@@ -18,11 +18,11 @@ Design (why it is fast):
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple, Union, overload
 
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
-from hyper_parallel.dtensor.placement_lists import drop_extra_placements
-from hyper_parallel.dtensor.layout import Layout, _rebuild_layout, is_alias_spelling
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
+from hyper_parallel.dtensor.layout import Alias, Layout, PlacementsLike, _rebuild_layout, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 from hyper_parallel.dtensor import strided_math
 from hyper_parallel.dtensor import redistribute_plan as rp
@@ -35,7 +35,7 @@ from hyper_parallel.dtensor.grad_state import (_DG, _grad_layout, _set_partial_g
                                                     grad_view, settle_pending_grads)
 from hyper_parallel.dtensor.run_check import run_check as _run_check
 from hyper_parallel.dtensor.local_meta import _global_stride, _off_mesh_local, _to_like  # noqa: F401
-from hyper_parallel.dtensor.dispatch_state import implicit_replication
+from hyper_parallel.dtensor.skip_and_replication import implicit_replication
 from hyper_parallel.dtensor import special_methods as _special_methods
 from hyper_parallel.dtensor.hp_module_names import _build_layout, _is_alias_placements, dtensor_module_getattr  # noqa: F401
 from hyper_parallel.dtensor import torch_internals
@@ -89,7 +89,7 @@ _TRACED: dict = {}         # API methods with their dynamo branch (compile mode)
 _EAGER_ATTRS: dict = {}    # what set_mode("compile") took off the class, for set_mode("eager")
 
 
-def set_dispatcher(dispatcher) -> None:
+def set_dispatcher(dispatcher: Any) -> None:
     """Hand DTensor its op dispatcher (called once, by ``dispatch/dispatcher.py`` on import).
 
     ``dispatcher`` has ``torch_function(cls, func, types, args, kwargs)`` (what ``__torch_function__``
@@ -130,19 +130,19 @@ def set_mode(mode: str) -> None:
         raise ValueError(f"set_mode: mode must be 'eager' or 'compile', got {mode!r}")
 
 
-def register_special(func, fn):
-    """Run ``fn(*args, **kwargs)`` instead of any sharding rule when ``func`` meets a DTensor.
+def register_special(func: Callable[..., Any], handler: Callable[..., Any]) -> Optional[Callable[..., Any]]:
+    """Run ``handler(*args, **kwargs)`` instead of any sharding rule when ``func`` meets a DTensor.
 
     Returns the entry it replaces (None if there was none), for :func:`unregister_special`.
     """
-    if not callable(fn):
-        raise TypeError(f"register_special: fn must be callable, got {fn!r}")
+    if not callable(handler):
+        raise TypeError(f"register_special: handler must be callable, got {handler!r}")
     prev = SPECIAL_METHODS.get(func)
-    SPECIAL_METHODS[func] = fn
+    SPECIAL_METHODS[func] = handler
     return prev
 
 
-def unregister_special(func, previous=None) -> None:
+def unregister_special(func: Callable[..., Any], previous: Optional[Callable[..., Any]] = None) -> None:
     """Undo :func:`register_special`: restore ``previous`` (its return value) or drop the entry."""
     if previous is not None:
         SPECIAL_METHODS[func] = previous
@@ -169,7 +169,9 @@ class DTensor(torch.Tensor):
     _spec: Spec
 
     @staticmethod
-    def __new__(cls, local_tensor, device_mesh: DeviceMesh = None, placements=None, *, shape=None, stride=None):
+    def __new__(cls, local_tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = None,
+                placements: Optional[PlacementsLike] = None, *, shape: Optional[Sequence[int]] = None,
+                stride: Optional[Sequence[int]] = None) -> "DTensor":
         mesh = resolve_mesh(device_mesh, "DTensor")
         if placements is None:
             placements = [Replicate()] * mesh.ndim
@@ -199,11 +201,11 @@ class DTensor(torch.Tensor):
         return self._mesh
 
     @property
-    def placements(self):
+    def placements(self) -> Tuple[Placement, ...]:
         return self._layout.placements
 
     @property
-    def layout(self):
+    def layout(self) -> Union[Layout, torch.layout]:  # type: ignore[override]  # the mesh decides (see below)
         """What ``.layout`` means depends on the mesh's semantics (docs/design.md, "DTensor.layout").
 
         On a HyperParallel mesh (``hyper_parallel.init_device_mesh``, HyperParallel's paths) it is the
@@ -222,36 +224,42 @@ class DTensor(torch.Tensor):
         return self._layout
 
     @property
-    def alias_placements(self):
+    def alias_placements(self) -> Tuple[Alias, ...]:
         return self._layout.alias_placements
 
     @property
-    def shape(self):
+    def shape(self) -> torch.Size:  # type: ignore[override]  # read-only: the global shape
         return self._gshape
 
-    def size(self, dim: Optional[int] = None):
+    @overload
+    def size(self, dim: None = None) -> torch.Size: ...
+
+    @overload
+    def size(self, dim: int) -> int: ...
+
+    def size(self, dim: Optional[int] = None) -> Union[torch.Size, int]:
         return self._gshape if dim is None else self._gshape[dim]
 
     def numel(self) -> int:
         return self._gshape.numel()
 
     @property
-    def ndim(self) -> int:
+    def ndim(self) -> int:  # type: ignore[override]  # read-only: the global rank
         return len(self._gshape)
 
     def dim(self) -> int:
         return len(self._gshape)
 
     @property
-    def local_shape(self):
+    def local_shape(self) -> torch.Size:
         return self._local_tensor.shape
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:  # type: ignore[override]  # read-only: the local tensor's
         return self._local_tensor.dtype
 
     @property
-    def device(self):
+    def device(self) -> torch.device:  # type: ignore[override]  # read-only: the local tensor's
         return self._local_tensor.device
 
     # autograd state lives on the local tensor
@@ -260,20 +268,20 @@ class DTensor(torch.Tensor):
         return self._local_tensor.requires_grad
 
     @requires_grad.setter
-    def requires_grad(self, value: bool):
+    def requires_grad(self, value: bool) -> None:
         self._local_tensor.requires_grad_(value)
         _DG.mark_dtensor_leaf(self._local_tensor)
 
     @property
-    def is_leaf(self) -> bool:
+    def is_leaf(self) -> bool:  # type: ignore[override]  # read-only: the local tensor's
         return self._local_tensor.is_leaf
 
     @property
-    def grad_fn(self):
+    def grad_fn(self) -> Optional[torch.autograd.graph.Node]:  # type: ignore[override]  # the local tensor's
         return self._local_tensor.grad_fn
 
     @property
-    def grad(self):
+    def grad(self) -> Optional["DTensor"]:
         """The gradient, a DTensor.
 
         As in PyTorch, a gradient that backward left partial (a replicated
@@ -284,20 +292,8 @@ class DTensor(torch.Tensor):
         """
         return grad_view(self)
 
-    def _hp_grad_reduced(self):
-        """Called on a ``.grad`` view once its pending partial pieces were summed in place."""
-        self.__dict__.pop("_hp_pending_grad", None)
-        self.__dict__.pop("_redist_cache", None)
-        self._layout = self._layout.without_partial()
-        self._spec = spec_of(self._layout, self._gshape)
-
-    def _settle_grad(self):
-        """A pending partial ``.grad`` view about to be redistributed: sum all pending gradients first."""
-        if self.__dict__.get("_hp_pending_grad"):
-            _DG.flush_pending()
-
     @grad.setter
-    def grad(self, value):
+    def grad(self, value: Optional[torch.Tensor]) -> None:
         _DG.forget(self._local_tensor)
         self.__dict__.pop("_grad_wrapper", None)  # the cached .grad view would keep the old gradient alive
         if value is None:
@@ -315,12 +311,24 @@ class DTensor(torch.Tensor):
             value = value.redistribute(self._mesh, want)
         self._local_tensor.grad = value._local_tensor
 
+    def _hp_grad_reduced(self):
+        """Called on a ``.grad`` view once its pending partial pieces were summed in place."""
+        self.__dict__.pop("_hp_pending_grad", None)
+        self.__dict__.pop("_redist_cache", None)
+        self._layout = self._layout.without_partial()
+        self._spec = spec_of(self._layout, self._gshape)
+
+    def _settle_grad(self):
+        """A pending partial ``.grad`` view about to be redistributed: sum all pending gradients first."""
+        if self.__dict__.get("_hp_pending_grad"):
+            _DG.flush_pending()
+
     @property
-    def data(self):
+    def data(self) -> "DTensor":
         return DTensor._wrap(self._local_tensor.detach(), self._mesh, self._layout, self._gshape)
 
     @data.setter
-    def data(self, value):
+    def data(self, value: torch.Tensor) -> None:
         """``x.data = y``: ``x`` takes ``y``'s values and metadata (layout, global shape,
         dtype, device), as a plain tensor does, and keeps its identity and that of its
         local tensor (an autograd leaf), so optimizers and hooks still hold it.
@@ -343,8 +351,10 @@ class DTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def from_local(local_tensor, device_mesh: DeviceMesh = None, placements=None, *, run_check: bool = False,
-                   shape=None, stride=None, grad_placements: Optional[Sequence[Placement]] = None) -> "DTensor":
+    def from_local(local_tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = None,
+                   placements: Optional[PlacementsLike] = None, *, run_check: bool = False,
+                   shape: Optional[Sequence[int]] = None, stride: Optional[Sequence[int]] = None,
+                   grad_placements: Optional[Sequence[Placement]] = None) -> "DTensor":
         """Wrap this rank's ``local_tensor`` as a DTensor (differentiable).
 
         ``shape``/``stride`` give the global metadata (both or neither, as in
@@ -405,7 +415,7 @@ class DTensor(torch.Tensor):
                 local_tensor = GradRedistribute.apply(local_tensor, plan, mesh, mesh._rank_index())
         return DTensor._wrap(local_tensor, mesh, layout, gshape, stride)
 
-    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None):
+    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """This rank's shard (differentiable).
 
         ``grad_placements`` says how the gradient of the returned tensor is laid
@@ -429,8 +439,10 @@ class DTensor(torch.Tensor):
         plan = rp.plan(gl, want, tuple(self._gshape), self._local_tensor.element_size())
         return GradRedistribute.apply(self._local_tensor, plan, self._mesh, self._mesh._rank_index())
 
-    def redistribute(self, device_mesh: DeviceMesh = None, placements=None, *, async_op: bool = False,
-                     forward_dtype=None, backward_dtype=None) -> "DTensor":
+    def redistribute(self, device_mesh: Union[DeviceMesh, Layout, None] = None,
+                     placements: Optional[PlacementsLike] = None, *, async_op: bool = False,
+                     forward_dtype: Optional[torch.dtype] = None,
+                     backward_dtype: Optional[torch.dtype] = None) -> "DTensor":
         """Return this tensor laid out as ``placements`` (differentiable; cheapest plan).
 
         HyperParallel's form ``redistribute(dst_layout)`` takes a tensor ``Layout`` (mesh and
@@ -463,8 +475,8 @@ class DTensor(torch.Tensor):
         if device_mesh is not None:
             device_mesh = resolve_mesh(device_mesh, "redistribute")  # a torch mesh is adopted first
         same_mesh = device_mesh is None or device_mesh is self._mesh or device_mesh == self._mesh
-        placements = drop_extra_placements(self._mesh if device_mesh is None else device_mesh, placements,
-                                           "redistribute")
+        target_mesh = self._mesh if device_mesh is None else device_mesh
+        placements = semantics_of(target_mesh).trim_placements(target_mesh, placements, "redistribute")
         if same_mesh and isinstance(placements, (list, tuple)) and not is_alias_spelling(placements):
             # as PyTorch: a Partial target only where the tensor already has that Partial (moving to
             # another mesh, our extension, may create one)
@@ -542,7 +554,7 @@ class DTensor(torch.Tensor):
         memo = not local.is_inference()
         if memo:
             key = (dst, torch.is_grad_enabled(), local._version)
-            cache = self.__dict__.get("_redist_cache")
+            cache: Optional[dict] = self.__dict__.get("_redist_cache")
             if cache is None:
                 cache = self.__dict__["_redist_cache"] = {}
             hit = cache.get(key)
@@ -561,7 +573,7 @@ class DTensor(torch.Tensor):
         else:
             plan = rp.plan(self._layout, dst, tuple(self._gshape), local.element_size())
             out = run_plan(local, plan, self._mesh, self._mesh._rank_index())
-        if memo:
+        if memo and cache is not None:
             if len(cache) > 4:
                 cache.clear()
             cache[key] = out
@@ -573,7 +585,7 @@ class DTensor(torch.Tensor):
             return self
         return self.redistribute(self._mesh, self._layout.without_partial())
 
-    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None):
+    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole tensor on every rank (differentiable; all-gathers/all-reduces as needed).
 
         On a rank outside the mesh it is that rank's empty local tensor (as in PyTorch).
@@ -586,7 +598,7 @@ class DTensor(torch.Tensor):
         return out.to_local(grad_placements=grad_placements)
 
     # ------------------------------------------------------------------ conversions
-    def to(self, *args, **kwargs) -> "DTensor":
+    def to(self, *args: Any, **kwargs: Any) -> "DTensor":
         if (args and isinstance(args[0], _Tensor)) or "other" in kwargs:
             args, kwargs = _to_like(args, kwargs)  # x.to(other): other's device and dtype (DTensor or plain)
         if self._layout.has_partial():
@@ -742,13 +754,13 @@ del _name, _method
 # func -> implementation, looked up before any sharding rule (dtensor/special_methods.py);
 # other layers add entries with register_special()
 SPECIAL_METHODS = _special_methods.build_table(DTensor)
-_SPECIAL = SPECIAL_METHODS  # the old private name
 
 
 # torch.compile: the API methods' dynamo branch (one opaque node while dynamo traces). from_local carries it
 # always (it can be a compiled region's first DTensor call, on plain inputs); the others get it in compile mode
 # (set_mode), so eager calls pay nothing.
-DTensor.from_local = compile_mode.traceable_method(DTensor.__dict__["from_local"].__func__, "from_local", static=True)
+DTensor.from_local = compile_mode.traceable_method(  # type: ignore[method-assign]
+    DTensor.__dict__["from_local"].__func__, "from_local", static=True)
 _TRACED.update({name: compile_mode.traceable_method(DTensor.__dict__[name], name)
                 for name in ("to_local", "redistribute", "full_tensor", "reduce_partial")})
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from hyper_parallel.dtensor import torch_internals
-from hyper_parallel.dtensor.dispatch_state import SKIP_ANY
+from hyper_parallel.dtensor.skip_and_replication import SKIP_ANY
 from hyper_parallel.dtensor.redistribute import partial_grad_view
 
 # (func, spec | scalar, ...) -> entry, for calls with positional DTensor/scalar arguments that need no
@@ -124,7 +124,8 @@ def make_methods(cls: type) -> Dict[str, Callable]:
     return out
 
 
-def _make(orig, kf, name, DT):
+def _make(orig, key_func, name, dtensor_cls):
+    kf, DT = key_func, dtensor_cls  # the closure's short names keep the hot body readable as one screen
     fast, skip_any, scalars = FAST, SKIP_ANY, SCALARS
     tf_enabled, tf_mode_enabled = torch_internals.torch_function_enabled, torch_internals.torch_function_mode_enabled
     run_pg, call_kw, wrap = run_with_partial_grads, fast_call_kw, wrap_entry

@@ -24,8 +24,8 @@ _hook = patch_function_apply
 _JOBS = threading.local()
 
 
-def _meta(x):
-    return (x._mesh, x._layout, x._gshape) if isinstance(x, DTensor) else None
+def _meta(value):
+    return (value._mesh, value._layout, value._gshape) if isinstance(value, DTensor) else None
 
 
 class _Bridge(torch.autograd.Function):

@@ -56,37 +56,37 @@ def _with_partial_over(layout, mesh, group):
     return None
 
 
-def grad_view(dt):
-    """``dt.grad``: the local gradient wrapped as a DTensor (cached per local gradient tensor).
+def grad_view(dtensor):
+    """``dtensor.grad``: the local gradient wrapped as a DTensor (cached per local gradient tensor).
 
     As in PyTorch, a gradient that backward left partial (a replicated parameter
     applied to sharded activations, e.g. a norm weight under sequence parallelism)
     reports ``Partial`` on that mesh dim; no collective has run yet.
     """
-    local = dt._local_tensor
+    local = dtensor._local_tensor
     g = local.grad
     if g is None:
         return None
-    cached = dt.__dict__.get("_grad_wrapper")
+    cached = dtensor.__dict__.get("_grad_wrapper")
     if cached is not None and cached._local_tensor is g:
         return cached
-    lay = dt._layout if dt.__dict__.get("_hp_partial_grad") else _grad_layout(dt._layout)
+    lay = dtensor._layout if dtensor.__dict__.get("_hp_partial_grad") else _grad_layout(dtensor._layout)
     group = _DG.partial_group(local) if _DG.has_pending() else None
     if group is not None:
-        lay = _with_partial_over(lay, dt._mesh, group)
+        lay = _with_partial_over(lay, dtensor._mesh, group)
         if lay is None:  # the group is not a dim of this mesh: sum now
             _DG.flush_pending()
-            lay = _grad_layout(dt._layout)
-    w = dt._wrap(g, dt._mesh, lay, dt._gshape)
+            lay = _grad_layout(dtensor._layout)
+    w = dtensor._wrap(g, dtensor._mesh, lay, dtensor._gshape)
     if group is not None and lay.has_partial():
         w.__dict__["_hp_pending_grad"] = True
         _DG.note_view(local, w)
-    dt.__dict__["_grad_wrapper"] = w
+    dtensor.__dict__["_grad_wrapper"] = w
     return w
 
 
-def _set_partial_grad(dt, piece):
-    """Accumulate ``piece`` (this rank's part of a Partial gradient) into the Partial leaf ``dt``'s ``.grad``.
+def _set_partial_grad(dtensor, piece):
+    """Accumulate ``piece`` (this rank's part of a Partial gradient) into the Partial leaf ``dtensor``'s ``.grad``.
 
     The library's gradient convention keeps full gradients in local ``.grad``
     (docs/design.md); a Partial leaf given a Partial gradient directly
@@ -95,15 +95,15 @@ def _set_partial_grad(dt, piece):
     Partial layout. If autograd later accumulates an ordinary (full) gradient into
     the leaf, a hook first reduces the pieces, so the sum stays right.
     """
-    local = dt._local_tensor
-    if dt.__dict__.get("_hp_partial_grad") and local.grad is not None:
+    local = dtensor._local_tensor
+    if dtensor.__dict__.get("_hp_partial_grad") and local.grad is not None:
         local.grad = local.grad + piece
     else:
         local.grad = piece.clone()
-    dt.__dict__["_hp_partial_grad"] = True
-    dt.__dict__.pop("_grad_wrapper", None)
-    if not dt.__dict__.get("_hp_partial_grad_hook"):
-        ref = weakref.ref(dt)  # the local tensor's hook must not keep its wrapper alive
+    dtensor.__dict__["_hp_partial_grad"] = True
+    dtensor.__dict__.pop("_grad_wrapper", None)
+    if not dtensor.__dict__.get("_hp_partial_grad_hook"):
+        ref = weakref.ref(dtensor)  # the local tensor's hook must not keep its wrapper alive
 
         def reduce_first(grad):
             dt = ref()
@@ -113,7 +113,7 @@ def _set_partial_grad(dt, piece):
                 dt.__dict__.pop("_grad_wrapper", None)
             return grad
         local.register_hook(reduce_first)
-        dt.__dict__["_hp_partial_grad_hook"] = True
+        dtensor.__dict__["_hp_partial_grad_hook"] = True
 
 
 __all__ = ["settle_pending_grads", "grad_view"]

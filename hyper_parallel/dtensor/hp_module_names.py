@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hyper_parallel.dtensor.layout_hp_methods import LayoutCompatMixin, PlacementSpec, unit_repeat_num
 from hyper_parallel.dtensor.device_mesh_hp_methods import DeviceMeshCompatMixin
-from hyper_parallel.dtensor.dispatch_state import SkipDTensorDispatch
+from hyper_parallel.dtensor.skip_and_replication import SkipDTensorDispatch
 from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
 from hyper_parallel.dtensor.layout_builder import build_layout
 

@@ -1,67 +1,38 @@
-"""Layout: where each piece of a tensor lives on a device mesh (pure Python).
+"""Layout: where each piece of a tensor lives on a device mesh, and the mesh itself.
 
-A layout is described per tensor dimension by the ordered tuple of mesh dims that
-shard it (``dim_map``, most significant first) plus, per mesh dim, an optional
-pending reduction (``partial``). Both public spellings convert to and from it:
+:class:`Layout` is the class programs use (``Layout((2, 2), ("dp", "tp"))("dp", "None")``,
+``dt.layout``). Its math, everything a layout is and computes, lives in the torch-free
+:class:`~hyper_parallel.dtensor.layout_math.LayoutMath` it extends, so that the pure
+planners (``redistribute_plan``, ``cross_mesh_plan``) import no framework, which the
+``pure-math`` import contract checks including indirect imports. What needs the framework
+is added here:
 
-* placements, one per mesh dim: ``[Shard(0), Replicate()]``, ``[Partial()]``;
-  several ``Shard(t)`` on one tensor dim shard it in mesh-dim order, and
-  ``_StridedShard(t, split_factor=k)`` on a mesh dim says that later mesh dims
-  (sizes multiplying to ``k``) shard ``t`` outside it, as PyTorch writes it;
-* aliases, one per tensor dim: ``("dp", "None")``, ``(("dp", "tp"), "None")``;
-  a tuple shards one tensor dim over several mesh dims, first name outermost.
+* ``.mesh``: the layout's :class:`DeviceMesh` (a standalone layout creates it on first use),
+  with HyperParallel's other names (``LayoutCompatMixin``);
+* HyperParallel's placement form ``layout([Shard(0), Replicate()])``, a :class:`PlacementSpec`;
+* ``dt.layout == torch.strided``: a DTensor is a strided tensor to the framework
+  (docs/design.md, "DTensor.layout");
+* :func:`_get_slice_tensor_by_layout`, HyperParallel's helper on tensors.
 
-Uneven extents follow ``torch.chunk`` rules: with ``n`` elements over ``k`` ranks
-each rank gets ``ceil(n / k)`` until the data runs out, so later ranks may hold
-smaller or empty pieces.
+The names the math module defines (``chunk_sizes``, ``local_shape_and_offset``...) are
+re-exported from their historical home here.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional, Sequence, Tuple
+from typing import Any, Sequence, Tuple, Union
 
-from hyper_parallel.dtensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
-from hyper_parallel.dtensor import strided_math
-from hyper_parallel.dtensor.mesh_coords import coordinate_of  # noqa: F401  (its historical home)
+import torch
+
+from hyper_parallel.dtensor.layout_math import (  # noqa: F401  (re-exported: their historical home)
+    NONE_ALIAS, Alias, DimMap, LayoutMath, Partials, _fit_placements, chunk_size_and_offset, chunk_sizes,
+    coordinate_of, is_alias_spelling, local_shape_and_offset,
+)
+from hyper_parallel.dtensor.placement_types import Placement
 from hyper_parallel.dtensor.layout_hp_methods import LayoutCompatMixin, PlacementSpec, unit_repeat_num  # noqa: F401
 from hyper_parallel.dtensor.device_mesh import DeviceMesh  # noqa: F401  (HyperParallel imports it from here)
-import sys
-
-NONE_ALIAS = "None"
 
 
-# --------------------------------------------------------------------- chunk math
-def chunk_size_and_offset(size: int, num_chunks: int, index: int) -> Tuple[int, int]:
-    """Extent and start of piece ``index`` when ``size`` is cut into ``num_chunks`` (torch.chunk rules)."""
-    full = -(-size // num_chunks) if size else 0
-    start = full * index
-    if start >= size:
-        return 0, size
-    return min(size, start + full) - start, start
-
-
-@lru_cache(maxsize=65536)
-def chunk_sizes(size: int, num_chunks: int) -> Tuple[int, ...]:
-    """Extents of all ``num_chunks`` pieces of ``size`` (torch.chunk rules, zeros padded in)."""
-    return tuple(chunk_size_and_offset(size, num_chunks, i)[0] for i in range(num_chunks))
-
-
-def local_shape_and_offset(global_shape: Sequence[int], mesh_shape: Sequence[int],
-                           dim_map: Sequence[Tuple[int, ...]], coord: Sequence[int]):
-    """Local shape and global offset of the piece held at mesh coordinate ``coord``."""
-    shape = list(global_shape)
-    offset = [0] * len(shape)
-    for t, mesh_dims in enumerate(dim_map):
-        size, off = shape[t], 0
-        for d in mesh_dims:
-            size, start = chunk_size_and_offset(size, mesh_shape[d], coord[d])
-            off += start
-        shape[t], offset[t] = size, off
-    return tuple(shape), tuple(offset)
-
-
-# --------------------------------------------------------------------- the class
-class Layout(LayoutCompatMixin):
+class Layout(LayoutCompatMixin, LayoutMath):
     """Device matrix plus (optionally) how one tensor is laid out on it.
 
     ``Layout(mesh_shape, alias_names)`` describes the device matrix only; call it
@@ -75,63 +46,9 @@ class Layout(LayoutCompatMixin):
     """
 
     # ``mesh`` is a property (LayoutCompatMixin): a standalone layout creates its mesh lazily
-    __slots__ = ("mesh_shape", "alias_names", "rank_list", "_mesh", "_explicit_ranks", "dim_map", "partial",
-                 "strided", "_key", "_hash")
+    __slots__ = ()
 
-    def __init__(self, mesh_shape: Sequence[int], alias_names: Sequence[str] = None,
-                 rank_list: Sequence[int] = None, *, alias_name: Sequence[str] = None, mesh=None, _dim_map=None,
-                 _partial=None, _hp=None, _strided=None):
-        if alias_name is not None:  # HyperParallel's keyword: Layout(mesh_shape=..., alias_name=...)
-            if alias_names is not None:
-                raise TypeError("Layout: give alias_names or alias_name (HyperParallel's spelling), not both")
-            alias_names = alias_name
-        mesh_shape = tuple(int(s) for s in mesh_shape)
-        if not mesh_shape or any(s <= 0 for s in mesh_shape):
-            raise ValueError(f"Layout: mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
-        if alias_names is None:
-            alias_names = tuple(f"dim{i}" for i in range(len(mesh_shape)))
-        alias_names = tuple(alias_names)
-        if len(alias_names) != len(mesh_shape):
-            raise ValueError(f"Layout: alias_names {alias_names} has {len(alias_names)} names but "
-                             f"mesh_shape {mesh_shape} has {len(mesh_shape)} dims")
-        for a in alias_names:
-            if not isinstance(a, str) or a == NONE_ALIAS:
-                raise ValueError(f"Layout: alias name {a!r} is not allowed (must be a string other than 'None')")
-        if len(set(alias_names)) != len(alias_names):
-            raise ValueError(f"Layout: alias_names {alias_names} contains duplicates")
-        n = 1
-        for s in mesh_shape:
-            n *= s
-        self._explicit_ranks = rank_list is not None
-        rank_list = tuple(range(n)) if rank_list is None else tuple(int(r) for r in rank_list)
-        if len(rank_list) != n:
-            raise ValueError(f"Layout: rank_list has {len(rank_list)} ranks, mesh_shape {mesh_shape} needs {n}")
-        self.mesh_shape = mesh_shape
-        self.alias_names = alias_names
-        self.rank_list = rank_list
-        self._mesh = mesh
-        self.dim_map = None if _dim_map is None else tuple(tuple(m) for m in _dim_map)
-        self.partial = tuple(_partial) if _partial is not None else (None,) * len(mesh_shape)
-        # residual _StridedShard split factors, one per mesh dim (None: dim_map alone says it all);
-        # see strided_math: such a layout's pieces follow PyTorch's placement rules exactly
-        self.strided = tuple(int(f) for f in _strided) if _strided is not None else None
-        # a standalone Layout's mesh follows HyperParallel; the semantics are part of the identity
-        # so that caches keyed by layouts never hand a PyTorch-semantics mesh's answer to the other
-        hp = _hp if _hp is not None else (True if mesh is None else bool(getattr(mesh, "_hp_flag", False)))
-        self._key = (mesh_shape, alias_names, rank_list, self.dim_map, self.partial, self.strided, hp)
-        self._hash = hash(self._key)
-
-    # ---------------------------------------------------------------- builders
-    @classmethod
-    def from_device_mesh(cls, mesh) -> "Layout":
-        """Device-matrix layout of a :class:`DeviceMesh` (names default to ``dim0, dim1, ...``)."""
-        return cls(mesh.shape, mesh.mesh_dim_names, mesh.rank_list, mesh=mesh)
-
-    def _derive(self, dim_map, partial, strided=None) -> "Layout":
-        return Layout(self.mesh_shape, self.alias_names, self.rank_list if self._explicit_ranks else None,
-                      mesh=self._mesh, _dim_map=dim_map, _partial=partial, _hp=self._key[-1], _strided=strided)
-
-    def __call__(self, *aliases) -> "Layout":
+    def __call__(self, *aliases: Any) -> Union["Layout", PlacementSpec]:
         """Tensor layout from one alias per tensor dim (``"None"`` = not sharded).
 
         HyperParallel's placement form, ``layout([Shard(0), Replicate()])`` or
@@ -144,306 +61,31 @@ class Layout(LayoutCompatMixin):
             return PlacementSpec(self, tuple(pls))
         return self.with_aliases(aliases)
 
-    def with_aliases(self, aliases: Sequence) -> "Layout":
-        used = set()
-        dim_map = []
-        for t, a in enumerate(aliases):
-            names = a if isinstance(a, tuple) else (a,)
-            dims = []
-            for name in names:
-                if isinstance(name, Placement):
-                    if isinstance(name, Partial):
-                        raise ValueError(
-                            f"alias placements: Partial cannot be written as an alias (tensor dim {t} got {name!r}); "
-                            "pass placement objects, e.g. [Partial(), Replicate()]")
-                    raise TypeError(f"alias placements: tensor dim {t} got placement {name!r}; "
-                                    "use either all alias names or all placement objects")
-                if not isinstance(name, str):
-                    raise TypeError(f"alias placements: tensor dim {t} got {name!r}; expected a mesh dim name, "
-                                    f"'None' or a tuple of names (mesh dims: {self.alias_names})")
-                if name == NONE_ALIAS:
-                    if len(names) > 1:
-                        raise ValueError(f"alias placements: 'None' cannot appear inside a tuple ({a!r})")
-                    continue
-                if name.lower() == "partial" and name not in self.alias_names:
-                    raise ValueError(f"alias placements: Partial cannot be written as an alias (got {name!r} for "
-                                     f"tensor dim {t}); pass placement objects, e.g. [Partial(), Replicate()]")
-                if name not in self.alias_names:
-                    raise ValueError(f"alias placements: unknown alias {name!r} for tensor dim {t}; "
-                                     f"mesh dims are {self.alias_names} (or 'None')")
-                if name in used:
-                    raise ValueError(f"alias placements: alias {name!r} is used twice in {tuple(aliases)}; "
-                                     "a mesh dim can shard at most one tensor dim once")
-                used.add(name)
-                dims.append(self.alias_names.index(name))
-            dim_map.append(tuple(dims))
-        return self._derive(dim_map, (None,) * len(self.mesh_shape))
-
-    def with_placements(self, placements: Sequence[Placement], ndim: int) -> "Layout":
-        """Tensor layout from one placement per mesh dim for an ``ndim``-d tensor."""
-        placements = tuple(placements)
-        if len(placements) != len(self.mesh_shape):
-            placements = _fit_placements(placements, self.mesh_shape)
-        dim_map = [[] for _ in range(ndim)]
-        partial = []
-        strided = False
-        for d, p in enumerate(placements):
-            if isinstance(p, (Shard, _StridedShard)):
-                t = p.dim
-                if not -ndim <= t < ndim:
-                    raise ValueError(f"placements[{d}] = {p!r}: dim {t} is out of range for a {ndim}-d tensor "
-                                     f"(expected {-ndim} <= dim < {ndim})" if ndim else
-                                     f"placements[{d}] = {p!r}: a 0-d tensor cannot be sharded")
-                dim_map[t % ndim].append(d)
-                partial.append(None)
-                strided = strided or isinstance(p, _StridedShard)
-            elif isinstance(p, Partial):
-                partial.append(p.reduce_op)
-            elif isinstance(p, Replicate):
-                partial.append(None)
-            else:
-                raise TypeError(f"placements[{d}] = {p!r} is not a Placement (Shard, Replicate or Partial)")
-        if strided:
-            dim_map, factors = strided_math.dim_map_of(placements, self.mesh_shape, ndim)
-            return self._derive(dim_map, partial, factors)
-        return self._derive(dim_map, partial)
-
-    def with_dim_map(self, dim_map, partial=None) -> "Layout":
-        return self._derive(dim_map, partial if partial is not None else (None,) * len(self.mesh_shape))
-
-    def replicated(self, ndim: int = None) -> "Layout":
-        """The fully replicated layout (no shards, no partials) for the same tensor rank."""
-        nd = self.ndim if ndim is None else ndim
-        return self._derive(((),) * nd, (None,) * len(self.mesh_shape))
-
-    def without_partial(self) -> "Layout":
-        return self._derive(self.dim_map, (None,) * len(self.mesh_shape), self.strided)
-
-    def without_strided(self) -> "Layout":
-        """This layout with every residual ``_StridedShard`` mesh dim replicated (itself when there is none)."""
-        if self.strided is None:
-            return self
-        dim_map = tuple(tuple(d for d in dims if self.strided[d] == 1) for dims in self.dim_map)
-        return self._derive(dim_map, self.partial)
-
-    # ---------------------------------------------------------------- views
-    def _require_tensor(self):
-        if self.dim_map is None:
-            raise ValueError("this Layout describes only the device matrix; call it with aliases first, "
-                             "e.g. layout('dp', 'None')")
-
-    @property
-    def ndim(self) -> int:
-        self._require_tensor()
-        return len(self.dim_map)
-
-    @property
-    def mesh_ndim(self) -> int:
-        return len(self.mesh_shape)
-
-    @property
-    def placements(self) -> Tuple[Placement, ...]:
-        """One placement per mesh dim, as PyTorch writes it.
-
-        A tensor dim sharded by a later mesh dim outside an earlier one reports
-        ``_StridedShard(dim, split_factor=k)`` on the earlier one (``k``: the sizes of
-        those outer later mesh dims multiplied), ``Shard(dim)`` elsewhere.
-        """
-        self._require_tensor()
-        if self.strided is None:
-            return strided_math.placements_of(self.dim_map, self.partial, self.mesh_shape)
-        out = list(strided_math.placements_of(self.dim_map, self.partial, self.mesh_shape))
-        for d, f in enumerate(self.strided):
-            if f > 1:
-                out[d] = _StridedShard(out[d].dim, split_factor=f)
-        return tuple(out)
-
-    @property
-    def is_strided(self) -> bool:
-        """True for a residual ``_StridedShard`` layout (pieces that are not one box of the tensor)."""
-        return self.strided is not None
-
-    @property
-    def alias_placements(self) -> Tuple:
-        """One alias per tensor dim: ``"None"``, a name, or a tuple of names (outer first)."""
-        self._require_tensor()
-        out = []
-        for dims in self.dim_map:
-            if not dims:
-                out.append(NONE_ALIAS)
-            elif len(dims) == 1:
-                out.append(self.alias_names[dims[0]])
-            else:
-                out.append(tuple(self.alias_names[d] for d in dims))
-        return tuple(out)
-
-    @property
-    def tensor_map(self) -> Tuple:
-        """MindSpore-style map: per tensor dim, the mesh dim counted from the right (-1 = none).
-
-        ``None`` for a layout that describes only the device matrix (as in HyperParallel).
-        """
-        if self.dim_map is None:
-            return None
-        n = len(self.mesh_shape)
-        out = []
-        for dims in self.dim_map:
-            if not dims:
-                out.append(-1)
-            elif len(dims) == 1:
-                out.append(n - 1 - dims[0])
-            else:
-                out.append(tuple(n - 1 - d for d in dims))
-        return tuple(out)
-
-    @property
-    def is_mesh_ordered(self) -> bool:
-        """True when placements alone describe this layout (multi-axis shards in mesh-dim order)."""
-        return all(list(d) == sorted(d) for d in self.dim_map)
-
-    def has_partial(self) -> bool:
-        return any(p is not None for p in self.partial)
-
-    def is_replicated(self) -> bool:
-        return not self.has_partial() and all(not d for d in self.dim_map)
-
-    def sharded_mesh_dims(self) -> Tuple[int, ...]:
-        return tuple(d for dims in self.dim_map for d in dims)
-
-    def tensor_dim_of(self, mesh_dim: int) -> Optional[int]:
-        for t, dims in enumerate(self.dim_map):
-            if mesh_dim in dims:
-                return t
-        return None
-
-    # ---------------------------------------------------------------- shapes
-    def coordinate(self, rank: int) -> Tuple[int, ...]:
-        try:
-            idx = self.rank_list.index(rank)
-        except ValueError:
-            raise ValueError(f"rank {rank} is not in this layout's mesh (ranks {self.rank_list})") from None
-        return coordinate_of(idx, self.mesh_shape)
-
-    def local_shape_and_offset(self, global_shape: Sequence[int], rank: int = None, *, coord=None):
-        """Local shape and global offset held by ``rank`` (or mesh coordinate ``coord``)."""
-        self._require_tensor()
-        if len(global_shape) != len(self.dim_map):
-            raise ValueError(f"global shape {tuple(global_shape)} has {len(global_shape)} dims but the layout "
-                             f"describes {len(self.dim_map)}")
-        if coord is None:
-            coord = self.coordinate(rank)
-        if self.strided is not None:
-            return strided_math.torch_local_shape_and_offset(global_shape, self.mesh_shape, self.placements, coord)
-        return local_shape_and_offset(global_shape, self.mesh_shape, self.dim_map, coord)
-
-    def local_indices(self, global_shape: Sequence[int], *, coord) -> Tuple:
-        """Per tensor dim, the global indices the piece at ``coord`` holds, in local order (None: the whole dim).
-
-        One range per dim for every layout but a residual ``_StridedShard`` one, whose
-        pieces interleave (PyTorch's rules); checkpoints and copies read it.
-        """
-        self._require_tensor()
-        if self.strided is not None:
-            return tuple(strided_math.torch_local_indices(global_shape, self.mesh_shape, self.placements, coord))
-        shape, offset = self.local_shape_and_offset(global_shape, coord=coord)
-        return tuple(None if not dims else list(range(o, o + n))
-                     for dims, n, o in zip(self.dim_map, shape, offset))
-
-    def local_shape(self, global_shape, rank: int = None, *, coord=None):
-        return self.local_shape_and_offset(global_shape, rank, coord=coord)[0]
-
-    def global_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
-        """Global shape from a local shape, assuming every shard is the same size (the even case)."""
-        self._require_tensor()
-        if len(local_shape) != len(self.dim_map):
-            raise ValueError(f"local shape {tuple(local_shape)} has {len(local_shape)} dims but the layout "
-                             f"describes {len(self.dim_map)}")
-        out = []
-        for s, dims in zip(local_shape, self.dim_map):
-            for d in dims:
-                s *= self.mesh_shape[d]
-            out.append(s)
-        return tuple(out)
-
-    def is_even(self, global_shape: Sequence[int]) -> bool:
-        for n, dims in zip(global_shape, self.dim_map):
-            for d in dims:
-                if n % self.mesh_shape[d]:
-                    return False
-                n //= self.mesh_shape[d]
-        return True
-
-    # ---------------------------------------------------------------- dunder
-    def __eq__(self, other):
-        if isinstance(other, Layout):
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LayoutMath):
             return self._key == other._key
         # a DTensor is a strided tensor to the framework: ``dt.layout == torch.strided`` holds
         # (see docs/design.md, "DTensor.layout"); never equal to sparse layouts or other objects
-        return other is _strided()
+        return other is torch.strided
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return self._hash
 
-    def __reduce__(self):
-        return (_rebuild_layout, (self.mesh_shape, self.alias_names, self.rank_list, self.dim_map, self.partial,
-                                  self._key[-1], self.strided))
-
-    def __repr__(self):
-        if self.dim_map is None:
-            return f"Layout(mesh_shape={self.mesh_shape}, alias_names={self.alias_names})"
-        pl = ", ".join(str(p) for p in self.placements)
-        extra = "" if self.is_mesh_ordered else f", alias={self.alias_placements}"
-        return f"Layout(mesh={dict(zip(self.alias_names, self.mesh_shape))}, placements=[{pl}]{extra})"
+    def __reduce__(self) -> Tuple[Any, tuple]:
+        return (_rebuild_layout, self._rebuild_args())
 
 
-def _strided():
-    """The framework's dense-tensor layout object (``torch.strided``), looked up once."""
-    global _STRIDED_OBJ
-    if _STRIDED_OBJ is None:
-        _STRIDED_OBJ = sys.modules["torch"].strided  # torch is loaded: a torch.layout is being compared
-    return _STRIDED_OBJ
+#: what the API accepts as placements: placement objects (one per mesh dim), alias names (one per tensor
+#: dim), a tensor Layout (mesh and placements in one) or HyperParallel's ``layout(placements)``
+PlacementsLike = Union[Sequence[Any], Layout, PlacementSpec]
 
 
-_STRIDED_OBJ = None
+def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp_semantics=True, strided=None):
+    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp_semantics=hp_semantics,
+                  _strided=strided)
 
 
-def _fit_placements(placements, mesh_shape):
-    """Placements of another length than the mesh's ndim, HyperParallel-style.
-
-    Missing trailing entries are ``Replicate()``; extra trailing entries are dropped
-    when they are ``Replicate()`` (they describe no data movement). An extra Shard
-    or Partial entry names a mesh dim that does not exist and raises.
-    """
-    mesh_ndim = len(mesh_shape)
-    if len(placements) < mesh_ndim:
-        return placements + (Replicate(),) * (mesh_ndim - len(placements))
-    extra = placements[mesh_ndim:]
-    for i, p in enumerate(extra):
-        if not isinstance(p, Replicate):
-            raise ValueError(f"placements {placements} has {len(placements)} entries but the mesh {mesh_shape} has "
-                             f"{mesh_ndim} dims; the extra entry placements[{mesh_ndim + i}] = {p!r} is not "
-                             "Replicate() (give at most one placement per mesh dim)")
-    return placements[:mesh_ndim]
-
-
-def _rebuild_layout(mesh_shape, alias_names, rank_list, dim_map, partial, hp=True, strided=None):
-    return Layout(mesh_shape, alias_names, rank_list, _dim_map=dim_map, _partial=partial, _hp=hp, _strided=strided)
-
-
-def is_alias_spelling(placements) -> bool:
-    """True when ``placements`` is written with alias names rather than placement objects."""
-    if not placements:
-        return False
-    for p in placements:
-        if isinstance(p, str):
-            continue
-        if isinstance(p, tuple) and p and all(isinstance(x, str) for x in p):
-            continue
-        return False
-    return True
-
-
-def _get_slice_tensor_by_layout(tensor, layout: "Layout"):
+def _get_slice_tensor_by_layout(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
     """HyperParallel's helper: this rank's piece of the global ``tensor`` under ``layout`` (a copy).
 
     The piece is what ``distribute_tensor(tensor, layout.mesh, layout)`` holds on this rank

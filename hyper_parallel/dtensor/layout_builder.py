@@ -5,22 +5,24 @@ one per mesh dim; alias names, one per tensor dim) become a :class:`Layout`.
 """
 from __future__ import annotations
 
-from hyper_parallel.dtensor.device_mesh import DeviceMesh, uses_hp_semantics
-from hyper_parallel.dtensor.placement_lists import drop_extra_placements
-from hyper_parallel.dtensor.layout import Layout, is_alias_spelling
+from typing import Dict
+
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
+from hyper_parallel.dtensor.layout import Layout, PlacementsLike, is_alias_spelling
 from hyper_parallel.dtensor.placement_types import Partial, Placement
 
-_LAYOUT_CACHE = {}
+_LAYOUT_CACHE: Dict[tuple, Layout] = {}
 
 
-def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placements") -> Layout:
+def build_layout(mesh: DeviceMesh, placements: PlacementsLike, ndim: int, what: str = "placements") -> Layout:
     """Layout for an ``ndim``-d tensor from placement objects or alias names (cached)."""
     if isinstance(placements, Layout):
         return placements
     try:
-        key = (mesh, tuple(placements), ndim)
-        if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (placement_lists.py)
-            key += (uses_hp_semantics(mesh),)
+        key: tuple = (mesh, tuple(placements), ndim)
+        if len(key[1]) > mesh.ndim:  # too long: the answer depends on the mesh's semantics (trim_placements)
+            key += (semantics_of(mesh),)
         hit = _LAYOUT_CACHE.get(key)
     except TypeError:
         raise TypeError(f"{what}: expected a sequence of Placement objects or alias names, got {placements!r}") from None
@@ -30,7 +32,7 @@ def build_layout(mesh: DeviceMesh, placements, ndim: int, what: str = "placement
     if base is None:
         base = Layout.from_device_mesh(mesh)
         mesh._base_layout = base
-    placements = tuple(drop_extra_placements(mesh, placements, what))  # HyperParallel meshes: extras ignored
+    placements = tuple(semantics_of(mesh).trim_placements(mesh, placements, what))  # HyperParallel's: extras ignored
     if is_alias_spelling(placements):
         if mesh.mesh_dim_names is None:
             raise ValueError(f"{what}: alias names {placements} need a mesh with mesh_dim_names")

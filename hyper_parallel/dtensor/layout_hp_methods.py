@@ -8,14 +8,17 @@ stays an immutable, hashable value. Where HyperParallel mutates a layout in plac
 here *returns* the new layout instead; the migration guide shows the one-line change.
 
 Import direction: ``layout`` -> this module -> ``device_mesh`` (a standalone
-layout's ``.mesh`` creates a mesh); ``device_mesh`` never imports ``layout``.
+layout's ``.mesh`` creates a mesh) and the torch-free ``layout_math``; ``device_mesh``
+never imports ``layout``.
 """
 from __future__ import annotations
 
 import os
-from typing import Dict, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.dtensor.device_mesh_hp_methods import _ranks_along
+from hyper_parallel.dtensor.layout_math import Alias, LayoutMath
+from hyper_parallel.dtensor.placement_types import Placement
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, _reshape
 from hyper_parallel.distributed import groups
 import torch
@@ -44,17 +47,22 @@ def unit_repeat_num(enabled: bool = True) -> None:
 
 # One mesh per (shape, names, ranks): a standalone ``Layout(...)`` reuses it, so that
 # touching ``layout.mesh`` on many layouts creates the process groups once.
-_STANDALONE_MESHES: Dict[tuple, object] = {}
+_STANDALONE_MESHES: Dict[tuple, DeviceMesh] = {}
+
+if TYPE_CHECKING:  # the mixin's methods read the layout they are mixed into
+    _LayoutBase = LayoutMath
+else:
+    _LayoutBase = object
 
 
-class LayoutCompatMixin:
+class LayoutCompatMixin(_LayoutBase):
     """HyperParallel names on :class:`~hyper_parallel.dtensor.layout.Layout`."""
 
     __slots__ = ()
 
     # ------------------------------------------------------------------ the mesh
     @property
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         """The :class:`DeviceMesh` this layout lives on.
 
         A layout made from a mesh returns that mesh. A standalone layout
@@ -76,7 +84,7 @@ class LayoutCompatMixin:
         return self.alias_names
 
     @property
-    def alias_tensor_map(self):
+    def alias_tensor_map(self) -> Optional[Tuple[Alias, ...]]:
         """HyperParallel's name for :attr:`alias_placements` (``None`` for a device-matrix layout)."""
         return None if self.dim_map is None else self.alias_placements
 
@@ -84,14 +92,14 @@ class LayoutCompatMixin:
         """True when a mesh dim holds a pending reduction (``Partial``)."""
         return self.has_partial()
 
-    def get_partial_by_dev_id(self, axis):
+    def get_partial_by_dev_id(self, axis: Union[str, int]) -> Optional[str]:
         """The pending reduction (``"sum"``, ``"max"``...) on mesh dim ``axis`` (a name or index), or None.
 
         HyperParallel's argument is a mesh-dim name, despite the method's name.
         """
         return self.partial[self._axis_index(axis)]
 
-    def _axis_index(self, axis) -> int:
+    def _axis_index(self, axis: Union[str, int]) -> int:
         if isinstance(axis, str):
             if axis not in self.alias_names:
                 raise ValueError(f"Layout: axis {axis!r} is not a mesh dim name; names are {self.alias_names}")
@@ -132,7 +140,7 @@ class LayoutCompatMixin:
         """Global shape from a local (slice) shape, every shard the same size."""
         return self.global_shape(tuple(slice_shape))
 
-    def placement_to_tensor_map(self, dim: int):
+    def placement_to_tensor_map(self, dim: int) -> List[Union[int, Tuple[int, ...]]]:
         """Tensor map (HyperParallel convention) of this layout's placements for a ``dim``-d tensor.
 
         HyperParallel also stores the map in the layout; ours is immutable, so use
@@ -141,9 +149,9 @@ class LayoutCompatMixin:
         """
         if not isinstance(dim, int) or dim < 0:
             raise ValueError(f"placement_to_tensor_map: dim must be a non-negative int, got {dim!r}")
-        return list(self.with_placements(self.placements, dim).tensor_map)
+        return _tensor_map_list(self.with_placements(self.placements, dim))
 
-    def set_placements(self, placements):
+    def set_placements(self, placements: Sequence[Placement]) -> LayoutMath:
         """A new layout with ``placements`` (HyperParallel mutates; rebind: ``lay = lay.set_placements(p)``)."""
         nd = self.ndim if self.dim_map is not None else None
         if nd is None:
@@ -151,7 +159,7 @@ class LayoutCompatMixin:
                              "layout.with_placements(placements, ndim)")
         return self.with_placements(placements, nd)
 
-    def set_partial_by_dev_axis(self, axis, op):
+    def set_partial_by_dev_axis(self, axis: Union[str, int], op: Optional[str]) -> LayoutMath:
         """A new layout with a pending ``op`` reduction on mesh dim ``axis`` (HyperParallel mutates; rebind)."""
         self._require_tensor()
         d = self._axis_index(axis)
@@ -163,17 +171,17 @@ class LayoutCompatMixin:
                              "dim must not shard it")
         partial = list(self.partial)
         partial[d] = op
-        return self.with_dim_map(self.dim_map, partial)
+        return self.with_dim_map(self._dims(), partial)
 
-    def reset_partial(self):
+    def reset_partial(self) -> LayoutMath:
         """A new layout without pending reductions (HyperParallel mutates; rebind: ``lay = lay.reset_partial()``)."""
         return self.without_partial()
 
-    def get_devices_for_axis(self, axis, rank: int):
+    def get_devices_for_axis(self, axis: Union[str, int], rank: int) -> List[int]:
         """The ranks that share every mesh coordinate with ``rank`` except the one along ``axis``."""
         return _ranks_along(self.mesh_shape, self.rank_list, self._axis_index(axis), rank)
 
-    def get_comm_group_by_axis(self, axis):
+    def get_comm_group_by_axis(self, axis: Union[str, int]) -> Any:
         """The framework process group of this rank along ``axis`` (creates the mesh if needed)."""
         return self.mesh.get_comm_group_by_axis(axis)
 
@@ -192,7 +200,7 @@ class PlacementSpec:
 
     __slots__ = ("base", "placements")
 
-    def __init__(self, base, placements):
+    def __init__(self, base: LayoutCompatMixin, placements: Sequence[Placement]):
         self.base = base
         self.placements = tuple(placements)
 
@@ -202,8 +210,8 @@ class PlacementSpec:
     def __len__(self):
         return len(self.placements)
 
-    def __getitem__(self, i):
-        return self.placements[i]
+    def __getitem__(self, index):
+        return self.placements[index]
 
     def __eq__(self, other):
         return isinstance(other, PlacementSpec) and (self.base, self.placements) == (other.base, other.placements)
@@ -223,12 +231,20 @@ class PlacementSpec:
     def is_partial(self) -> bool:
         return any(p.is_partial() for p in self.placements)
 
-    def to_layout(self, ndim: int):
+    def to_layout(self, ndim: int) -> LayoutMath:
         """The tensor layout for an ``ndim``-d tensor."""
         return self.base.with_placements(self.placements, ndim)
 
-    def placement_to_tensor_map(self, dim: int):
-        return list(self.to_layout(dim).tensor_map)
+    def placement_to_tensor_map(self, dim: int) -> List[Union[int, Tuple[int, ...]]]:
+        return _tensor_map_list(self.to_layout(dim))
+
+
+def _tensor_map_list(layout: LayoutMath) -> List[Union[int, Tuple[int, ...]]]:
+    """HyperParallel's tensor map (a list) of a tensor layout."""
+    tensor_map = layout.tensor_map
+    if tensor_map is None:  # pragma: no cover - with_placements always gives a tensor layout
+        raise ValueError(f"{layout!r} has no tensor map")
+    return list(tensor_map)
 
 
 def _default_device_type() -> str:
@@ -257,7 +273,7 @@ def _standalone_mesh(mesh_shape, alias_names, rank_list, explicit_ranks):
         raise ValueError(f"Layout.mesh: rank_list {rank_list} uses rank {max(rank_list)} but the world has only "
                          f"{world} ranks")
     # a Layout is HyperParallel spelling: its mesh follows HyperParallel (uses_hp_semantics)
-    m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names, _hp=True)
+    m = DeviceMesh(device_type, _reshape(rank_list, mesh_shape), mesh_dim_names=alias_names, _hp_semantics=True)
     _STANDALONE_MESHES[key] = m
     return m
 

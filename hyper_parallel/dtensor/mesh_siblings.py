@@ -40,10 +40,10 @@ def _nest(flat, shape):
     return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def _ints(x):
-    if isinstance(x, (tuple, list)):
-        return [v for item in x for v in _ints(item)]
-    return [int(x)]
+def _ints(values):
+    if isinstance(values, (tuple, list)):
+        return [v for item in values for v in _ints(item)]
+    return [int(values)]
 
 
 def _dims(tmesh):
@@ -57,15 +57,15 @@ def _dims(tmesh):
     return out
 
 
-def unify_roots(a, b) -> bool:
-    """Give hyper_parallel meshes ``a`` and ``b`` (adopted slices of one torch root mesh) a common root.
+def unify_roots(first, second) -> bool:
+    """Give hyper_parallel meshes ``first`` and ``second`` (adopted slices of one torch root mesh) a common root.
 
     Returns True when they share a root afterwards (already or now); False when they are not
     adopted torch slices of one root (the caller's own checks then apply).
     """
-    if a._root is b._root:
+    if first._root is second._root:
         return True
-    fa, fb = getattr(a, "_foreign", None), getattr(b, "_foreign", None)
+    fa, fb = getattr(first, "_foreign", None), getattr(second, "_foreign", None)
     if fa is None or fb is None:
         return False
     (root, da, ca), (root_b, db, cb) = fa, fb
@@ -78,7 +78,7 @@ def unify_roots(a, b) -> bool:
     # outer (largest stride) first, as torch orders an unflattened mesh
     order = sorted(range(len(all_dims)), key=lambda k: -all_dims[k][3])
     rank_map = [int(r) for r in root._rank_map.tolist()]
-    me = a._rank
+    me = first._rank
     idx_me = rank_map.index(me)
     coord = {("a", i): c for i, c in enumerate(ca)}
     coord.update({("b", i): c for i, c in enumerate(cb)})
@@ -97,27 +97,28 @@ def unify_roots(a, b) -> bool:
         cs.reverse()
         idx = base + sum(all_dims[k][2][c] for k, c in zip(order, cs))
         if not 0 <= idx < len(rank_map) or idx in seen:
-            raise ValueError(f"meshes {a} and {b} are slices of one torch mesh whose dims overlap; they cannot "
-                             "be combined (fully_shard needs the dp and the TP dims to be different dims of one mesh)")
+            raise ValueError(f"meshes {first} and {second} are slices of one torch mesh whose mesh dims overlap; they "
+                             "cannot be combined (fully_shard needs the dp and the TP mesh dims to be different mesh dims "
+                             "of one mesh)")
         seen.add(idx)
         ranks.append(rank_map[idx])
     names = []
     for k in order:
         which, i = all_dims[k][0], all_dims[k][1]
-        m = a if which == "a" else b
+        m = first if which == "a" else second
         names.append(m.mesh_dim_names[i] if m.mesh_dim_names else f"{which}{i}")
     if len(set(names)) != len(names):
-        raise ValueError(f"meshes {a} and {b} share a dim name ({names}); they cannot be combined")
+        raise ValueError(f"meshes {first} and {second} share a mesh dim name ({names}); they cannot be combined")
     key = (tuple(rank_map), tuple(ranks), tuple(names))
     combined = _COMBINED.get(key)
     if combined is None:
-        combined = type(a)(a.device_type, _nest(ranks, sizes), mesh_dim_names=tuple(names), _init_groups=False)
+        combined = type(first)(first.device_type, _nest(ranks, sizes), mesh_dim_names=tuple(names), _init_groups=False)
         for pos, k in enumerate(order):
             which, i = all_dims[k][0], all_dims[k][1]
-            combined._groups[pos] = (a if which == "a" else b)._groups[i]
+            combined._groups[pos] = (first if which == "a" else second)._groups[i]
         _COMBINED[key] = combined
-    a._root, a._root_dims = combined, tuple(order.index(k) for k in range(len(da)))
-    b._root, b._root_dims = combined, tuple(order.index(len(da) + k) for k in range(len(db)))
+    first._root, first._root_dims = combined, tuple(order.index(k) for k in range(len(da)))
+    second._root, second._root_dims = combined, tuple(order.index(len(da) + k) for k in range(len(db)))
     return True
 
 

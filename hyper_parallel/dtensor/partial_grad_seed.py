@@ -15,17 +15,17 @@ from hyper_parallel.dtensor.redistribute import GradRedistribute
 from hyper_parallel.distributed import partial_grad_graph
 
 
-def seed_partial_pieces(dt, gradient, want, retain_graph) -> bool:
-    """Run ``dt``'s backward with ``gradient``'s pieces if that is exact (see the module doc); True if run."""
+def seed_partial_pieces(dtensor, gradient, want, retain_graph) -> bool:
+    """Run ``dtensor``'s backward with ``gradient``'s pieces if that is exact (see the module doc); True if run."""
     gl = gradient._layout
-    if gradient._mesh != dt._mesh or dt._mesh._coord is None:
+    if gradient._mesh != dtensor._mesh or dtensor._mesh._coord is None:
         return False
     if gl.without_partial() != want or any(op not in (None, "sum") for op in gl.partial):
         return False
-    root = dt._local_tensor.grad_fn
+    root = dtensor._local_tensor.grad_fn
     if root is None:
         return False
-    mesh = dt._mesh
+    mesh = dtensor._mesh
 
     def is_target(node):
         if getattr(node, "_forward_cls", None) is not GradRedistribute:
@@ -39,7 +39,7 @@ def seed_partial_pieces(dt, gradient, want, retain_graph) -> bool:
     for node in targets:
         node.hp_pass_pieces = True
     try:
-        dt._local_tensor.backward(gradient._local_tensor, retain_graph=retain_graph)
+        dtensor._local_tensor.backward(gradient._local_tensor, retain_graph=retain_graph)
     finally:
         for node in targets:
             node.hp_pass_pieces = False

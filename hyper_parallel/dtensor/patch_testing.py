@@ -28,8 +28,8 @@ def register_dtensor_class(cls) -> None:
         _DTENSOR_CLASSES.append(cls)
 
 
-def _ours(x):
-    return any(isinstance(x, cls) for cls in _DTENSOR_CLASSES)
+def _ours(obj):
+    return any(isinstance(obj, cls) for cls in _DTENSOR_CLASSES)
 
 
 _MIXED = ("Comparing a DTensor to a non-DTensor is ambiguous. Call .full_tensor() to compare the full logical "

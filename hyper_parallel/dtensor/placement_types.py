@@ -12,12 +12,14 @@ Small immutable value types, equal and hashable by value, mirroring
   was sharded "right to left" (FSDP's shard inside a TP or EP shard): the current
   piece is cut into ``k`` groups, each group into one chunk per rank, and a rank
   holds its chunk of every group. ``is_shard()`` is False for it, as in PyTorch.
+
+Pure Python: the module imports no framework (the ``pure-math`` import contract), so the
+layout math built on it stays torch-free. PyTorch's tensor helpers (``_split_tensor``)
+work through the methods of the tensor they are handed.
 """
 from __future__ import annotations
 from enum import IntEnum
-from typing import List, Tuple, Union
-
-import torch
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "prod", "all", "any")
 
@@ -27,7 +29,7 @@ class Placement:
 
     __slots__ = ()
 
-    def is_shard(self, dim: int = None) -> bool:
+    def is_shard(self, dim: Optional[int] = None) -> bool:
         return False
 
     def is_replicate(self) -> bool:
@@ -48,6 +50,7 @@ class Placement:
 
 class Shard(Placement):
     __slots__ = ("dim",)
+    dim: int
 
     @staticmethod
     def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int) -> Tuple[int, int]:
@@ -69,7 +72,7 @@ class Shard(Placement):
             raise TypeError(f"Shard(dim): dim must be an int, got {dim!r} ({type(dim).__name__})")
         object.__setattr__(self, "dim", dim)
 
-    def is_shard(self, dim: int = None) -> bool:
+    def is_shard(self, dim: Optional[int] = None) -> bool:
         return dim is None or dim == self.dim
 
     def __eq__(self, other):
@@ -105,14 +108,13 @@ class Shard(Placement):
         full = -(-tensor.shape[dim] // num_chunks)
         pads = []
         if with_padding:
-            cat = torch.cat
             for i, p in enumerate(pieces):
                 pad = full - p.shape[dim]
                 pads.append(pad)
                 if pad:
                     shape = list(p.shape)
                     shape[dim] = pad
-                    pieces[i] = cat([p, p.new_zeros(shape)], dim)
+                    pieces[i] = _concat([p, p.new_zeros(shape)], dim)
         if contiguous:
             pieces = [p.contiguous() for p in pieces]
         return pieces, pads
@@ -142,6 +144,7 @@ class Replicate(Placement):
 
 class Partial(Placement):
     __slots__ = ("reduce_op",)
+    reduce_op: str
 
     def __init__(self, reduce_op: str = "sum"):
         if reduce_op not in _REDUCE_OPS:
@@ -186,8 +189,10 @@ class _StridedShard(Placement):
     """
 
     __slots__ = ("dim", "split_factor")
+    dim: int
+    split_factor: int
 
-    def __init__(self, dim: int, *, split_factor: int = 1, sf: int = None):
+    def __init__(self, dim: int, *, split_factor: int = 1, sf: Optional[int] = None):
         if sf is not None:
             if split_factor != 1:
                 raise TypeError("_StridedShard received both split_factor and sf")
@@ -225,7 +230,7 @@ class _StridedShard(Placement):
     def strided_indices(self, size: int, num_chunks: int) -> List[List[int]]:
         """Per chunk, the indices (into a piece of extent ``size``) it holds, in order."""
         groups = _chunk_ranges(0, size, self.split_factor)
-        out = [[] for _ in range(num_chunks)]
+        out: List[List[int]] = [[] for _ in range(num_chunks)]
         for lo, hi in groups:
             for r, (a, b) in enumerate(_chunk_ranges(lo, hi, num_chunks)):
                 out[r].extend(range(a, b))
@@ -243,7 +248,7 @@ class _StridedShard(Placement):
         for idx in self.strided_indices(tensor.shape[dim], num_chunks):
             ranges = _runs(idx)
             parts = [tensor.narrow(dim, a, b - a) for a, b in ranges]
-            piece = torch.cat(parts, dim) if len(parts) > 1 else (parts[0] if parts else tensor.narrow(dim, 0, 0))
+            piece = _concat(parts, dim) if len(parts) > 1 else (parts[0] if parts else tensor.narrow(dim, 0, 0))
             pieces.append(piece.contiguous() if contiguous else piece)
         pads = []
         if with_padding:
@@ -267,20 +272,32 @@ class _StridedShard(Placement):
     _local_shard_size_and_offset = local_shard_size_and_offset
 
 
-def _chunk_ranges(lo: int, hi: int, num_chunks: int) -> List[Tuple[int, int]]:
-    """``[start, end)`` of the ``num_chunks`` torch.chunk pieces of ``range(lo, hi)`` (empty ones at the end)."""
-    size = hi - lo
+def _concat(parts: Sequence[Any], dim: int) -> Any:
+    """``torch.cat(parts, dim)`` of same-dtype tensors, through tensor methods (differentiable, a new tensor)."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = parts[0].new_empty(shape)
+    start = 0
+    for p in parts:
+        out.narrow(dim, start, p.shape[dim]).copy_(p)
+        start += p.shape[dim]
+    return out
+
+
+def _chunk_ranges(start: int, end: int, num_chunks: int) -> List[Tuple[int, int]]:
+    """``[start, end)`` of the ``num_chunks`` torch.chunk pieces of ``range(start, end)`` (empty ones at the end)."""
+    size = end - start
     full = -(-size // num_chunks) if size else 0
     out = []
     for r in range(num_chunks):
         a = min(size, full * r)
-        out.append((lo + a, lo + min(size, a + full)))
+        out.append((start + a, start + min(size, a + full)))
     return out
 
 
 def _runs(idx: List[int]) -> List[Tuple[int, int]]:
     """Consecutive runs of sorted-by-position indices as ``[start, end)`` ranges."""
-    out = []
+    out: List[Tuple[int, int]] = []
     for i in idx:
         if out and out[-1][1] == i:
             out[-1] = (out[-1][0], i + 1)

@@ -38,10 +38,10 @@ SCHEMES = ("hyper_parallel", "torch")
 _SCHEME_HOOKS: list = []   # called when the scheme changes (the dispatcher's cached random-op strategies depend on it)
 
 
-def on_scheme_change(fn: Callable[[], None]) -> None:
-    if not callable(fn):
-        raise TypeError(f"on_scheme_change: fn must be callable, got {fn!r}")
-    _SCHEME_HOOKS.append(fn)
+def on_scheme_change(callback: Callable[[], None]) -> None:
+    if not callable(callback):
+        raise TypeError(f"on_scheme_change: fn must be callable, got {callback!r}")
+    _SCHEME_HOOKS.append(callback)
 
 
 def _set(scheme):

@@ -101,15 +101,15 @@ class GradRedistribute(torch.autograd.Function):
     """Identity forward; backward runs ``plan`` on the gradient (for ``to_local(grad_placements=...)``)."""
 
     @staticmethod
-    def forward(ctx, x, plan, mesh, rank_index):
+    def forward(ctx, tensor, plan, mesh, rank_index):
         ctx.plan, ctx.mesh, ctx.rank_index = plan, mesh, rank_index
-        return x.view_as(x)
+        return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         if getattr(ctx, "hp_pass_pieces", False):  # already this rank's piece (dtensor/partial_grad_seed.py)
-            return g, None, None, None
-        return run_plan(g, ctx.plan, ctx.mesh, ctx.rank_index), None, None, None
+            return grad_output, None, None, None
+        return run_plan(grad_output, ctx.plan, ctx.mesh, ctx.rank_index), None, None, None
 
 
 class CastRedistribute(torch.autograd.Function):
@@ -123,12 +123,12 @@ class CastRedistribute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, fplan, bplan, mesh, rank_index, fwd_dtype, bwd_dtype):
-        ctx.bplan, ctx.mesh, ctx.rank_index, ctx.bwd, ctx.in_dtype = bplan, mesh, rank_index, bwd_dtype, x.dtype
-        out = run_plan(x.to(fwd_dtype), fplan, mesh, rank_index)
-        return out.clone() if out is x else out
+    def forward(ctx, tensor, fplan, bplan, mesh, rank_index, fwd_dtype, bwd_dtype):
+        ctx.bplan, ctx.mesh, ctx.rank_index, ctx.bwd, ctx.in_dtype = bplan, mesh, rank_index, bwd_dtype, tensor.dtype
+        out = run_plan(tensor.to(fwd_dtype), fplan, mesh, rank_index)
+        return out.clone() if out is tensor else out
 
     @staticmethod
-    def backward(ctx, g):
-        gi = run_plan(g.to(ctx.bwd), ctx.bplan, ctx.mesh, ctx.rank_index).to(ctx.in_dtype)
+    def backward(ctx, grad_output):
+        gi = run_plan(grad_output.to(ctx.bwd), ctx.bplan, ctx.mesh, ctx.rank_index).to(ctx.in_dtype)
         return gi, None, None, None, None, None, None

@@ -32,7 +32,7 @@ import heapq
 from functools import lru_cache
 
 
-from hyper_parallel.dtensor.layout import Layout, chunk_sizes, coordinate_of, local_shape_and_offset
+from hyper_parallel.dtensor.layout_math import LayoutMath, chunk_sizes, coordinate_of, local_shape_and_offset
 from hyper_parallel.distributed import comm_record as rec
 
 ALL_REDUCE = rec.ALL_REDUCE
@@ -144,11 +144,11 @@ class _Ctx:
                                       for d, k in enumerate(self.mesh_shape)]
         return r
 
-    def extent_before(self, dim_map, t, d, coord):
-        """Extent of tensor dim t on this rank before mesh dim d (innermost) splits it."""
+    def extent_before(self, dim_map, tensor_dim, mesh_dim, coord):
+        """Extent of tensor dim ``tensor_dim`` on this rank before mesh dim ``mesh_dim`` (innermost) splits it."""
         dm = list(dim_map)
-        dm[t] = tuple(x for x in dm[t] if x != d)
-        return self.local(tuple(dm), coord)[t]
+        dm[tensor_dim] = tuple(x for x in dm[tensor_dim] if x != mesh_dim)
+        return self.local(tuple(dm), coord)[tensor_dim]
 
 
 @lru_cache(maxsize=256)
@@ -197,21 +197,21 @@ def _moves(ctx: _Ctx, state, target):
             yield Step(TO_PARTIAL, d, reduce_op=tgt_partial[d], nbytes=(0,) * len(ctx.coords)), (dim_map, tuple(np_))
 
 
-def _dim_moves(ctx: _Ctx, state, d):
-    """The moves along mesh dim ``d`` (size > 1) that depend on ``state`` alone, and whether ``d``
+def _dim_moves(ctx: _Ctx, state, mesh_dim):
+    """The moves along mesh dim ``mesh_dim`` (size > 1) that depend on ``state`` alone, and whether ``mesh_dim``
     is free (neither partial nor sharding a tensor dim)."""
     dim_map, partial = state
     ndim = len(dim_map)
-    k = ctx.mesh_shape[d]
+    k = ctx.mesh_shape[mesh_dim]
     isz = ctx.itemsize
     out = []
-    op = partial[d]
+    op = partial[mesh_dim]
     if op is not None:
         # all_reduce
         b = tuple(2 * _numel(ctx.local(dim_map, c)) * isz * (k - 1) // k for c in ctx.coords)
         np_ = list(partial)
-        np_[d] = None
-        out.append((Step(ALL_REDUCE, d, reduce_op=op, nbytes=b), (dim_map, tuple(np_))))
+        np_[mesh_dim] = None
+        out.append((Step(ALL_REDUCE, mesh_dim, reduce_op=op, nbytes=b), (dim_map, tuple(np_))))
         # reduce_scatter serves every reduce op (gloo and NCCL both support them)
         for t in range(ndim):
             sizes, b = [], []
@@ -222,25 +222,26 @@ def _dim_moves(ctx: _Ctx, state, d):
                 padded = max(cs) * k * (_numel(ext) // ext[t] if ext[t] else _numel(ext[:t] + ext[t + 1:]))
                 b.append(padded * isz * (k - 1) // k)
             nm = list(dim_map)
-            nm[t] = nm[t] + (d,)
-            out.append((Step(REDUCE_SCATTER, d, tensor_dim=t, reduce_op=op, sizes=tuple(sizes), nbytes=tuple(b)),
+            nm[t] = nm[t] + (mesh_dim,)
+            out.append((Step(REDUCE_SCATTER, mesh_dim, tensor_dim=t, reduce_op=op, sizes=tuple(sizes), nbytes=tuple(b)),
                         (tuple(nm), tuple(np_))))
         return out, False
-    t = next((t for t, dims in enumerate(dim_map) if d in dims), None)
+    t = next((t for t, dims in enumerate(dim_map) if mesh_dim in dims), None)
     if t is not None:
-        if dim_map[t][-1] != d:
+        if dim_map[t][-1] != mesh_dim:
             return out, False
         # all_gather
         sizes, b = [], []
         for c in ctx.coords:
             ext = ctx.local(dim_map, c)
-            cs = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+            cs = chunk_sizes(ctx.extent_before(dim_map, t, mesh_dim, c), k)
             sizes.append(cs)
             rest = _numel(ext[:t] + ext[t + 1:])
             b.append(max(cs) * rest * isz * (k - 1))
         nm = list(dim_map)
         nm[t] = nm[t][:-1]
-        out.append((Step(ALL_GATHER, d, tensor_dim=t, sizes=tuple(sizes), nbytes=tuple(b)), (tuple(nm), partial)))
+        out.append((Step(ALL_GATHER, mesh_dim, tensor_dim=t, sizes=tuple(sizes), nbytes=tuple(b)),
+                    (tuple(nm), partial)))
         # all_to_all to every other tensor dim
         for u in range(ndim):
             if u == t:
@@ -249,14 +250,14 @@ def _dim_moves(ctx: _Ctx, state, d):
             for c in ctx.coords:
                 ext = ctx.local(dim_map, c)
                 split_sizes = chunk_sizes(ext[u], k)
-                cat_sizes = chunk_sizes(ctx.extent_before(dim_map, t, d, c), k)
+                cat_sizes = chunk_sizes(ctx.extent_before(dim_map, t, mesh_dim, c), k)
                 sizes.append((split_sizes, cat_sizes))
                 per_unit = _numel(ext) // ext[u] if ext[u] else 0
-                b.append((_numel(ext) - split_sizes[c[d]] * per_unit) * isz)
+                b.append((_numel(ext) - split_sizes[c[mesh_dim]] * per_unit) * isz)
             nm = list(dim_map)
             nm[t] = nm[t][:-1]
-            nm[u] = nm[u] + (d,)
-            out.append((Step(ALL_TO_ALL, d, tensor_dim=t, dst_dim=u, sizes=tuple(sizes), nbytes=tuple(b)),
+            nm[u] = nm[u] + (mesh_dim,)
+            out.append((Step(ALL_TO_ALL, mesh_dim, tensor_dim=t, dst_dim=u, sizes=tuple(sizes), nbytes=tuple(b)),
                         (tuple(nm), partial)))
         return out, False
     # free mesh dim: local splits (a to-partial move, which depends on the target, follows in _moves)
@@ -264,8 +265,8 @@ def _dim_moves(ctx: _Ctx, state, d):
     for u in range(ndim):
         sizes = tuple(chunk_sizes(ctx.local(dim_map, c)[u], k) for c in ctx.coords)
         nm = list(dim_map)
-        nm[u] = nm[u] + (d,)
-        out.append((Step(SPLIT, d, tensor_dim=u, sizes=sizes, nbytes=zero), (tuple(nm), partial)))
+        nm[u] = nm[u] + (mesh_dim,)
+        out.append((Step(SPLIT, mesh_dim, tensor_dim=u, sizes=sizes, nbytes=zero), (tuple(nm), partial)))
     return out, True
 
 
@@ -297,7 +298,7 @@ def _plan_cached(src_key, dst_key, mesh_shape, global_shape, itemsize):
     raise ValueError(f"no redistribution path from {src_key} to {dst_key}")
 
 
-def plan(src: Layout, dst: Layout, global_shape, itemsize: int = 4) -> Plan:
+def plan(src: LayoutMath, dst: LayoutMath, global_shape, itemsize: int = 4) -> Plan:
     """Cheapest plan turning ``src`` into ``dst`` for a tensor of ``global_shape``."""
     if src.mesh_shape != dst.mesh_shape or src.rank_list != dst.rank_list:
         raise ValueError(f"redistribute: source and target layouts are on different meshes "

@@ -10,11 +10,9 @@ add entries through ``dtensor.register_special`` (e.g. ``loss_parallel``).
 """
 from __future__ import annotations
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dtensor.grad_state import _DG, _grad_layout, _set_partial_grad
 from hyper_parallel.dtensor.partial_grad_seed import seed_partial_pieces
-from hyper_parallel.dtensor.placement_types import Replicate
-from hyper_parallel.distributed import collectives
 import torch
 
 _Tensor = torch.Tensor
@@ -39,8 +37,7 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
             if tuple(gradient.shape) != tuple(self._gshape):
                 raise ValueError(f"DTensor.backward: plain gradient of shape {tuple(gradient.shape)} does not match "
                                  f"the global shape {tuple(self._gshape)}")
-            if uses_hp_semantics(self._mesh):
-                gradient = _hp_seed(self, gradient)
+            gradient = semantics_of(self._mesh).plain_backward_gradient(self, gradient)  # HyperParallel's: shares
             gradient = DTensor._wrap(gradient, self._mesh, self._layout.replicated(), self._gshape)
         if not isinstance(gradient, DTensor):
             raise TypeError(f"DTensor.backward: gradient must be a DTensor, got {type(gradient).__name__}")
@@ -67,26 +64,8 @@ def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs
     self._local_tensor.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
 
-def _hp_seed(t, gradient):
-    """HyperParallel's reading of a plain ``backward`` gradient on its meshes: each rank's share.
-
-    HyperParallel's autograd sums over ranks (the backward of its all_reduce is an
-    all_reduce), so its programs seed ``loss.backward(1 / loss.layout.repeat_num())``:
-    every rank holding a replica of the loss contributes its share and the shares add
-    up to the whole gradient. Here the shares are summed over the mesh dims on which
-    ``t`` is replicated (one small all_reduce), which gives the same single-process
-    gradients (docs/migrating_from_hyperparallel.md, "Gradient convention").
-    """
-    if t._mesh._coord is None:
-        return gradient
-    for d, p in enumerate(t._layout.placements):
-        if isinstance(p, Replicate) and t._mesh.size(d) > 1:
-            gradient = collectives.all_reduce(gradient, t._mesh.get_comm_group(d), "sum")
-    return gradient
-
-
-def _as_list(x):
-    return [x] if isinstance(x, _Tensor) else list(x)
+def _as_list(tensors):
+    return [tensors] if isinstance(tensors, _Tensor) else list(tensors)
 
 
 def _grad_outputs(outputs, grads, what):
@@ -142,8 +121,8 @@ def _retain_grad(self):
 def _register_hook(self, hook):
     mesh, layout, shape = self._mesh, _grad_layout(self._layout), self._gshape
 
-    def local_hook(g):
-        out = hook(DTensor._wrap(g, mesh, layout, shape))
+    def local_hook(grad):
+        out = hook(DTensor._wrap(grad, mesh, layout, shape))
         if out is None:
             return None
         return out._local_tensor if isinstance(out, DTensor) else out
@@ -170,14 +149,14 @@ def _setstate(self, state):
     raise TypeError("DTensor cannot be unpickled")
 
 
-def _compatible_shallow_copy(a, b):
-    if isinstance(a, DTensor) and isinstance(b, DTensor):
+def _compatible_shallow_copy(dst, src):
+    if isinstance(dst, DTensor) and isinstance(src, DTensor):
         # the local tensors decide: a meta local cannot take a CPU local by ``.data =``, so
         # ``module.to_empty(device=...)`` replaces such a parameter (as for plain tensors)
-        return torch._has_compatible_shallow_copy_type(a._local_tensor, b._local_tensor)
-    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        return torch._has_compatible_shallow_copy_type(dst._local_tensor, src._local_tensor)
+    if isinstance(dst, DTensor) or isinstance(src, DTensor):
         return False  # a DTensor and a plain tensor: ``.data =`` would mix the two kinds
-    return torch._has_compatible_shallow_copy_type(a, b)
+    return torch._has_compatible_shallow_copy_type(dst, src)
 
 
 def build_table(dtensor_cls) -> dict:

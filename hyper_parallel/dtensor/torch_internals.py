@@ -61,10 +61,10 @@ def set_wrapper_data(wrapper, other):
         torch._C.TensorBase.data.__set__(wrapper, other)
 
 
-def bump_version(t) -> None:
-    """Mark tensor ``t`` as modified in place (for kernels that do not, e.g. the fused optimizers)."""
-    if isinstance(t, torch.Tensor) and not t.is_inference():
-        torch.autograd.graph.increment_version(t)
+def bump_version(tensor) -> None:
+    """Mark tensor ``tensor`` as modified in place (for kernels that do not, e.g. the fused optimizers)."""
+    if isinstance(tensor, torch.Tensor) and not tensor.is_inference():
+        torch.autograd.graph.increment_version(tensor)
 
 
 def allow_foreach(tensor_type) -> None:

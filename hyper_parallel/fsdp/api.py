@@ -16,14 +16,29 @@ carry the plan out are ``param.py``, ``param_group.py`` and ``state.py`` of this
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
+
+from torch import nn
+
 from hyper_parallel.fsdp import state
 from hyper_parallel.fsdp.ddp import set_requires_gradient_sync as set_replicate_gradient_sync  # noqa: F401
 from hyper_parallel.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.fsdp.mesh_info import ShardPlacementResult
+from hyper_parallel.fsdp.spmd_mesh import DataParallelMeshDims
+from hyper_parallel.fsdp.param_group import FSDPParamGroup
+from hyper_parallel.fsdp.mesh_groups import MeshGroups
+from hyper_parallel.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dtensor.placement_types import Shard
 from hyper_parallel.distributed import groups
 import torch
 
+#: ``shard_placement_fn``: per parameter, ``Shard(d)``, None (``Shard(0)``) or another dp mesh
+ShardPlacementFn = Callable[[nn.Parameter], Union[Shard, ShardPlacementResult, None]]
+#: one planned parameter: ``(fqn, [(owner module, attribute name), ...], param, shard dim, dp mesh)``
+PlannedParam = Tuple[str, List[Tuple[nn.Module, str]], nn.Parameter, int, DeviceMesh]
 
-_DEFAULT_MESH = {}
+
+_DEFAULT_MESH: Dict[int, DeviceMesh] = {}
 
 
 def _default_mesh():
@@ -40,12 +55,12 @@ def _collect(module, ignored):
     """(fqn, owner module, attribute name, param) of parameters not managed by an FSDP submodule."""
     out = []
 
-    def walk(m, prefix):
-        for name, p in m._parameters.items():
+    def walk(module, prefix):
+        for name, p in module._parameters.items():
             if p is None or id(p) in ignored:
                 continue
-            out.append((prefix + name, m, name, p))
-        for cname, child in m._modules.items():
+            out.append((prefix + name, module, name, p))
+        for cname, child in module._modules.items():
             if child is None or "_hp_fsdp_state" in child.__dict__:
                 continue
             walk(child, prefix + cname + ".")
@@ -53,31 +68,31 @@ def _collect(module, ignored):
     return out
 
 
-def _check_param(where, fqn, p, mesh, d):
+def _check_param(where, fqn, param, mesh, shard_dim):
     """A parameter the group will manage: its shard dim and (for a DTensor) its mesh must fit ``mesh``."""
     from hyper_parallel.dtensor.dtensor import DTensor
     from hyper_parallel.dtensor.mesh_siblings import unify_roots
-    if isinstance(p, DTensor):
-        unify_roots(mesh, p.device_mesh)  # torch slices of one root mesh (torchtitan's meshes)
+    if isinstance(param, DTensor):
+        unify_roots(mesh, param.device_mesh)  # torch slices of one root mesh (torchtitan's meshes)
     root = mesh._root
-    if isinstance(p, DTensor):
-        tp_mesh = p.device_mesh
+    if isinstance(param, DTensor):
+        tp_mesh = param.device_mesh
         if tp_mesh._root is not root or tp_mesh is root or mesh is root:
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} is a DTensor on {tp_mesh} (placements "
-                             f"{tuple(p.placements)}); the fully_shard mesh {mesh} must be another dim "
+                             f"{tuple(param.placements)}); the fully_shard mesh {mesh} must be another dim "
                              f"of the same root mesh (e.g. mesh['dp'] next to mesh['tp'])")
         if set(tp_mesh._root_dims) & set(mesh._root_dims):
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} is already distributed over mesh dims "
                              f"{tp_mesh.mesh_dim_names} that the fully_shard mesh {mesh} also uses")
-        if p._layout.has_partial():
+        if param._layout.has_partial():
             raise ValueError(f"fully_shard({where}): parameter {fqn!r} has a Partial placement")
-    ndim = p.dim()
+    ndim = param.dim()
     if ndim == 0:
         raise ValueError(f"fully_shard({where}): parameter {fqn!r} is 0-d; a scalar cannot be sharded "
                          "(pass it in ignored_params)")
-    if not -ndim <= d < ndim:
-        raise ValueError(f"fully_shard({where}): shard_placement_fn returned Shard({d}) for parameter "
-                         f"{fqn!r} of shape {tuple(p.shape)}; expected -{ndim} <= dim < {ndim}")
+    if not -ndim <= shard_dim < ndim:
+        raise ValueError(f"fully_shard({where}): shard_placement_fn returned Shard({shard_dim}) for parameter "
+                         f"{fqn!r} of shape {tuple(param.shape)}; expected -{ndim} <= dim < {ndim}")
 
 
 def _module_list(module):
@@ -105,7 +120,9 @@ def _module_list(module):
     return mods
 
 
-def plan_params(module, mesh, ignored_params, shard_placement_fn):
+def plan_params(module: Union[nn.Module, Sequence[nn.Module]], mesh: Optional[DeviceMesh],
+                ignored_params: Optional[Iterable[nn.Parameter]],
+                shard_placement_fn: Optional[ShardPlacementFn]) -> Tuple[DeviceMesh, List[PlannedParam]]:
     """Validate ``fully_shard``'s module, mesh, ignored_params and shard_placement_fn; plan the group.
 
     Returns ``(mesh, params)``: the resolved mesh and ``[(fqn, [(owner, attribute name), ...],
@@ -137,7 +154,7 @@ def plan_params(module, mesh, ignored_params, shard_placement_fn):
                 raise ValueError(f"fully_shard({where}): ignored_params holds a parameter of shape "
                                  f"{tuple(p.shape)} that is not a parameter of this module")
             ignored.add(id(p))
-    by_id = {}
+    by_id: Dict[int, list] = {}
     listed = isinstance(module, (list, tuple))
     found = [(f"[{i}].{fqn}" if listed else fqn, owner, name, p)
              for i, m in enumerate(mods) for fqn, owner, name, p in _collect(m, ignored)]
@@ -163,10 +180,10 @@ def plan_params(module, mesh, ignored_params, shard_placement_fn):
 class UnshardHandle:
     """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes the all_gather."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: Union[FSDPParamGroup, MeshGroups, None] = None):
         self._group = group
 
-    def wait(self):
+    def wait(self) -> None:
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None
@@ -178,6 +195,11 @@ class FSDPModule:
     Every method acts on this module's parameter group; ``recurse=True`` variants
     also act on ``fully_shard`` submodules.
     """
+
+    _hp_fsdp_state: state.FSDPState  # set by fully_shard
+
+    if TYPE_CHECKING:  # the module class this mixin is put in front of
+        def modules(self) -> Iterator[nn.Module]: ...
 
     def __new__(cls, *args, **kwargs):
         # FSDP<Class>(...) builds a plain Class instance (as FSDP2 does); fully_shard it again if needed
@@ -194,7 +216,7 @@ class FSDPModule:
         """Free the unsharded parameters; the module's parameters become the sharded DTensors again."""
         self._hp_fsdp_state.reshard()
 
-    def unshard(self, async_op: bool = False):
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather the group's parameters now; with ``async_op=True`` return a handle whose ``wait()`` finishes it."""
         group = self._hp_fsdp_state.group
         if group is None:
@@ -237,11 +259,11 @@ class FSDPModule:
         for s in self._hp_states(recurse):
             s.reshard_after_backward = bool(reshard_after_backward)
 
-    def set_modules_to_forward_prefetch(self, modules) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these FSDP modules' groups right after this module's own, before its forward computes."""
         self._hp_fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these FSDP modules' groups right after this module's own in backward."""
         self._hp_fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
@@ -262,7 +284,8 @@ class FSDPModule:
         for g in _param_groups(self):
             g.force_sum = enable  # what set_all_reduce_hook's hook sees: sums (True) or means
 
-    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: Optional[torch.cuda.Stream] = None) -> None:
         """torch 2.13's ``FSDPModule.set_all_reduce_hook``: ``hook(reduce_output)`` runs on this module's
         reduced gradient shard (the reduce-scatter output; with native HSDP, the all-reduce output)
         after the reduction and before the sharded gradients are assigned from it; it may change the
@@ -280,7 +303,7 @@ class FSDPModule:
                 raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP")
             g.all_reduce_hook = hook
 
-    def set_post_optim_event(self, event) -> None:  # CUDA streams only; nothing to order on CPU
+    def set_post_optim_event(self, event: torch.Event) -> None:  # CUDA streams only; nothing to order on CPU
         return None
 
 
@@ -298,9 +321,28 @@ def _state_of(module, what):
     return module._hp_fsdp_state
 
 
-def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
+@overload
+def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = ...,
+                reshard_after_forward: Union[bool, int, None] = ..., shard_placement_fn: Optional[ShardPlacementFn] = ...,
+                mp_policy: MixedPrecisionPolicy = ..., offload_policy: OffloadPolicy = ...,
+                ignored_params: Optional[Iterable[nn.Parameter]] = ...,
+                dp_mesh_dims: Optional[DataParallelMeshDims] = ...) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(module: List[nn.Module], *, mesh: Optional[DeviceMesh] = ...,
+                reshard_after_forward: Union[bool, int, None] = ..., shard_placement_fn: Optional[ShardPlacementFn] = ...,
+                mp_policy: MixedPrecisionPolicy = ..., offload_policy: OffloadPolicy = ...,
+                ignored_params: Optional[Iterable[nn.Parameter]] = ...,
+                dp_mesh_dims: Optional[DataParallelMeshDims] = ...) -> List[FSDPModule]: ...
+
+
+def fully_shard(module: Union[nn.Module, List[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
+                reshard_after_forward: Union[bool, int, None] = None,
+                shard_placement_fn: Optional[ShardPlacementFn] = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params=None, dp_mesh_dims=None):
+                ignored_params: Optional[Iterable[nn.Parameter]] = None,
+                dp_mesh_dims: Optional[DataParallelMeshDims] = None) -> Union[FSDPModule, List[FSDPModule]]:
     """Shard ``module``'s parameters over the data-parallel ``mesh`` (PyTorch 2.13 FSDP2 semantics).
 
     Args:

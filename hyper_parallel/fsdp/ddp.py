@@ -12,12 +12,18 @@ parallelism is a later feature.
 """
 from __future__ import annotations
 
+from typing import TypeVar
+
+from torch import nn
+
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import deferred_grads
 
+_Module = TypeVar("_Module", bound=nn.Module)
 
-def replicate(module, device_mesh: DeviceMesh):
+
+def replicate(module: _Module, device_mesh: DeviceMesh) -> _Module:
     """Average gradients of ``module``'s parameters over the 1-D ``device_mesh`` after backward.
 
     Parameters must already hold identical values on every rank of the mesh
@@ -31,7 +37,7 @@ def replicate(module, device_mesh: DeviceMesh):
         raise RuntimeError("replicate() was already applied to this module")
     group = device_mesh.get_comm_group(0)
     if group.size == 1:
-        module._hp_replicated = True
+        module.__dict__["_hp_replicated"] = True
         return module
     deferred = deferred_grads
     seen = set()
@@ -41,15 +47,15 @@ def replicate(module, device_mesh: DeviceMesh):
         seen.add(id(p))
         local = p._local_tensor if isinstance(p, DTensor) else p
 
-        def hook(t, group=group, module=module):
+        def hook(param, group=group, module=module):
             if module.__dict__.get("_hp_grad_sync", True):  # off: accumulate locally (pipeline microbatches)
-                deferred.defer_average(t, group)
+                deferred.defer_average(param, group)
         local.register_post_accumulate_grad_hook(hook)
-    module._hp_replicated = True
+    module.__dict__["_hp_replicated"] = True  # a mark, not a parameter, buffer or submodule
     return module
 
 
-def set_requires_gradient_sync(module, requires_gradient_sync: bool) -> None:
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """Whether the next backward averages ``module``'s gradients over its ``replicate`` mesh (default True).
     Off, gradients accumulate locally (gradient accumulation; a pipeline stage's microbatches before the
     last): the backward that runs with it on averages the accumulated sum once, like DDP's ``no_sync``."""

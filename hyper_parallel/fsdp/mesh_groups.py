@@ -82,11 +82,11 @@ class MeshGroups:
         self._waiting = waiting or None
         return bool(waiting)
 
-    def _sub_ready(self, g):
+    def _sub_ready(self, sub_group):
         w = self._waiting
-        if w is None or id(g) not in w:
+        if w is None or id(sub_group) not in w:
             return
-        w.discard(id(g))
+        w.discard(id(sub_group))
         if not w:
             self._waiting = None
             if self.on_all_grads is not None:

@@ -18,9 +18,12 @@ The groups themselves are ``fsdp/mesh_groups.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from hyper_parallel.fsdp.spmd_mesh import DataParallelMeshDims
+
+if TYPE_CHECKING:
+    from hyper_parallel.dtensor.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -34,7 +37,7 @@ class DataParallelMeshInfo:
     spmd_mesh: Any = field(default=None, repr=False)
     is_spmd_mesh: bool = field(default=False, init=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.shard_mesh_dim is None and self.replicate_mesh_dim is None:
             raise AssertionError("At least one of shard_mesh_dim and replicate_mesh_dim must not be None")
         self.is_spmd_mesh = self.dp_mesh_dims is not None
@@ -44,7 +47,7 @@ class DataParallelMeshInfo:
 class FSDPMeshInfo(DataParallelMeshInfo):
     """Shard on ``mesh`` dim ``shard_mesh_dim`` (torch 2.13's class)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.shard_mesh_dim is None:
             raise AssertionError("Expects non-None shard_mesh_dim")
@@ -57,7 +60,7 @@ class FSDPMeshInfo(DataParallelMeshInfo):
 class DDPMeshInfo(DataParallelMeshInfo):
     """Replicate on ``mesh`` dim ``replicate_mesh_dim`` (torch 2.13's class)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.replicate_mesh_dim is None:
             raise AssertionError("Expects non-None replicate_mesh_dim")
@@ -70,7 +73,7 @@ class DDPMeshInfo(DataParallelMeshInfo):
 class HSDPMeshInfo(FSDPMeshInfo, DDPMeshInfo):
     """Replicate on one dim and shard on another (torch 2.13's class)."""
 
-    def __post_init__(self):  # pylint:disable=useless-parent-delegation
+    def __post_init__(self) -> None:  # pylint:disable=useless-parent-delegation
         super().__post_init__()
 
 
@@ -82,7 +85,7 @@ class ShardPlacementResult:
     mesh_info: FSDPMeshInfo
 
 
-def get_mesh_info(mesh, dp_mesh_dims: Optional[DataParallelMeshDims] = None) -> DataParallelMeshInfo:
+def get_mesh_info(mesh: DeviceMesh, dp_mesh_dims: Optional[DataParallelMeshDims] = None) -> DataParallelMeshInfo:
     """torch 2.13's ``_fsdp_init._get_mesh_info``: FSDP for a 1-D mesh, HSDP (replicate 0, shard 1) for 2-D.
 
     With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh and the dp submesh is taken from it (several
@@ -112,14 +115,14 @@ def _named(obj, name):
     return any(c.__name__ == name for c in type(obj).__mro__)
 
 
-def _is_plain_shard(pl) -> bool:
+def _is_plain_shard(placement) -> bool:
     """``Shard(d)``, ours or torch's; not a subclass such as torch's ``_StridedShard``."""
     from hyper_parallel.dtensor.placement_types import Shard
-    if type(pl) is Shard:
+    if type(placement) is Shard:
         return True
-    t = type(pl)
+    t = type(placement)
     return t.__name__ == "Shard" and t.__module__.startswith("torch.distributed") and isinstance(
-        getattr(pl, "dim", None), int)
+        getattr(placement, "dim", None), int)
 
 
 def _world(mesh):
@@ -130,7 +133,7 @@ def _world(mesh):
     return frozenset(mesh._root.rank_list)
 
 
-def resolve_placement(result, where: str, fqn: str, default_mesh):
+def resolve_placement(result: Any, where: str, fqn: str, default_mesh: DeviceMesh) -> Tuple[int, DeviceMesh]:
     """``shard_placement_fn``'s result for parameter ``fqn`` as ``(shard dim, dp mesh)``.
 
     ``None`` / ``Shard(d)`` / ``ShardPlacementResult(Shard(d) or None, mesh_info)`` (ours or torch's).

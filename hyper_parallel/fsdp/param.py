@@ -179,41 +179,41 @@ class FSDPParam:
         if m < self.padded:
             flat_piece[m:].zero_()
 
-    def copy_out(self, gathered: torch.Tensor, k: int):
-        """Fill the unsharded tensor from the (k, S) gathered view's columns of this parameter."""
+    def copy_out(self, gathered: torch.Tensor, group_size: int):
+        """Fill the unsharded tensor from the (group_size, S) gathered view's columns of this parameter."""
         u = self.unsharded
         if self.dim == 0 and u.is_contiguous():
             # rank r's rows are row r of the (k, padded) view: copy them straight in (a reshape of the
             # strided column block would first copy the whole parameter into a temporary)
             full, per = u.numel(), self.padded
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u):
-                if full == k * per:
-                    u.view(k, per).copy_(gathered)
+                if full == group_size * per:
+                    u.view(group_size, per).copy_(gathered)
                 else:
                     flat = u.view(-1)
-                    for r in range(k):
+                    for r in range(group_size):
                         a, b = r * per, min(full, (r + 1) * per)
                         if b > a:
                             flat[a:b].copy_(gathered[r, : b - a])
             return
         moved = list(self.full_shape)
         moved.pop(self.dim)
-        rows = gathered.reshape((k * self.rows, *moved))[: self.full_shape[self.dim]]
+        rows = gathered.reshape((group_size * self.rows, *moved))[: self.full_shape[self.dim]]
         if self.dim != 0:
             rows = rows.movedim(0, self.dim)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u):
             u.copy_(rows)
 
-    def grad_rows(self, g: torch.Tensor, k: int, dtype) -> torch.Tensor:
-        """The unsharded gradient as a (k, padded) block: rank r's rows padded to ``rows``."""
-        if g.dtype != dtype:
-            g = g.to(dtype)
+    def grad_rows(self, grad: torch.Tensor, group_size: int, dtype) -> torch.Tensor:
+        """The unsharded gradient as a (group_size, padded) block: rank r's rows padded to ``rows``."""
+        if grad.dtype != dtype:
+            grad = grad.to(dtype)
         if self.dim != 0:
-            g = g.movedim(self.dim, 0)
-        n = g.shape[0]
-        if n < k * self.rows:
-            g = torch.cat([g, g.new_zeros((k * self.rows - n,) + tuple(g.shape[1:]))], dim=0)
-        return g.reshape(k, self.padded)
+            grad = grad.movedim(self.dim, 0)
+        n = grad.shape[0]
+        if n < group_size * self.rows:
+            grad = torch.cat([grad, grad.new_zeros((group_size * self.rows - n,) + tuple(grad.shape[1:]))], dim=0)
+        return grad.reshape(group_size, self.padded)
 
     def make_shard_a_view(self):
         """ZeRO modes: allocate the unsharded tensor now with the full values and make the sharded local

@@ -71,12 +71,12 @@ def gloo_cpu(group, inp) -> bool:
 
 
 class _BroadcastGather:
-    """The all_gather of ``k`` chunks of ``S`` elements into ``out`` as ``k`` in-place asynchronous broadcasts
+    """The all_gather of ``group_size`` chunks of ``rows`` elements into ``out`` as ``group_size`` in-place broadcasts
     (gloo, see :func:`gloo_cpu`); ``wait()`` waits for all of them, like one collective's work handle."""
 
-    def __init__(self, out, S, k, handle):
-        self._works = [dist.broadcast(out[r * S: (r + 1) * S], group_src=r, group=handle, async_op=True)
-                       for r in range(k)]
+    def __init__(self, out, rows, group_size, handle):
+        self._works = [dist.broadcast(out[r * rows: (r + 1) * rows], group_src=r, group=handle, async_op=True)
+                       for r in range(group_size)]
 
     def wait(self):
         for w in self._works:
@@ -263,11 +263,11 @@ class FSDPParamGroup:
         self.expected = exp
         return bool(exp)
 
-    def _grad_ready(self, p):
+    def _grad_ready(self, param):
         exp = self.expected
-        if exp is None or id(p) not in exp:
+        if exp is None or id(param) not in exp:
             return
-        exp.discard(id(p))
+        exp.discard(id(param))
         if not exp:
             self.expected = None
             if self.on_all_grads is not None:

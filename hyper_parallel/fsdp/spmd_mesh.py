@@ -13,8 +13,12 @@ original placements (``Replicate()`` on the dp dims), as in torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Tuple, Union
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from hyper_parallel.dtensor.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -71,7 +75,9 @@ def _managed_modules(module):
     return out
 
 
-def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard", ignored_params=None):
+def split_spmd_mesh(module: Union[nn.Module, Sequence[nn.Module]], mesh: Optional[DeviceMesh],
+                    dp_mesh_dims: DataParallelMeshDims, where: str = "fully_shard",
+                    ignored_params: Optional[Iterable[nn.Parameter]] = None) -> DeviceMesh:
     """Re-express ``module``'s DTensor parameters on the non-dp dims of ``mesh``; return the dp mesh.
 
     Only the parameters this ``fully_shard`` will manage: not those of submodules already sharded by
@@ -131,7 +137,8 @@ def split_spmd_mesh(module, mesh, dp_mesh_dims, where="fully_shard", ignored_par
                 keep = [pls[names.index(n)] for n in other]
                 new = DTensor.from_local(local, tp_mesh, keep, shape=tuple(p.shape), stride=tuple(p.stride()))
             newp = torch.nn.Parameter(new, requires_grad=p.requires_grad)
-            newp._hp_spmd_view = (mesh, p._layout)  # the unsharded parameter is seen on the full mesh, as torch
+            # a private mark: the unsharded parameter is seen on the full mesh, as torch
+            newp._hp_spmd_view = (mesh, p._layout)  # type: ignore[attr-defined]
             for m2 in managed:
                 for k, v in list(m2._parameters.items()):
                     if v is p:

@@ -78,18 +78,18 @@ class FSDPState:
         return self.group.requires_all_reduce if self.group is not None else True
 
     @requires_all_reduce.setter
-    def requires_all_reduce(self, v):
+    def requires_all_reduce(self, value):
         if self.group is not None:
-            self.group.requires_all_reduce = v
+            self.group.requires_all_reduce = value
 
     @property
     def gradient_divide_factor(self):
         return self.group.divide_factor if self.group is not None else None
 
     @gradient_divide_factor.setter
-    def gradient_divide_factor(self, v):
+    def gradient_divide_factor(self, value):
         if self.group is not None:
-            self.group.divide_factor = v
+            self.group.divide_factor = value
 
     def ctx_set(self, key, value):
         if self.ctx is not None:

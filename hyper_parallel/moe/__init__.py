@@ -6,7 +6,7 @@ Design (one screen)
   sharded ``Shard(0)`` over a 1-D EP mesh: EP rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``.
   ``E`` must be divisible by the EP degree.
 * **Tokens are data-parallel across the EP ranks**: each rank routes its own tokens. The EP mesh
-  is a view of data-parallel dims (``mesh["ep"]`` of ``("dp", "ep")``, or ``dp_shard`` x ``cp``); a
+  is a view of data-parallel mesh dims (``mesh["ep"]`` of ``("dp", "ep")``, or ``dp_shard`` x ``cp``); a
   mesh dim named ``tp`` or ``pp`` is refused.
 * **Dispatch** = count exchange (one small all_to_all of per-expert counts that also carries every
   rank's input checks) + one host read of the counts (the only host sync) + one token all_to_all
@@ -26,7 +26,8 @@ Design (one screen)
   DeepSeek-V3 group-limited), ``tokens_per_expert`` (one small all_reduce), ``update_expert_bias`` (DeepSeek-V3
   aux-loss-free), ``load_balance_loss``, ``load_metrics``.
 * **Files.** ``plan.py``: input checks, split math and the capacity rule (no torch); ``comm.py``: the
-  count exchange and the variable-split all_to_all; ``dispatch.py``: dispatch/combine; ``style.py``: the
+  count exchange and the variable-split all_to_all; ``token_exchange.py``: dispatch/combine (tokens to and
+  from their experts' ranks; named so that a file called "dispatch" always means op dispatch); ``style.py``: the
   EP styles; ``grouped_mm.py``, ``routing.py``, ``balance.py``. Imports: the ground floor
   (``hyper_parallel.distributed``), ``dtensor``, ``dispatch`` and the ``ParallelStyle`` base class.
 
@@ -35,7 +36,7 @@ Docs: ``docs/expert_parallel.md``.
 from hyper_parallel.moe import plan
 from hyper_parallel.moe.plan import capacity, kept_counts
 from hyper_parallel.moe.style import ExpertParallel, ExpertTensorParallel
-from hyper_parallel.moe.dispatch import DispatchHandle, combine, count_ids, dispatch
+from hyper_parallel.moe.token_exchange import DispatchHandle, combine, count_ids, dispatch
 from hyper_parallel.moe.grouped_mm import grouped_mm
 from hyper_parallel.moe.balance import load_balance_loss, load_metrics, tokens_per_expert, update_expert_bias
 from hyper_parallel.moe.comm import STATS, reset_stats

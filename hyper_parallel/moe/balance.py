@@ -8,11 +8,11 @@ from typing import Optional
 import torch
 
 from hyper_parallel.moe import comm
-from hyper_parallel.moe.dispatch import count_ids
+from hyper_parallel.moe.token_exchange import count_ids
 
 
 def _groups(mesh):
-    """Comm groups of every dim of ``mesh`` (``None``: none; a list/tuple of meshes: all of theirs)."""
+    """Comm groups of every mesh dim of ``mesh`` (``None``: none; a list/tuple of meshes: all of theirs)."""
     if mesh is None:
         return []
     if isinstance(mesh, (list, tuple)):
@@ -25,7 +25,7 @@ def _groups(mesh):
 
 
 def tokens_per_expert(expert_ids_or_counts: torch.Tensor, num_experts: Optional[int] = None, mesh=None):
-    """Tokens routed to each expert, summed over ``mesh`` (every dim of it; one small all_reduce per dim).
+    """Tokens routed to each expert, summed over ``mesh`` (every mesh dim of it; one small all_reduce per mesh dim).
 
     Pass the router's ``[T, top_k]`` expert ids with ``num_experts``, or this rank's ``[E]`` counts.
     ``mesh`` is the group whose tokens count together: the data-parallel ranks that route different

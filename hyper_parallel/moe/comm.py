@@ -25,31 +25,31 @@ def reset_stats() -> None:
         STATS[k] = 0
 
 
-def to_host(t: torch.Tensor) -> list:
-    """``t.tolist()``, counted as one host synchronisation."""
+def to_host(tensor: torch.Tensor) -> list:
+    """``tensor.tolist()``, counted as one host synchronisation."""
     STATS["host_syncs"] += 1
-    return t.tolist()
+    return tensor.tolist()
 
 
-def _row_bytes(x: torch.Tensor) -> int:
+def _row_bytes(tensor: torch.Tensor) -> int:
     n = 1
-    for s in x.shape[1:]:
+    for s in tensor.shape[1:]:
         n *= s
-    return n * x.element_size()
+    return n * tensor.element_size()
 
 
-def all_to_all_v(x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], group) -> torch.Tensor:
-    """Rows ``x[sum(in_splits[:r]) : ... + in_splits[r]]`` go to group rank ``r``; the received blocks are
+def all_to_all_v(tensor: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], group) -> torch.Tensor:
+    """Rows ``tensor[sum(in_splits[:r]) : ... + in_splits[r]]`` go to group rank ``r``; the received blocks are
     concatenated in source-rank order (``out_splits[r]`` rows from rank ``r``). One ``all_to_all_single``."""
     if group.size == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    rb = _row_bytes(x)
+        return tensor
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
+    rb = _row_bytes(tensor)
     me = group.rank
-    rec.record(rec.ALL_TO_ALL, x.numel() * x.element_size(), group.ranks,
+    rec.record(rec.ALL_TO_ALL, tensor.numel() * tensor.element_size(), group.ranks,
                sent=(sum(in_splits) - in_splits[me]) * rb)
-    dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group.handle)
+    dist.all_to_all_single(out, tensor, list(out_splits), list(in_splits), group=group.handle)
     return out
 
 
@@ -57,20 +57,20 @@ class AllToAllV(torch.autograd.Function):
     """Differentiable :func:`all_to_all_v`; the backward is the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, in_splits, out_splits, group):
+    def forward(ctx, tensor, in_splits, out_splits, group):
         ctx.args = (in_splits, out_splits, group)
-        return all_to_all_v(x, in_splits, out_splits, group)
+        return all_to_all_v(tensor, in_splits, out_splits, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         in_splits, out_splits, group = ctx.args
-        return all_to_all_v(g, out_splits, in_splits, group), None, None, None
+        return all_to_all_v(grad_output, out_splits, in_splits, group), None, None, None
 
 
-def exchange(x: torch.Tensor, in_splits, out_splits, group) -> torch.Tensor:
+def exchange(tensor: torch.Tensor, in_splits, out_splits, group) -> torch.Tensor:
     if group.size == 1:
-        return x
-    return AllToAllV.apply(x, tuple(in_splits), tuple(out_splits), group)
+        return tensor
+    return AllToAllV.apply(tensor, tuple(in_splits), tuple(out_splits), group)
 
 
 def count_all_to_all(msg: torch.Tensor, group) -> torch.Tensor:
@@ -98,10 +98,10 @@ def count_all_gather(msg: torch.Tensor, group) -> torch.Tensor:
     return out.view((group.size,) + tuple(msg.shape))
 
 
-def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is None or group.size == 1:
-        return t
-    out = t.contiguous().clone()
+        return tensor
+    out = tensor.contiguous().clone()
     rec.record(rec.ALL_REDUCE, out.numel() * out.element_size(), group.ranks)
     dist.all_reduce(out, group=group.handle)
     return out

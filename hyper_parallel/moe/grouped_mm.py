@@ -13,25 +13,27 @@ from hyper_parallel.dispatch.rules.grouped_mm_kernels import _native, grouped_mm
 __all__ = ["grouped_mm", "grouped_mm_local", "grouped_mm_loop", "native_supported"]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+def grouped_mm(inputs: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, *,
+               impl: str = "auto") -> torch.Tensor:
     """``out[rows of g] = x[rows of g] @ w[g]`` (see the module docstring); ``impl``: auto, native, loop.
 
-    On DTensors (expert-sharded ``w``) the call goes to the ``_grouped_mm`` sharding rule
+    On DTensors (expert-sharded ``weights``) the call goes to the ``_grouped_mm`` sharding rule
     (``hyper_parallel/dispatch/rules/grouped_mm.py``).
     """
     if impl not in ("auto", "native", "loop"):
         raise ValueError(f"grouped_mm: impl must be 'auto', 'native' or 'loop', got {impl!r}")
-    if x.dim() != 2 or w.dim() != 3:
-        raise ValueError(f"grouped_mm: x must be [T, in] and w [G, in, out], got shapes {tuple(x.shape)} and "
-                         f"{tuple(w.shape)}")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"grouped_mm: x has {x.shape[1]} features but w expects {w.shape[1]} (w is [G, in, out])")
-    if offsets.dim() != 1 or offsets.shape[0] != w.shape[0]:
-        raise ValueError(f"grouped_mm: offsets must be [G] = [{w.shape[0]}] cumulative row ends, got shape "
+    if inputs.dim() != 2 or weights.dim() != 3:
+        raise ValueError(f"grouped_mm: x must be [T, in] and w [G, in, out], got shapes {tuple(inputs.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if inputs.shape[1] != weights.shape[1]:
+        raise ValueError(f"grouped_mm: inputs has {inputs.shape[1]} features but weights expects {weights.shape[1]} "
+                         "(weights is [G, in, out])")
+    if offsets.dim() != 1 or offsets.shape[0] != weights.shape[0]:
+        raise ValueError(f"grouped_mm: offsets must be [G] = [{weights.shape[0]}] cumulative row ends, got shape "
                          f"{tuple(offsets.shape)}")
     from hyper_parallel.dtensor.dtensor import DTensor
-    if isinstance(x, DTensor) or isinstance(w, DTensor):
-        return torch._grouped_mm(x, w, offs=offsets)
-    if impl == "native" or (impl == "auto" and native_supported(x, w)):
-        return _native(x, w, offsets)
-    return grouped_mm_loop(x, w, offsets)
+    if isinstance(inputs, DTensor) or isinstance(weights, DTensor):
+        return torch._grouped_mm(inputs, weights, offs=offsets)
+    if impl == "native" or (impl == "auto" and native_supported(inputs, weights)):
+        return _native(inputs, weights, offsets)
+    return grouped_mm_loop(inputs, weights, offsets)

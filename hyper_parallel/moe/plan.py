@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 NON_DATA_PARALLEL_DIMS = ("tp", "pp")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_num_experts(num_experts: int, ep_degree: int, what: str = "ExpertParallel") -> int:
@@ -50,10 +50,10 @@ def check_capacity_factor(capacity_factor, what: str = "dispatch") -> Optional[f
 
 
 def check_ep_dim_names(names: Sequence[str], what: str = "ExpertParallel") -> None:
-    """An EP mesh must be a view of data-parallel dims: refuse a dim named like a model-parallel one.
+    """An EP mesh must be a view of data-parallel mesh dims: refuse a mesh dim named like a model-parallel one.
 
-    ``names`` are the mesh dim names the EP mesh spans (a flattened dim's name is split at
-    ``_``). Unnamed dims cannot be checked (nothing is known about them).
+    ``names`` are the mesh dim names the EP mesh spans (a flattened mesh dim's name is split
+    at ``_``). Unnamed mesh dims cannot be checked (nothing is known about them).
     """
     for name in names or ():
         if name is None:
@@ -62,7 +62,7 @@ def check_ep_dim_names(names: Sequence[str], what: str = "ExpertParallel") -> No
         bad = [p for p in parts if p in NON_DATA_PARALLEL_DIMS]
         if bad:
             raise ValueError(f"{what}: the EP mesh spans mesh dim {name!r}, a model-parallel dim ({bad[0]!r}); "
-                             f"the EP mesh must be a sub-mesh of the data-parallel dims (tokens are data-parallel "
+                             f"the EP mesh must be a sub-mesh of the data-parallel mesh dims (tokens are data-parallel "
                              f"across EP ranks), e.g. mesh['ep'] of ('dp', 'ep') or a view of dp_shard (x cp)")
 
 

@@ -28,7 +28,7 @@ from hyper_parallel.dtensor.dtensor import DTensor
 from hyper_parallel.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.tensor_parallel.style import ParallelStyle
 from hyper_parallel.moe import plan as _plan
-from hyper_parallel.moe.dispatch import dispatch_sorted
+from hyper_parallel.moe.token_exchange import dispatch_sorted
 
 
 def _num_experts(module, what):
@@ -65,7 +65,7 @@ class ExpertParallel(ParallelStyle):
     """Shard grouped experts ``Shard(0)`` over a 1-D EP mesh and move tokens to them (torchtitan's contract).
 
     Tokens are data-parallel across the EP ranks: each rank routes its own tokens; the EP mesh may be
-    one dim of a larger mesh (``mesh["ep"]`` of ``("dp", "ep")``) but not a model-parallel dim (a dim
+    one mesh dim of a larger mesh (``mesh["ep"]`` of ``("dp", "ep")``) but not a model-parallel mesh dim (one
     named ``tp`` or ``pp`` raises). Raises ``ValueError`` at apply when the number of experts is not
     divisible by the EP degree, and on every rank before the token all_to_all when a rank's
     ``num_tokens_per_expert`` disagrees with its ``routed_input`` rows (or holds negative counts).
@@ -124,7 +124,7 @@ class ExpertTensorParallel(ExpertParallel):
     each expert on tp (``w1``/``w3`` ``Shard(1)``, column-parallel; ``w2`` ``Shard(2)``, row-parallel), as
     torchtitan's ``ExpertTensorParallel``.
 
-    Tokens move over the ep dim only; every tp rank of an ep rank holds the same tokens. The wrapped
+    Tokens move over the ep mesh dim only; every tp rank of an ep rank holds the same tokens. The wrapped
     forward computes with its local pieces, so its output is a partial sum over tp: the enclosing MoE
     module declares it so (torchtitan: ``PrepareModuleInputOutput(..., output_layouts=(Partial(),), ...)``)
     and reduces it together with the shared expert's partial output.

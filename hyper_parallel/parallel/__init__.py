@@ -1,13 +1,10 @@
-"""``torch.distributed.tensor.parallel``, spelled for hyper_parallel.
+"""``torch.distributed.tensor.parallel``, spelled for hyper_parallel (``.style``, ``.api``, ``.loss`` too).
 
-Mirrors PyTorch's module layout so that a mechanical swap of the
-``torch.distributed.tensor`` prefix for ``hyper_parallel`` works
-(``from hyper_parallel.parallel import ColwiseParallel, parallelize_module``).
-The implementations live in :mod:`hyper_parallel.tensor_parallel`.
+A facade with no logic: this path is :mod:`hyper_parallel.compat.torch.parallel` (``sys.modules`` alias), where the code lives with
+the rest of PyTorch's spelling (``hyper_parallel/compat/torch/``).
 """
-from hyper_parallel.tensor_parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-    RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
+import sys
 
-__all__ = ["ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
-           "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "parallelize_module", "loss_parallel"]
+import hyper_parallel.compat.torch.parallel as _home
+
+sys.modules[__name__] = _home

@@ -22,8 +22,8 @@ Design (one screen)
 * **Heterogeneous stages.** :class:`HeteroPipelineStage` lets neighbouring stages live on meshes
   of different shapes and sizes; its boundary moves as the cross-mesh redistribution's
   minimal-byte point-to-point messages, inside the same torch runtime.
-* **HyperParallel's API** (``hyper_parallel.core.pipeline_parallel``, a facade over
-  :mod:`.hp_api`): its ``PipelineStage`` / ``ScheduleGPipe`` / ``Schedule1F1B`` /
+* **HyperParallel's API** (``hyper_parallel.core.pipeline_parallel``, whose code lives in
+  ``compat/hyperparallel/pipeline_api.py`` and ``pipeline_runtime.py``): its ``PipelineStage`` / ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B(...).run`` build the same stage and torch schedule, with
   HyperParallel's semantics (the last stage returns the loss; ``run`` returns the outputs).
 * **Clipping over the pipeline.** :func:`clip_grad_norm_` (``pipelining/clip.py``) is torch's
@@ -31,8 +31,7 @@ Design (one screen)
   their own meshes) combined over ``pp_group`` with one all_reduce.
 * **Files.** ``split.py``: stage splitting (FQNs kept); ``stage.py``: the stage on torch's runtime
   (DTensor boundaries, FSDP stage modules); ``schedules.py``: torch's schedules with argument checks;
-  ``clip.py``: the pipeline-wide ``clip_grad_norm_``; ``hp_api.py`` / ``hp_runtime.py``: HyperParallel's
-  pipeline API on the same machinery. Imports: the ground floor, ``dtensor``, ``dispatch`` and the
+  ``clip.py``: the pipeline-wide ``clip_grad_norm_``. Imports: the ground floor, ``dtensor``, ``dispatch`` and the
   ``FSDPModule`` class of ``fsdp`` (a stage recognises a fully_shard'ed module).
 
 Status and what is left: ``docs/pipelining.md``.

@@ -24,8 +24,8 @@ from hyper_parallel.dtensor.dtensor import DTensor
 __all__ = ["clip_grad_norm_", "get_total_norm"]
 
 
-def _local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
+def _local(tensor):
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _group(pp_group):
@@ -34,7 +34,7 @@ def _group(pp_group):
     if isinstance(pp_group, DeviceMesh):
         if pp_group.ndim != 1:
             raise ValueError(f"clip_grad_norm_: pp_group must be a ProcessGroup or a 1-D DeviceMesh (the pipeline "
-                             f"dim), got a {pp_group.ndim}-D mesh {pp_group}")
+                             f"mesh dim), got a {pp_group.ndim}-D mesh {pp_group}")
         return pp_group.get_group()
     if not isinstance(pp_group, dist.ProcessGroup):
         raise ValueError(f"clip_grad_norm_: pp_group must be a ProcessGroup, a 1-D DeviceMesh or None, "

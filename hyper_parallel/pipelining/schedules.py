@@ -35,7 +35,7 @@ PipelineScheduleSingle = _ts.PipelineScheduleSingle
 PipelineScheduleMulti = _ts.PipelineScheduleMulti
 
 
-def _chunk_dims(spec, n):
+def _chunk_dims(spec, num_args):
     """Split dims from a torch chunk spec (a tuple / dict of TensorChunkSpec or None), default 0."""
     if spec is None:
         return None

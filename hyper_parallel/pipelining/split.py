@@ -75,8 +75,9 @@ def balanced_stage_layers(block_weights, num_stages: int, *, first_weight: float
     for x in w:
         prefix.append(prefix[-1] + x)
 
-    def cost(s, lo, hi):
-        return prefix[hi] - prefix[lo] + (first_weight if s == 0 else 0.0) + (last_weight if s == S - 1 else 0.0)
+    def cost(stage, first, end):
+        return (prefix[end] - prefix[first] + (first_weight if stage == 0 else 0.0)
+                + (last_weight if stage == S - 1 else 0.0))
 
     def pack(limit):
         """Greedy counts with no stage above ``limit``, or None."""
@@ -216,7 +217,7 @@ def split_into_stages(model, pp_mesh, num_stages=None, layers_per_stage=None, sc
     """
     style, per_rank = _kind(schedule)
     if pp_mesh is None or getattr(pp_mesh, "ndim", None) != 1:
-        raise ValueError(f"split_into_stages: pp_mesh must be a 1-D DeviceMesh (the pipeline dim), got {pp_mesh!r}")
+        raise ValueError(f"split_into_stages: pp_mesh must be a 1-D DeviceMesh (the pipeline mesh dim), got {pp_mesh!r}")
     pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     blocks = getattr(model, layers, None)
     if blocks is None or not hasattr(blocks, "keys"):
@@ -243,11 +244,11 @@ def split_into_stages(model, pp_mesh, num_stages=None, layers_per_stage=None, sc
     num_stages = len(plan)
     mine = stage_ids_on_rank(pp_rank, pp_size, num_stages, style)
 
-    def owned(s):
-        keep = [f"{layers}.{k}" for k in plan[s]]
-        if s == 0:
+    def owned(stage):
+        keep = [f"{layers}.{k}" for k in plan[stage]]
+        if stage == 0:
             keep += list(input_modules)
-        if s == num_stages - 1:
+        if stage == num_stages - 1:
             keep += list(output_modules)
         return keep
 
@@ -278,19 +279,19 @@ def _default_split(model, layers, input_modules, output_modules, num_stages, lay
                                  allow_empty=len(w) < num_stages)
 
 
-def _build(model, s, plan, layers, input_modules, output_modules):
+def _build(model, stage_index, plan, layers, input_modules, output_modules):
     num_stages = len(plan)
-    keep_blocks = set(plan[s])
+    keep_blocks = set(plan[stage_index])
     stage = copy.deepcopy(model)
     sb = getattr(stage, layers)
     for k in list(sb.keys()):
         if k not in keep_blocks:
             del sb[k]
     for n in input_modules:
-        if s != 0 and getattr(stage, n, None) is not None:
+        if stage_index != 0 and getattr(stage, n, None) is not None:
             setattr(stage, n, None)
     for n in output_modules:
-        if s != num_stages - 1 and getattr(stage, n, None) is not None:
+        if stage_index != num_stages - 1 and getattr(stage, n, None) is not None:
             setattr(stage, n, None)
     return stage
 

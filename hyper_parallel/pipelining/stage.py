@@ -51,10 +51,10 @@ class BoundaryLayout:
     coordinate: Optional[tuple]
 
     @staticmethod
-    def of(t: DTensor) -> "BoundaryLayout":
-        m = t.device_mesh
+    def of(dtensor: DTensor) -> "BoundaryLayout":
+        m = dtensor.device_mesh
         return BoundaryLayout(tuple(m.mesh_dim_names) if m.mesh_dim_names else None, tuple(m.shape),
-                              tuple(t.placements), tuple(t.shape), tuple(t.stride()),
+                              tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride()),
                               tuple(m.get_coordinate()) if m.get_coordinate() is not None else None)
 
     def describe(self) -> str:
@@ -97,8 +97,8 @@ def _metas_key(metas):
     return None if metas is None else tuple(None if m is None else (tuple(m.shape), m.dtype) for m in metas)
 
 
-def _is_tensor(x):
-    return isinstance(x, torch.Tensor)
+def _is_tensor(obj):
+    return isinstance(obj, torch.Tensor)
 
 
 class PipelineStage(_TorchPipelineStage):
@@ -126,7 +126,7 @@ class PipelineStage(_TorchPipelineStage):
         if isinstance(group, DeviceMesh):
             if group.ndim != 1:
                 raise ValueError(f"PipelineStage: group must be a ProcessGroup or a 1-D DeviceMesh (the pipeline "
-                                 f"dim), got a {group.ndim}-D mesh {group}")
+                                 f"mesh dim), got a {group.ndim}-D mesh {group}")
             group = group.get_group()
         if get_mesh is not None and not callable(get_mesh):
             raise TypeError(f"PipelineStage: get_mesh must be callable, got {get_mesh!r}")
@@ -192,7 +192,7 @@ class PipelineStage(_TorchPipelineStage):
             self._hp_add_mesh(m)
             return self._hp_check_coord(m, lay)
         raise ValueError(f"PipelineStage {self.stage_index}: stage {self.stage_index - 1} sends a "
-                         f"{lay.describe()}, and this stage has no mesh with dim names {want_names} and shape "
+                         f"{lay.describe()}, and this stage has no mesh with mesh dim names {want_names} and shape "
                          f"{want_shape} (looked at its submodule's DTensor parameters and its input_args); "
                          f"pass get_mesh=lambda names, shape: <this rank's mesh> to PipelineStage")
 
@@ -393,22 +393,22 @@ class PipelineStage(_TorchPipelineStage):
     # call synchronizes the device, so leave it off outside measurements
     time_compute = False
 
-    def _hp_timed(self, fn, *args, **kwargs):
+    def _hp_timed(self, func, *args, **kwargs):
         if not self.time_compute:
-            return fn(*args, **kwargs)
+            return func(*args, **kwargs)
         import time
         sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            return func(*args, **kwargs)
         finally:
             sync()
             st = self._hp_stats()
             st["compute_s"] = st.get("compute_s", 0.0) + time.perf_counter() - t0
 
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
-        out = self._hp_timed(super().forward_one_chunk, fwd_chunk_id, args, kwargs, *rest, **kw)
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **extra_kwargs):
+        out = self._hp_timed(super().forward_one_chunk, fwd_chunk_id, args, kwargs, *rest, **extra_kwargs)
         st = self._hp_stats()
         st["live_microbatches"] = len(self.fwd_cache)
         st["peak_live_microbatches"] = max(st["peak_live_microbatches"], len(self.fwd_cache))
@@ -461,11 +461,12 @@ class PipelineStage(_TorchPipelineStage):
                     p.grad = None
 
 
-def _lay_desc(t: DTensor):
+def _lay_desc(dtensor: DTensor):
     """A picklable description of a DTensor's layout (mesh ranks and shape, placements, global shape, dtype)."""
-    lay = t._layout
+    lay = dtensor._layout
     return dict(mesh_shape=tuple(lay.mesh_shape), alias_names=tuple(lay.alias_names), rank_list=tuple(lay.rank_list),
-                placements=tuple(t.placements), shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""))
+                placements=tuple(dtensor.placements), shape=tuple(dtensor.shape),
+                dtype=str(dtensor.dtype).replace("torch.", ""))
 
 
 def _lay_from(desc):
@@ -474,9 +475,9 @@ def _lay_from(desc):
         desc["placements"], len(desc["shape"]))
 
 
-def _lay_str(d):
-    return (f"DTensor{list(d['shape'])} {d['dtype']} on ranks {list(d['rank_list'])} (mesh "
-            f"{list(d['mesh_shape'])}) placements {d['placements']}")
+def _lay_str(desc):
+    return (f"DTensor{list(desc['shape'])} {desc['dtype']} on ranks {list(desc['rank_list'])} (mesh "
+            f"{list(desc['mesh_shape'])}) placements {desc['placements']}")
 
 
 class HeteroPipelineStage(PipelineStage):
@@ -580,11 +581,11 @@ class HeteroPipelineStage(PipelineStage):
         self._hp_progs = progs
 
     # ------------------------------------------------------------------ the boundary as cross-mesh messages
-    def _hp_send_ops(self, x, prog):
+    def _hp_send_ops(self, tensor, prog):
         from hyper_parallel.distributed.p2p import _box
         ops = []
         for peer, pieces in prog.sends:
-            parts = [_box(x, st, sh).reshape(-1) for st, sh in pieces]
+            parts = [_box(tensor, st, sh).reshape(-1) for st, sh in pieces]
             buf = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
             ops.append(dist_p2p_op("isend", buf, peer))
         return self._hp_count_sends(ops)

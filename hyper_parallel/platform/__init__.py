@@ -1,37 +1,12 @@
-"""``hyper_parallel.platform.get_platform()``: a compatibility facade for HyperParallel programs that call it.
+"""``hyper_parallel.platform.get_platform()``: HyperParallel's path, an alias with no logic.
 
 The library has no platform indirection: its code imports torch where it needs torch, and the
 ground floor (``hyper_parallel.distributed``) adapts torch.distributed. HyperParallel removed its
-own platform layer in 2026-09; this facade keeps the old call working (``hyper_parallel/compat/platform.py``
-says what it answers). ``HYPER_PARALLEL_PLATFORM`` may still name ``torch``; anything else is refused.
+own platform layer in 2026-09; :mod:`hyper_parallel.compat.hyperparallel.platform` keeps the old call
+working and says what it answers; this path is that module (``sys.modules`` alias).
 """
-from __future__ import annotations
+import sys
 
-import os
+from hyper_parallel.compat.hyperparallel import platform as _home
 
-from hyper_parallel.compat.platform import CommGroup, Platform, PlatformType, TorchPlatform
-
-_PLATFORM = None
-_ENV = "HYPER_PARALLEL_PLATFORM"
-
-
-def _detect() -> str:
-    requested = os.environ.get(_ENV, "").strip().lower()
-    if requested and requested != "torch":
-        if requested == "mindspore":
-            raise ValueError(f"{_ENV}={requested!r} is not supported: hyper_parallel runs on torch only "
-                             "(HyperParallel removed its MindSpore backend in 2026-09); expected 'torch'")
-        raise ValueError(f"{_ENV}={requested!r} is not supported; expected 'torch'")
-    return "torch"
-
-
-def get_platform() -> Platform:
-    """The process-wide platform object (a facade over torch and ``hyper_parallel.distributed``)."""
-    global _PLATFORM
-    if _PLATFORM is None:
-        _detect()
-        _PLATFORM = TorchPlatform()
-    return _PLATFORM
-
-
-__all__ = ["get_platform", "Platform", "PlatformType", "CommGroup"]
+sys.modules[__name__] = _home

@@ -5,13 +5,15 @@ import fnmatch
 import warnings
 from typing import Dict, Optional, Union
 
+from torch import nn
+
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
 from hyper_parallel.tensor_parallel.style import ParallelStyle, _module_path
 
 
-def parallelize_module(module, device_mesh: Optional[DeviceMesh] = None,
+def parallelize_module(module: nn.Module, device_mesh: Optional[DeviceMesh] = None,
                        parallelize_plan: Union[ParallelStyle, Dict[str, ParallelStyle], None] = None, *,
-                       src_data_rank: Optional[int] = 0):
+                       src_data_rank: Optional[int] = 0) -> nn.Module:
     """Shard ``module`` in place following ``parallelize_plan`` and return it.
 
     Args:

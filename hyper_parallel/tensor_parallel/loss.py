@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Iterator
 
 from hyper_parallel.dtensor.dtensor import DTensor, register_special, unregister_special
 from hyper_parallel.dtensor.placement_types import Replicate
@@ -56,11 +57,11 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         exp, sum_exp, safe, in_shard, valid = ctx.saved_tensors
         grad = exp / sum_exp.unsqueeze(-1)
         onehot = torch.zeros_like(grad).scatter_(-1, safe.unsqueeze(-1), in_shard.unsqueeze(-1).to(grad.dtype))
-        grad = (grad - onehot) * (g * valid).unsqueeze(-1)
+        grad = (grad - onehot) * (grad_output * valid).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None
 
 
@@ -104,7 +105,7 @@ class _LossParallelCE(DistributedOp):
         tgt_target = tgt_layout.with_dim_map([batch_dm], (None,) * len(lay.mesh_shape)) if tgt_layout else None
         n_total = shape[0]
 
-        def local_fn(logits, target, *a, **k):
+        def local_fn(logits, target, *args, **kwargs):
             loss = _VocabParallelCE.apply(logits, target, group, vocab_start, ignore_index)
             if reduction == "none":
                 return loss
@@ -127,7 +128,7 @@ class _LossParallelCE(DistributedOp):
 
 
 def _is_class_sharded(logits) -> bool:
-    return isinstance(logits, DTensor) and logits.dim() >= 1 and bool(logits._layout.dim_map[-1])
+    return isinstance(logits, DTensor) and logits.dim() >= 1 and bool(logits._layout._dims()[-1])
 
 
 _tls = threading.local()
@@ -168,7 +169,7 @@ def _cross_entropy_plain_target(input, target=None, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def loss_parallel():
+def loss_parallel() -> Iterator[None]:
     """Within this context, ``F.cross_entropy`` on class-sharded DTensor logits stays sharded.
 
     ``logits`` must be a 2-D DTensor [N, C] sharded on C over one mesh dim

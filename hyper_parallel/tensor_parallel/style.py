@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from hyper_parallel.dtensor.api import distribute_tensor
 from hyper_parallel.dtensor.device_mesh import DeviceMesh, resolve_mesh
@@ -37,11 +37,17 @@ import torch
 
 nn = torch.nn
 
+#: per positional input (or output): the placement it has, None to leave it alone; one placement for all
+LayoutsArg = Union[Placement, Sequence[Optional[Placement]], None]
+#: per keyword input: the placement it has, None to leave it alone
+KwargLayoutsArg = Optional[Dict[str, Optional[Placement]]]
+_ModuleType = TypeVar("_ModuleType", bound=Type[nn.Module])
+
 # ----------------------------------------------------------------------------- module paths for messages
 # parallelize_module sets the fully qualified name of the module a style is being
 # applied to; styles capture it at apply time so that errors raised then (unsupported
 # module type) or later in the forward hooks name the module's place in the model.
-_PATH_STACK = []
+_PATH_STACK: List[str] = []
 
 
 @contextlib.contextmanager
@@ -136,27 +142,27 @@ def _check_pairs(style: str, arg: str, layouts, desired_arg: str, desired):
 
 
 # ----------------------------------------------------------------------------- conversions
-def _pl(p) -> Optional[Tuple[Placement, ...]]:
+def _pl(placement) -> Optional[Tuple[Placement, ...]]:
     """A style placement as a placements tuple for the 1-D mesh."""
-    if p is None:
+    if placement is None:
         return None
-    return (p,)
+    return (placement,)
 
 
 def _norm_shard(pls, ndim):
     return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in pls)
 
 
-def _to_dtensor(x, mesh, input_layout, desired_layout):
+def _to_dtensor(value, mesh, input_layout, desired_layout):
     """Plain tensor -> DTensor (with ``input_layout``), then redistribute to ``desired_layout``."""
-    if isinstance(x, DTensor):
-        dt = x
-    elif isinstance(x, torch.Tensor):
+    if isinstance(value, DTensor):
+        dt = value
+    elif isinstance(value, torch.Tensor):
         if input_layout is None:
-            return x
-        dt = DTensor.from_local(x, mesh, _norm_shard(_pl(input_layout), x.ndim), run_check=False)
+            return value
+        dt = DTensor.from_local(value, mesh, _norm_shard(_pl(input_layout), value.ndim), run_check=False)
     else:
-        return x
+        return value
     if desired_layout is not None:
         want = _norm_shard(_pl(desired_layout), dt.ndim)
         if tuple(dt.placements) != want:
@@ -164,14 +170,14 @@ def _to_dtensor(x, mesh, input_layout, desired_layout):
     return dt
 
 
-def _finish(x, mesh, output_layout, use_local_output):
-    if isinstance(x, DTensor):
+def _finish(value, mesh, output_layout, use_local_output):
+    if isinstance(value, DTensor):
         if output_layout is not None:
-            want = _norm_shard(_pl(output_layout), x.ndim)
-            if tuple(x.placements) != want:
-                x = x.redistribute(mesh, want)
-        return x.to_local() if use_local_output else x
-    return x
+            want = _norm_shard(_pl(output_layout), value.ndim)
+            if tuple(value.placements) != want:
+                value = value.redistribute(mesh, want)
+        return value.to_local() if use_local_output else value
+    return value
 
 
 def _distribute_param(module, name, mesh, placements, src_data_rank):
@@ -201,7 +207,7 @@ class ParallelStyle(ABC):
     accepts_nd_mesh: bool = False
 
     @abstractmethod
-    def apply(self, module, device_mesh: DeviceMesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         ...
 
     # PyTorch spells it _apply
@@ -240,7 +246,7 @@ class ColwiseParallel(ParallelStyle):
         self.desired_input_layouts = Replicate()
         self.use_local_output = _check_bool(name, "use_local_output", use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
             _distribute_param(module, "weight", device_mesh, [Shard(0)], self.src_data_rank)
             _distribute_param(module, "bias", device_mesh, [Shard(0)], self.src_data_rank)
@@ -274,11 +280,11 @@ class RowwiseParallel(ParallelStyle):
         self.output_layouts = _check_layout(name, "output_layouts", output_layouts) or Replicate()
         self.use_local_output = _check_bool(name, "use_local_output", use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
             _distribute_param(module, "weight", device_mesh, [Shard(1)], self.src_data_rank)
             _distribute_param(module, "bias", device_mesh, [Replicate()], self.src_data_rank)
-            desired = Shard(-1)
+            desired: Placement = Shard(-1)
         elif isinstance(module, nn.Embedding):
             _distribute_param(module, "weight", device_mesh, [Shard(0)], self.src_data_rank)
             desired = Replicate()
@@ -323,7 +329,7 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = _check_bool(name, "use_local_output", use_local_output)
 
     @classmethod
-    def register_module_type(cls, module_type):
+    def register_module_type(cls, module_type: _ModuleType) -> _ModuleType:
         """Record ``module_type`` as a per-token module; returns ``module_type`` (kept for compatibility).
 
         ``SequenceParallel`` accepts every module (as PyTorch's does); the registry only
@@ -342,7 +348,7 @@ class SequenceParallel(ParallelStyle):
         """The built-in types plus the registered ones."""
         return tuple(_builtin_sequence_parallel_types()) + tuple(SequenceParallel._registered_types)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Module):
             raise TypeError(f"SequenceParallel: module must be an nn.Module, got {type(module).__name__}")
         for name, _ in list(module.named_parameters(recurse=False)):
@@ -384,7 +390,7 @@ class NoParallel(ParallelStyle):
         self.output_layout = _check_layout(name, "output_layout", output_layout) or Replicate()
         self.use_local_output = _check_bool(name, "use_local_output", use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, p in list(module.named_parameters(recurse=True)):
             owner, leaf = _owner(module, name)
             _distribute_param(owner, leaf, device_mesh, [Replicate()], self.src_data_rank)
@@ -413,18 +419,18 @@ def _install_io_hooks(module, mesh, input_layout, desired_input_layout, output_l
     module.register_forward_hook(post)
 
 
-def _prepare(style, where, what, x, mesh, layout, desired, use_local):
+def _prepare(style, where, what, value, mesh, layout, desired, use_local):
     """Convert one input/output of a PrepareModule* style (``layout`` None: unchanged)."""
     if layout is None:
-        return x
-    if isinstance(x, DTensor):
-        if tuple(x.placements) != _norm_shard(_pl(layout), x.ndim):
-            raise ValueError(f"{style} on {where}: {what} is a DTensor with placements {tuple(x.placements)} but "
+        return value
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != _norm_shard(_pl(layout), value.ndim):
+            raise ValueError(f"{style} on {where}: {what} is a DTensor with placements {tuple(value.placements)} but "
                              f"its layout is given as {layout!r}")
-    elif not isinstance(x, torch.Tensor):
-        raise TypeError(f"{style} on {where}: {what} is {type(x).__name__}, not a tensor, but its layout is "
+    elif not isinstance(value, torch.Tensor):
+        raise TypeError(f"{style} on {where}: {what} is {type(value).__name__}, not a tensor, but its layout is "
                         f"given as {layout!r}; use None for inputs/outputs to leave unchanged")
-    dt = _to_dtensor(x, mesh, layout, desired)
+    dt = _to_dtensor(value, mesh, layout, desired)
     return dt.to_local() if use_local and isinstance(dt, DTensor) else dt
 
 
@@ -441,8 +447,9 @@ class PrepareModuleInput(ParallelStyle):
         use_local_output: hand local tensors to the module (default False).
     """
 
-    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
-                 desired_input_kwarg_layouts=None, use_local_output: bool = False):
+    def __init__(self, *, input_layouts: LayoutsArg = None, desired_input_layouts: LayoutsArg = None,
+                 input_kwarg_layouts: KwargLayoutsArg = None, desired_input_kwarg_layouts: KwargLayoutsArg = None,
+                 use_local_output: bool = False):
         self._setup(type(self).__name__, input_layouts, desired_input_layouts, input_kwarg_layouts,
                     desired_input_kwarg_layouts, use_local_output, "use_local_output")
 
@@ -470,7 +477,7 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_input_kwarg_layouts = dkw or {}
         self.use_local_output = _check_bool(style, use_local_name, use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style, where = self._style, _where(module)
 
         def pre(mod, args, kwargs):
@@ -505,7 +512,8 @@ class PrepareModuleOutput(ParallelStyle):
         use_local_output: return local tensors (default True).
     """
 
-    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+    def __init__(self, *, output_layouts: LayoutsArg, desired_output_layouts: LayoutsArg,
+                 use_local_output: bool = True):
         self._setup(type(self).__name__, output_layouts, desired_output_layouts, use_local_output)
 
     def _setup(self, style, output_layouts, desired_output_layouts, use_local_output):
@@ -519,7 +527,7 @@ class PrepareModuleOutput(ParallelStyle):
                      self.desired_output_layouts)
         self.use_local_output = _check_bool(style, "use_local_output", use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         style, where = self._style, _where(module)
 
         def post(mod, args, out):
@@ -542,9 +550,10 @@ class PrepareModuleInputOutput(ParallelStyle):
     and ``desired_output_layouts`` are required.
     """
 
-    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
-                 desired_input_kwarg_layouts=None, use_local_input: bool = False, output_layouts,
-                 desired_output_layouts, use_local_output: bool = True):
+    def __init__(self, *, input_layouts: LayoutsArg = None, desired_input_layouts: LayoutsArg = None,
+                 input_kwarg_layouts: KwargLayoutsArg = None, desired_input_kwarg_layouts: KwargLayoutsArg = None,
+                 use_local_input: bool = False, output_layouts: LayoutsArg, desired_output_layouts: LayoutsArg,
+                 use_local_output: bool = True):
         name = type(self).__name__
         self.prepare_input = PrepareModuleInput.__new__(PrepareModuleInput)
         self.prepare_input._setup(name, input_layouts, desired_input_layouts, input_kwarg_layouts,
@@ -552,7 +561,7 @@ class PrepareModuleInputOutput(ParallelStyle):
         self.prepare_output = PrepareModuleOutput.__new__(PrepareModuleOutput)
         self.prepare_output._setup(name, output_layouts, desired_output_layouts, use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.prepare_input.apply(module, device_mesh)
         self.prepare_output.apply(module, device_mesh)
         return module

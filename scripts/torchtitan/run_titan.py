@@ -145,8 +145,10 @@ def main():
     ap.add_argument("--save-weights")
     ap.add_argument("--load-weights")
     ap.add_argument("--profile", help="cProfile of train_step from step 2 on (rank 0), written as pstats here")
-    ap.add_argument("--die-at-step", type=int, help="fault injection: every rank exits (status 1) after this "
-                    "step's train_step (the fault-tolerance row kills a replica group so)")
+    ap.add_argument("--die-at-step", type=int, help="fault injection (--fault_tolerance.enable): every rank "
+                    "SIGKILLs itself inside the backward of this step (the fault-tolerance row kills a group so)")
+    ap.add_argument("--start-gate", help="(--fault_tolerance.enable) a spare: after the imports, wait until this file "
+                    "exists before starting torchtitan (the fault-tolerance row's restarted group)")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep after each train_step (pacing "
                     "for the fault-tolerance row, so a restarted group rejoins before the others finish)")
     ap.add_argument("--dump-grads", help="write every parameter's full gradient of step 1 (before clipping)")
@@ -189,9 +191,6 @@ def main():
             prof.disable()
             prof.dump_stats(args.profile)
         record["steps"][-1]["time_s"] = time.perf_counter() - t0
-        if args.die_at_step is not None and record["steps"][-1]["step"] >= args.die_at_step:
-            _write_record(args.record, record)
-            os._exit(1)
         time.sleep(args.step_sleep)
         return out
 
@@ -202,9 +201,24 @@ def main():
     T.train, T.train_step, titan_metrics.MetricsProcessor.log = train, train_step, log
     if "--fault_tolerance.enable" in titan_args:  # torchtitan's fault-tolerant trainer overrides both
         from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer as FT
+        import titan_ft
+        titan_ft.patch_trainer(FT)
         ft_train, ft_step = FT.train, FT.train_step
-        FT.train = lambda self: train(self, inner=ft_train)
-        FT.train_step = lambda self, *a, **k: train_step(self, *a, inner=ft_step, **k)
+
+        def ft_train_step(self, *a, **k):
+            if self.step == args.die_at_step:
+                titan_ft.kill_in_backward(self, lambda: _write_record(args.record, record))
+            out = train_step(self, *a, inner=ft_step, **k)
+            record["steps"][-1].update(titan_ft.step_state(self))
+            return out
+        def ft_train_(self):
+            record.update(titan_ft.stack_of(self))
+            return train(self, inner=ft_train)
+        FT.train = ft_train_
+        FT.train_step = ft_train_step
+        record["every_rank"] = True
+        if args.start_gate:
+            titan_ft.wait_for(args.start_gate)
     if args.stack == "hp":
         record["unsupported_names"] = []
     sys.argv = ["torchtitan.train"] + titan_args
@@ -217,8 +231,11 @@ def main():
 
 
 def _write_record(path, record):
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(path, "w") as f:
+    """Rank 0 writes ``path``; with ``record["every_rank"]`` (the fault-tolerance row) rank r > 0 writes
+    ``path.rankR`` too (its own state digests)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or record.get("every_rank"):
+        with open(path if rank == 0 else f"{path}.rank{rank}", "w") as f:
             json.dump(record, f, indent=1)
 
 

@@ -64,14 +64,33 @@ def _as(cls, cfg, **changes):
     return cls(**values)
 
 
+def _separate_qkv(model_cfg):
+    """Every layer's fused ``wqkv`` as torchtitan's stock separate ``wq`` / ``wk`` / ``wv`` (``QKVLinear``, its
+    ``fuse_qkv=False``), initialised alike (in place)."""
+    from torchtitan.models.common.attention import FusedQKVLinear, QKVLinear
+    from torchtitan.models.llama3 import _LINEAR_INIT
+    for layer in model_cfg.layers:
+        qkv = layer.attention.qkv_linear
+        if isinstance(qkv, FusedQKVLinear.Config):
+            hd = qkv.head_dim
+            layer.attention.qkv_linear = QKVLinear.Config(
+                head_dim=hd,
+                wq=dataclasses.replace(qkv.wqkv, out_features=qkv.n_heads * hd, param_init=_LINEAR_INIT),
+                wkv=dataclasses.replace(qkv.wqkv, out_features=qkv.n_kv_heads * hd, param_init=_LINEAR_INIT))
+
+
 def llama3_debugmodel_sdpa_noac_ft():
     """llama3_debugmodel_sdpa_noac on torchtitan's fault-tolerant trainer (torchtitan.experiments.torchft:
     ``--fault_tolerance.enable`` and its replica-group settings; the optimizer and checkpoint manager
-    are its torchft variants, as in its own ``llama3_torchft_debugmodel``)."""
+    are its torchft variants, as in its own ``llama3_torchft_debugmodel``), with separate q/k/v projections:
+    torchft reads a live group's state dict in its quorum thread while the forward runs, and the fused
+    ``wqkv``'s save hook all-gathers the shards there (racing the forward's FSDP all-gather on the same
+    gloo group: torch's own stack aborts, "Received data size doesn't match expected size")."""
     from torchtitan.experiments.torchft.checkpoint import TorchFTCheckpointManager
     from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
     from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
     base = llama3_debugmodel_sdpa_noac()
+    _separate_qkv(base.model_spec.model)
     return _as(FaultTolerantTrainer.Config, base,
                optimizer=_as(TorchFTOptimizersContainer.Config, base.optimizer),
                checkpoint=_as(TorchFTCheckpointManager.Config, base.checkpoint))

@@ -18,15 +18,15 @@ from hyper_parallel import Replicate, Shard
 
 def test_public_homes_are_the_same_objects():
     from hyper_parallel.core.dtensor import dtensor
-    from hyper_parallel.dtensor import dispatch_state
-    from hyper_parallel.core.shard import _op_dispatch, skip
+    from hyper_parallel.dtensor import skip_and_replication
+    from hyper_parallel.core.shard import _op_dispatch
     from hyper_parallel.dispatch import dispatcher
     from hyper_parallel.dispatch import modes
     for name in ("add_no_skip_ops", "remove_no_skip_ops", "get_no_skip_ops",
                  "disable_dtensor_dispatch", "enable_dtensor_dispatch", "get_dtensor_dispatch"):
-        assert getattr(modes, name) is getattr(dispatch_state, name) is getattr(_op_dispatch, name), name
-    assert modes.implicit_replication is dispatch_state.implicit_replication
-    assert modes.SkipDTensorDispatch is skip.SkipDTensorDispatch is dtensor.SkipDTensorDispatch \
+        assert getattr(modes, name) is getattr(skip_and_replication, name) is getattr(_op_dispatch, name), name
+    assert modes.implicit_replication is skip_and_replication.implicit_replication
+    assert modes.SkipDTensorDispatch is dtensor.SkipDTensorDispatch \
         is hyper_parallel.SkipDTensorDispatch
     assert hyper_parallel.implicit_replication is modes.implicit_replication
     assert hyper_parallel.allow_replicate_fallback is modes.allow_replicate_fallback
@@ -51,7 +51,7 @@ def test_hook_arguments_are_checked():
         dtensor.set_dispatcher(3)
     with pytest.raises(ValueError, match="set_mode: mode must be 'eager' or 'compile', got 'jit'"):
         dtensor.set_mode("jit")
-    with pytest.raises(TypeError, match="register_special: fn must be callable, got 'x'"):
+    with pytest.raises(TypeError, match="register_special: handler must be callable, got 'x'"):
         dtensor.register_special(torch.Tensor.add, "x")
     with pytest.raises(ValueError, match=r"provide_dtensor_names: \['nope'\] are not HyperParallel"):
         _hp_compat.provide_dtensor_names(nope=1)
@@ -59,9 +59,9 @@ def test_hook_arguments_are_checked():
         register_export("nope", 1)
     with pytest.raises(TypeError, match="override: name must be a non-empty op name string, got 3"):
         base.override(3, None)
-    with pytest.raises(TypeError, match="register: op must be a DistributedOp instance, got int"):
+    with pytest.raises(TypeError, match="register: rule must be a DistributedOp instance, got int"):
         base.register("mm", 3)
-    with pytest.raises(TypeError, match="on_switch_change: fn must be callable"):
+    with pytest.raises(TypeError, match="on_switch_change: callback must be callable"):
         modes.on_switch_change(None)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         dtensor.no_such_name  # noqa: B018

@@ -181,3 +181,19 @@ def test_replicated_pipeline_stage_all_reduces_once_per_step():
     for r in (0, 2):
         ar = [ev for ev in rep.ranks[r].collectives if ev[0] == "all_reduce" and ev[2] == 2]
         assert len(ar) == 1, (r, ar)  # one flat buffer (one dtype) per step
+
+
+def test_evaluate_plan_times_tensor_parallelism_across_nodes():
+    """Megatron-LM's Figure 13 sweep runs tp 16 and 32 across 8-GPU nodes: ``evaluate_plan`` evaluates such a
+    layout (its TP collectives at the inter-node rate, so slower than tp 8 in a node), while ``plan()``
+    never proposes it."""
+    sys.path.insert(0, "benchmarks")
+    import paper_runs as pr
+    model = pr.gpt(2048, 32, 8)
+    cluster = Cluster.preset("a100", 64)
+    kw = dict(global_batch=32, seq_len=2048, pp_schedule="1f1b", microbatches=32, activation_checkpointing="full")
+    inside = evaluate_plan(model, cluster, degrees=dict(tp=8, pp=8), **kw)
+    across = evaluate_plan(model, cluster, degrees=dict(tp=16, pp=4), **kw)
+    assert across.step_time.comm > inside.step_time.comm
+    assert across.step_time.total > inside.step_time.total
+    assert all(p.degrees["tp"] <= 8 for p in plan(model, cluster, global_batch=32, seq_len=2048, top_k=20))

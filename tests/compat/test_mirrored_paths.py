@@ -24,7 +24,7 @@ HP_STYLE = ["hyper_parallel.core.dtensor", "hyper_parallel.core.dtensor.dtensor"
             "hyper_parallel.core.shard.dfunction", "hyper_parallel.core.shard.ops.parallel_ops",
             "hyper_parallel.core.shard.ops.parallel_ops_register", "hyper_parallel.core.shard._op_dispatch",
             "hyper_parallel.core.tensor_parallel", "hyper_parallel.core.tensor_parallel.style",
-            "hyper_parallel.core.fsdp", "hyper_parallel.core.hsdp", "hyper_parallel.core.hsdp.api",
+            "hyper_parallel.core.hsdp", "hyper_parallel.core.hsdp.api",
             "hyper_parallel.core.utils", "hyper_parallel.platform"]
 TOP_LEVEL_DIFFERS = {("hyper_parallel.device_mesh", "init_device_mesh")}
 

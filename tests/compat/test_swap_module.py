@@ -82,7 +82,7 @@ def test_swap_rewrites_only_the_named_package():
         assert demo.DeviceMesh is tdm.DeviceMesh and demo.init_device_mesh is tdm.init_device_mesh
         assert demo.dt_init_device_mesh is tdm.init_device_mesh
         dt, seed = demo.chained()
-        assert dt is hp.DTensor and seed.__module__ == "hyper_parallel.swap_shims"
+        assert dt is hp.DTensor and seed.__module__ == "hyper_parallel.compat.torch.private_functions"
         # a module outside the scope, and torch itself, keep torch's names
         assert other.DTensor is tdt.DTensor and tdt.DTensor is not hp.DTensor
         # unsupported: named in the error when used, never a silent stand-in

@@ -27,7 +27,7 @@ def _compiled_blocks(method, S):
         model.layers.register_module(name, torch.compile(block, backend="aot_eager", fullgraph=True, dynamic=False))
     tok, lab, cos, sin = cp_shard(mesh, [tokens, labels, model.rope_cos[:S], model.rope_sin[:S]], [1, 1, 0, 0])
     model.rope_cos, model.rope_sin = cos, sin
-    from hyper_parallel.context_parallel.opaque import CALLS
+    from hyper_parallel.context_parallel.sdpa_interception import CALLS
     counters.clear()
     CALLS.update(forward=0, backward=0)
     for _ in range(2):                                  # the second step reuses the compiled graphs

@@ -52,7 +52,7 @@ def test_prod_gradient_helpers():
     want = torch.stack([torch.cat([t[:r], t[r + 1:]]).prod(0) for r in range(t.shape[0])])
     assert torch.equal(F._exclusive_prod(t), want)
     assert torch.equal(F._exclusive_prod(t[:1]), torch.ones(1, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"WithValue: value shape \(2,\) differs from x shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"WithValue: value shape \(2,\) differs from tensor shape \(3,\)"):
         F.WithValue.apply(torch.zeros(3, requires_grad=True), torch.zeros(2))
     x = torch.zeros(3, requires_grad=True)
     y = F.WithValue.apply(x, torch.tensor([1.0, 2.0, 3.0]))

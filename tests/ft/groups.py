@@ -75,3 +75,13 @@ class Group:
 
 def committed(records: List[dict]) -> List[dict]:
     return [r for r in records if r["committed"]]
+
+
+def reference_losses(config: str, steps: int) -> List[float]:
+    """Per-step losses of one process training ``config``'s global batches (what 2 uninterrupted groups equal)."""
+    from examples.llama.configs import get_config
+    from examples.llama.reference import train_reference
+    cfg = get_config(config)
+    losses, _ = train_reference(cfg.model, steps, seed=cfg.seed, global_batch=cfg.global_batch,
+                                seq_len=cfg.seq_len, optim=cfg.optim)
+    return losses

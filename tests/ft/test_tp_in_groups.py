@@ -9,15 +9,14 @@ import time
 import pytest
 
 from hyper_parallel.ft.lighthouse import Lighthouse
-from tests.ft.groups import Group, committed
-from tests.ft.test_kill_and_heal import _reference_losses
+from tests.ft.groups import Group, committed, reference_losses
 
-STEPS = 6
+STEPS, CONFIG = 6, "tiny"
 
 
 @pytest.mark.timeout(400)
 def test_two_tp_groups_match_one_process(tmp_path):
-    argv = ["--config", "tiny", "--steps", str(STEPS), "--tp", "2", "--ft-num-replica-groups", "2"]
+    argv = ["--config", CONFIG, "--steps", str(STEPS), "--tp", "2", "--ft-num-replica-groups", "2"]
     deadline = time.monotonic() + 300
     with Lighthouse(min_replicas=2, heartbeat_timeout_ms=5000, join_timeout_ms=5000) as lh:
         groups = [Group(g, 2, lh.address, tmp_path / f"g{g}.jsonl", argv) for g in (0, 1)]
@@ -31,7 +30,7 @@ def test_two_tp_groups_match_one_process(tmp_path):
         recs = [committed(g.records(rank)) for g in groups]
         assert all([r["step"] for r in rs] == list(range(STEPS)) for rs in recs)
         assert [r["digest"] for r in recs[0]] == [r["digest"] for r in recs[1]], rank
-    ref = _reference_losses()
+    ref = reference_losses(CONFIG, STEPS)
     mean = [(a["loss"] + b["loss"]) / 2 for a, b in zip(*(committed(g.records()) for g in groups))]
     for step, (got, want) in enumerate(zip(mean, ref)):
         assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)

@@ -2,9 +2,12 @@
 """Produce hp/ (variant A) and hp_mesh/ (variant B) from orig/ by swapping the imports a
 user would swap when moving from torch.distributed.tensor to hyper_parallel.
 
-Variant A (hp/):      torch.distributed.tensor[.parallel|.debug|.placement_types|.experimental]
-                      -> hyper_parallel equivalents; torch.distributed.device_mesh kept.
-Variant B (hp_mesh/): as A, plus torch.distributed.device_mesh -> hyper_parallel.
+Variant A (hp/):      the imports ``python -m hyper_parallel.swap`` swaps (torch's meshes kept).
+Variant B (hp_mesh/): as A, plus torch.distributed.device_mesh (``--swap-mesh``).
+
+Which hyper_parallel object stands for each torch name comes from the one table the swap itself
+uses (``hyper_parallel/compat/torch/swap_table.py``: ``home_of``), so these files import exactly
+what a swapped program gets.
 
 A name is swapped only where hyper_parallel has it; otherwise it stays imported from torch and
 a comment records it (so a missing name shows up as failing tests, not as an ImportError that
@@ -16,7 +19,6 @@ spot where a test body reaches torch.distributed.tensor directly.
 Usage: .venv/bin/python tools/torch_tests/swap.py   (from the repository root)
 """
 import ast
-import importlib
 import pathlib
 import re
 import sys
@@ -26,27 +28,7 @@ SRC = ROOT / "orig"
 FILES = ["test_dtensor.py", "test_redistribute.py", "test_api.py",
          "parallel/test_tp_style.py", "parallel/test_parallelize_api.py"]
 
-COMMON = {
-    "torch.distributed.tensor": "hyper_parallel",
-    "torch.distributed._tensor": "hyper_parallel",
-    "torch.distributed.tensor.parallel": "hyper_parallel",
-    "torch.distributed.tensor.parallel.style": "hyper_parallel",
-    "torch.distributed.tensor.parallel.api": "hyper_parallel",
-    "torch.distributed.tensor.experimental": "hyper_parallel",
-    "torch.distributed.tensor.debug": "hyper_parallel.debug",
-    "torch.distributed.tensor.placement_types": "hyper_parallel.core.dtensor.placement_types",
-}
-VARIANTS = {
-    "hp": dict(COMMON),
-    "hp_mesh": dict(COMMON, **{"torch.distributed.device_mesh": "hyper_parallel"}),
-}
-
-
-def has_name(module, name):
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except Exception:
-        return False
+VARIANTS = {"hp": False, "hp_mesh": True}   # variant -> swap_mesh
 
 
 def render(module, aliases):
@@ -56,29 +38,37 @@ def render(module, aliases):
     return f"from {module} import (\n" + "".join(f"    {p},\n" for p in parts) + ")\n"
 
 
-def swap_file(text, mapping, log):
+def swap_file(text, swap_mesh, log):
+    """``text`` with its module-level torch DTensor imports bound as the swap binds them (the one table)."""
+    from hyper_parallel.compat.torch.swap_table import home_of, is_swapped
     tree = ast.parse(text)
     lines = text.splitlines(keepends=True)
     edits = []  # (start, end, new_text)
     for node in tree.body:  # module level only
-        if not isinstance(node, ast.ImportFrom) or node.module not in mapping:
+        if not isinstance(node, ast.ImportFrom) or not node.module or not is_swapped(node.module, swap_mesh):
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name.startswith("torch.distributed.tensor") and a.asname:
                         log.append(f"  NOTE line {node.lineno}: module import `import {a.name} as {a.asname}` left as is")
             continue
-        target = mapping[node.module]
-        moved, kept = [], []
+        moved, kept = {}, []
         for a in node.names:
-            (moved if has_name(target, a.name) else kept).append((a.name, a.asname))
+            home = home_of(node.module, a.name, swap_mesh)
+            if home is None:
+                kept.append((a.name, a.asname))
+                continue
+            module, attr = home
+            asname = a.asname or (a.name if attr != a.name else None)
+            moved.setdefault(module, []).append((attr, asname))
         new = ""
-        if moved:
-            new += render(target, moved)
-            log.append(f"  line {node.lineno}: {node.module} -> {target}: {', '.join(n for n, _ in moved)}")
+        for module, aliases in moved.items():
+            new += render(module, aliases)
+            log.append(f"  line {node.lineno}: {node.module} -> {module}: {', '.join(n for n, _ in aliases)}")
         if kept:
-            new += f"# swap.py: not in {target}, kept from torch: {', '.join(n for n, _ in kept)}\n"
+            new += f"# swap.py: not in hyper_parallel, kept from torch: {', '.join(n for n, _ in kept)}\n"
             new += render(node.module, kept)
-            log.append(f"  line {node.lineno}: KEPT from {node.module} (missing in {target}): {', '.join(n for n, _ in kept)}")
+            log.append(f"  line {node.lineno}: KEPT from {node.module} (missing in hyper_parallel): "
+                       f"{', '.join(n for n, _ in kept)}")
         edits.append((node.lineno - 1, node.end_lineno, new))
     for start, end, new in sorted(edits, reverse=True):
         lines[start:end] = [new]
@@ -104,12 +94,12 @@ def report_spots(text, log):
 def main():
     sys.path.insert(0, str(ROOT.parents[1]))  # the repository root (hyper_parallel)
     out_log = []
-    for variant, mapping in VARIANTS.items():
+    for variant, swap_mesh in VARIANTS.items():
         out_log.append(f"=== variant {variant} ===")
         for f in FILES:
             text = (SRC / f).read_text()
             log = []
-            new = swap_file(text, mapping, log)
+            new = swap_file(text, swap_mesh, log)
             if variant == "hp":
                 report_spots(text, log)
             dst = ROOT / variant / f

@@ -36,14 +36,14 @@ import torch
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _row_ranges(bshape, L, loc_b, off_b, l_off, l_len):
+def _row_ranges(bshape, rows_per_batch, loc_b, off_b, l_off, l_len):
     """Row ranges of the ``(prod(bshape) * L, S)`` matrix held locally, merged where contiguous."""
     ranges = []
     for idx in itertools.product(*[range(o, o + n) for o, n in zip(off_b, loc_b)]):
         flat = 0
         for i, s in zip(idx, bshape):
             flat = flat * s + i
-        a = flat * L + l_off
+        a = flat * rows_per_batch + l_off
         if ranges and ranges[-1][1] == a:
             ranges[-1] = (ranges[-1][0], a + l_len)
         else:
@@ -51,25 +51,25 @@ def _row_ranges(bshape, L, loc_b, off_b, l_off, l_len):
     return ranges
 
 
-def _keep_scale(u, p, dtype):
-    if p >= 1.0:
-        return (u * 0).to(dtype)
-    return (u >= p).to(dtype) * (1.0 / (1.0 - p))
+def _keep_scale(uniform, dropout_p, dtype):
+    if dropout_p >= 1.0:
+        return (uniform * 0).to(dtype)
+    return (uniform >= dropout_p).to(dtype) * (1.0 / (1.0 - dropout_p))
 
 
-def _attend(q, k, v, mask, causal, scale, gqa, keep_scaled, row_offset):
+def _attend(query, key, value, mask, causal, scale, gqa, keep_scaled, row_offset):
     ops = torch
-    if gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(rep, dim=-3)
-        v = v.repeat_interleave(rep, dim=-3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale
+    if gqa and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * scale
     if causal:
         if mask is not None:
             raise RuntimeError("scaled_dot_product_attention: attn_mask and is_causal=True cannot both be set")
-        rows = ops.arange(row_offset, row_offset + q.shape[-2], device=q.device).unsqueeze(-1)
-        allowed = ops.arange(k.shape[-2], device=q.device).unsqueeze(0) <= rows
+        rows = ops.arange(row_offset, row_offset + query.shape[-2], device=query.device).unsqueeze(-1)
+        allowed = ops.arange(key.shape[-2], device=query.device).unsqueeze(0) <= rows
         scores = scores.masked_fill(~allowed, float("-inf"))
     elif mask is not None:
         if mask.dtype == ops.bool:
@@ -77,7 +77,7 @@ def _attend(q, k, v, mask, causal, scale, gqa, keep_scaled, row_offset):
         else:
             scores = scores + mask
     w = torch.nn.functional.softmax(scores, dim=-1)
-    return (w * keep_scaled) @ v
+    return (w * keep_scaled) @ value
 
 
 def _check_shapes(shapes):
@@ -91,7 +91,7 @@ def _check_shapes(shapes):
                 f"({tuple(s)}) than the query ({tuple(q)}); the attention matrix must have the query's batch dims")
 
 
-def sdpa_dropout_strategy(call, in_targets, out, shapes, p):
+def sdpa_dropout_strategy(call, in_targets, out, shapes, dropout_p):
     """The SDPA strategy's layouts with a local function that applies the layout-independent dropout."""
     _check_shapes(shapes)
     qshape, S = tuple(shapes["query"]), shapes["key"][-2]
@@ -110,7 +110,7 @@ def sdpa_dropout_strategy(call, in_targets, out, shapes, p):
         v = _bind(args, kwargs, _SDPA_NAMES)
         q = v["query"]
         u = dt_random.random_rows("rand", n_rows, S, ranges, ops.float32, q.device).reshape(lshape)
-        keep = _keep_scale(u, p, q.dtype)
+        keep = _keep_scale(u, dropout_p, q.dtype)
         return _attend(q, v["key"], v["value"], v.get("attn_mask"), bool(v.get("is_causal", False)),
                        v.get("scale"), bool(v.get("enable_gqa", False)), keep, row_offset)
     return Strategy(in_targets, out, local_fn=local_fn, out_shapes=torch.Size(qshape[:-1] + (shapes["value"][-1],)))

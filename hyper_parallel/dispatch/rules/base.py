@@ -99,7 +99,7 @@ class DistributedOp:
         return not type(self).__module__.startswith("hyper_parallel.dispatch.rules.")
 
     #: True when the rule's answer depends on whether the mesh follows HyperParallel's or PyTorch's
-    #: semantics (``uses_hp_semantics``), not only on the layouts: the dispatch cache then keys its
+    #: semantics (``semantics_of(mesh)``), not only on the layouts: the dispatch cache then keys its
     #: entries by that too (such calls skip the fast path).
     mesh_semantics_matter = False
 
@@ -124,8 +124,8 @@ class DistributedOp:
         return Strategy(call.layouts, out)
 
 
-def _is_dtensor(x):
-    return isinstance(x, DTensor)
+def _is_dtensor(obj):
+    return isinstance(obj, DTensor)
 
 
 is_dtensor = _is_dtensor
@@ -144,12 +144,12 @@ def bind_args(args, kwargs, names) -> Dict[str, Any]:
 _INVALIDATE_HOOKS: List[Callable[[], None]] = []
 
 
-def on_registry_change(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` whenever a rule or decomposition is registered or removed (the dispatcher's
+def on_registry_change(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever a rule or decomposition is registered or removed (the dispatcher's
     cache clearing)."""
-    if not callable(fn):
-        raise TypeError(f"on_registry_change: fn must be callable, got {fn!r}")
-    _INVALIDATE_HOOKS.append(fn)
+    if not callable(callback):
+        raise TypeError(f"on_registry_change: callback must be callable, got {callback!r}")
+    _INVALIDATE_HOOKS.append(callback)
 
 
 def _invalidate():
@@ -157,17 +157,17 @@ def _invalidate():
         h()
 
 
-def _check_entry(what, name, op):
+def _check_entry(what, name, rule):
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what}: name must be a non-empty op name string, got {name!r}")
-    if not isinstance(op, DistributedOp):
-        raise TypeError(f"{what}: op must be a DistributedOp instance, got {type(op).__name__}")
+    if not isinstance(rule, DistributedOp):
+        raise TypeError(f"{what}: rule must be a DistributedOp instance, got {type(rule).__name__}")
 
 
-def register(name: str, op: "DistributedOp") -> None:
-    """Serve op ``name`` with the rule instance ``op`` from now on (replaces any earlier rule)."""
-    _check_entry("register", name, op)
-    _REGISTRY[name] = op
+def register(name: str, rule: "DistributedOp") -> None:
+    """Serve op ``name`` with the rule instance ``rule`` from now on (replaces any earlier rule)."""
+    _check_entry("register", name, rule)
+    _REGISTRY[name] = rule
     _invalidate()
 
 
@@ -175,16 +175,16 @@ _register = register  # (DistributedOp.__init__'s keyword shadows the name there
 
 
 class override:
-    """Serve op ``name`` with ``op`` until undone: ``with override(name, op): ...`` or
-    ``h = override(name, op); ...; h.undo()``. Undoing restores the rule registered before
+    """Serve op ``name`` with ``rule`` until undone: ``with override(name, rule): ...`` or
+    ``h = override(name, rule); ...; h.undo()``. Undoing restores the rule registered before
     (or none); dispatch caches are cleared both times."""
 
-    def __init__(self, name: str, op: "DistributedOp"):
-        _check_entry("override", name, op)
-        self.name, self.op = name, op
+    def __init__(self, name: str, rule: "DistributedOp"):
+        _check_entry("override", name, rule)
+        self.name, self.op = name, rule
         self.previous = _REGISTRY.get(name)
         self._active = True
-        _REGISTRY[name] = op
+        _REGISTRY[name] = rule
         _invalidate()
 
     def undo(self) -> None:
@@ -364,8 +364,8 @@ def _global_stride(self, dim=None):
 
 
 def _on_local(name):
-    def fn(self, *a, **k):
-        return getattr(self._local_tensor, name)(*a, **k)
+    def fn(self, *args, **kwargs):
+        return getattr(self._local_tensor, name)(*args, **kwargs)
     return fn
 
 
@@ -403,23 +403,23 @@ METADATA_OPS = {
 DECOMPOSITIONS: Dict[Callable, Callable] = {}
 
 
-def register_decomposition(func: Callable, fn: Callable) -> None:
-    """Run ``fn`` (same signature, DTensor arguments) whenever ``func`` is called with DTensors."""
-    DECOMPOSITIONS[func] = fn
+def register_decomposition(func: Callable, decomposition: Callable) -> None:
+    """Run ``decomposition`` (same signature, DTensor arguments) whenever ``func`` is called with DTensors."""
+    DECOMPOSITIONS[func] = decomposition
     _invalidate()
 
 
 def meta_run(func, args, kwargs):
     """Run ``func`` on meta tensors with the global shapes of the inputs (shape inference)."""
 
-    def conv(a):
-        if isinstance(a, DTensor):
-            return torch_internals.meta_empty(a._gshape, a.dtype)
-        if isinstance(a, torch.Tensor):
-            return a.to("meta")
-        if isinstance(a, (list, tuple)) and type(a) in (list, tuple):
-            return type(a)(conv(x) for x in a)
-        return a
+    def conv(arg):
+        if isinstance(arg, DTensor):
+            return torch_internals.meta_empty(arg._gshape, arg.dtype)
+        if isinstance(arg, torch.Tensor):
+            return arg.to("meta")
+        if isinstance(arg, (list, tuple)) and type(arg) in (list, tuple):
+            return type(arg)(conv(x) for x in arg)
+        return arg
     with torch_internals.outside_dispatch_modes():  # not seen by e.g. selective activation checkpointing's op log
         return func(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
 

@@ -13,11 +13,11 @@ from hyper_parallel.distributed import collectives
 import torch
 
 
-def _all_true(ok: bool, mesh, device) -> bool:
-    """AND of every mesh rank's ``ok`` (one small all_reduce per mesh dim of size > 1)."""
+def _all_true(local_ok: bool, mesh, device) -> bool:
+    """AND of every mesh rank's ``local_ok`` (one small all_reduce per mesh dim of size > 1)."""
     if mesh.get_coordinate() is None:
         return True
-    flag = torch.tensor([1 if ok else 0], dtype=torch.long, device=device)
+    flag = torch.tensor([1 if local_ok else 0], dtype=torch.long, device=device)
     for d in range(mesh.ndim):
         if mesh.size(d) > 1:
             flag = collectives.all_reduce(flag, mesh.get_comm_group(d), "min")
@@ -37,13 +37,13 @@ class GlobalBoolRule(DistributedOp):
         same_shape = call.shapes[0] == call.shapes[1]
         func = call.func
 
-        def local_fn(a, b, *args, **kwargs):
+        def local_fn(left, right, *args, **kwargs):
             if not same_shape:
                 if call.name == "equal":
                     return False
                 raise RuntimeError(f"{call.name}: the tensors have different shapes {call.shapes[0]} and "
                                    f"{call.shapes[1]}")
-            return _all_true(bool(func(a, b, *args, **kwargs)), mesh, a.device)
+            return _all_true(bool(func(left, right, *args, **kwargs)), mesh, left.device)
         ins = [lay, lay] if same_shape else list(call.layouts)
         return Strategy(ins, None, local_fn=local_fn)
 

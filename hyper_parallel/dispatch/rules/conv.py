@@ -16,15 +16,15 @@ import torch
 _CONV_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
-def _per_dim(value, n, what, name):
+def _per_dim(value, spatial_dims, what, name):
     """``stride`` / ``dilation`` / integer ``padding`` as one int per spatial dim."""
     if isinstance(value, int):
-        return (value,) * n
+        return (value,) * spatial_dims
     value = tuple(value)
     if len(value) == 1:
-        return value * n
-    if len(value) != n or not all(isinstance(e, int) for e in value):
-        raise ValueError(f"{name}: {what}={value!r}: expected an int or {n} ints (one per spatial dim)")
+        return value * spatial_dims
+    if len(value) != spatial_dims or not all(isinstance(e, int) for e in value):
+        raise ValueError(f"{name}: {what}={value!r}: expected an int or {spatial_dims} ints (one per spatial dim)")
     return value
 
 
@@ -111,8 +111,8 @@ class ConvRule(DistributedOp):
                 spatial[t] = m
                 used |= set(m)
 
-        def free(m):
-            return bool(m) and not set(m) & used
+        def free(mesh_dims):
+            return bool(mesh_dims) and not set(mesh_dims) & used
 
         cx, w0, w1 = tuple(xdm[c]), tuple(wdm[0]), tuple(wdm[1])
         row = chan = ()
@@ -152,7 +152,7 @@ class ConvRule(DistributedOp):
                                                            dilation))
 
 
-def _local_conv(func, groups, c, pads, kernel, stride, dilation):
+def _local_conv(func, groups, channels, pads, kernel, stride, dilation):
     """The conv on local pieces with this rank's number of groups; empty pieces (no input channels, no
     groups or an empty output) give zeros (+ bias), kept on the autograd graph."""
     ops = torch
@@ -161,9 +161,9 @@ def _local_conv(func, groups, c, pads, kernel, stride, dilation):
         v = _bind(args, kwargs, _CONV_NAMES)
         x, w, b = v["input"], v["weight"], v.get("bias")
         spatial = [(n + p - d * (k - 1) - 1) // s + 1
-                   for n, p, k, s, d in zip(x.shape[c + 1:], pads, kernel, stride, dilation)]
-        shape = list(x.shape[:c]) + [w.shape[0]] + spatial
-        if groups and x.shape[c] and all(n > 0 for n in shape):
+                   for n, p, k, s, d in zip(x.shape[channels + 1:], pads, kernel, stride, dilation)]
+        shape = list(x.shape[:channels]) + [w.shape[0]] + spatial
+        if groups and x.shape[channels] and all(n > 0 for n in shape):
             return func(x, w, b, v.get("stride", 1), v.get("padding", 0), v.get("dilation", 1), groups)
         out = ops.zeros(shape, dtype=x.dtype, device=x.device)
         if b is not None:

@@ -11,14 +11,14 @@
   shape: only its dtype is read).
 * ``numpy()``: on PyTorch's meshes the DTensor's value, the whole tensor, on every rank
   (collective, as ``tolist()`` and ``item()``); on HyperParallel's meshes
-  (``uses_hp_semantics``) this rank's local piece, as HyperParallel's storage-backed
+  (``semantics_of(mesh).numpy_reads_local_piece``) this rank's local piece, as HyperParallel's storage-backed
   DTensor gives it (no communication; ``np.allclose(ref_slice, dt.cpu().detach().numpy())``
   in its programs). The framework refuses it for a tensor that requires grad, as for a
   plain tensor (``.detach().numpy()``). ``__array__`` (``np.asarray(dt)``) is the same.
 """
 from __future__ import annotations
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy, register_decomposition
 from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt
 from hyper_parallel.dispatch.rules.elementwise import NONLINEAR, UNARY_LINEAR, ElementwiseOp, elementwise_strategy
@@ -68,7 +68,7 @@ class NumpyRule(DistributedOp):
     def strategy(self, call):
         if len(call.layouts) != 1:
             raise NotImplementedError(f"{call.name}: expected one DTensor argument")
-        if uses_hp_semantics(call.mesh):
+        if semantics_of(call.mesh).numpy_reads_local_piece:
             return Strategy([None], None)   # the local piece, as it is
         return Strategy([call.layouts[0].replicated()], None)
 

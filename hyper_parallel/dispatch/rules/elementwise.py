@@ -25,7 +25,7 @@ from typing import List
 
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy, is_inplace, redistribution_cost
 from hyper_parallel.dispatch.rules.base import is_dtensor as _is_dt
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 import torch
 
 NONLINEAR, ADD, MUL, DIV, UNARY_LINEAR = "nonlinear", "add", "mul", "div", "unary_linear"
@@ -59,7 +59,7 @@ class ElementwiseOp(DistributedOp):
         kind = self.kind
         if call.name in _CASTS and not _float_cast(call):
             kind = NONLINEAR   # rounding each Partial piece to an integer/bool is not linear: reduce first
-        elif call.name == "clone" and not uses_hp_semantics(call.mesh):
+        elif call.name == "clone" and not semantics_of(call.mesh).clone_keeps_partial:
             kind = NONLINEAR   # torch 2.13: clone() of a Partial DTensor is Replicate (contiguous() keeps it)
         return elementwise_strategy(call, kind)
 
@@ -97,14 +97,14 @@ def elementwise_strategy(call, kind: str = NONLINEAR) -> Strategy:
     n = len(out_shape)
     offs = [n - len(s) for s in shapes]
 
-    def is_bcast(i, j):
-        return shapes[i][j] == 1 and out_shape[offs[i] + j] != 1
+    def is_bcast(arg_index, dim):
+        return shapes[arg_index][dim] == 1 and out_shape[offs[arg_index] + dim] != 1
 
-    def to_out(i):
+    def to_out(arg_index):
         dm = [()] * n
-        for j, m in enumerate(layouts[i].dim_map):
-            if m and not is_bcast(i, j):
-                dm[offs[i] + j] = m
+        for j, m in enumerate(layouts[arg_index].dim_map):
+            if m and not is_bcast(arg_index, j):
+                dm[offs[arg_index] + j] = m
         return tuple(dm)
 
     inplace = is_inplace(call.name)
@@ -184,21 +184,21 @@ def _scalar_on_root(call, partial_dims):
         return None  # this rank applies the op as is
     T = torch.Tensor
 
-    def local_fn(x, other, **kwargs):
+    def local_fn(local, other, **kwargs):
         zero = torch.zeros_like(other) if isinstance(other, T) else type(other)(0)
-        return func(x, zero, **kwargs)
+        return func(local, zero, **kwargs)
     return local_fn
 
 
-def _layout_like(base, dm, partial):
-    return base.with_dim_map(dm, partial)
+def _layout_like(base, dim_map, partial):
+    return base.with_dim_map(dim_map, partial)
 
 
-def _is_number_like(a):
-    if isinstance(a, (int, float, complex)):
+def _is_number_like(arg):
+    if isinstance(arg, (int, float, complex)):
         return True
     T = torch.Tensor
-    return isinstance(a, T) and not _is_dt(a) and a.dim() == 0
+    return isinstance(arg, T) and not _is_dt(arg) and arg.dim() == 0
 
 
 # op families -----------------------------------------------------------------------------

@@ -54,21 +54,21 @@ def max_min_dim_strategy(call, lay, dim, keepdim):
     return Strategy([lay] + list(call.layouts[1:]), (values, indices), local_fn=local_fn)
 
 
-def _identity(x, op):
+def _identity(tensor, extremum):
     ops = torch
-    if x.is_floating_point():
-        return float("-inf") if op == "max" else float("inf")
-    if x.dtype == ops.bool:
-        return op != "max"
-    info = ops.iinfo(x.dtype)
-    return info.min if op == "max" else info.max
+    if tensor.is_floating_point():
+        return float("-inf") if extremum == "max" else float("inf")
+    if tensor.dtype == ops.bool:
+        return extremum != "max"
+    info = ops.iinfo(tensor.dtype)
+    return info.min if extremum == "max" else info.max
 
 
-def _pack(v, gi):
+def _pack(values, global_index):
     """(value, global index) pairs as one int64 tensor of shape (1, 2, *v.shape)."""
     ops = torch
-    bits = v.to(ops.float64).view(ops.int64) if v.is_floating_point() else v.to(ops.int64)
-    return ops.stack([bits, gi]).unsqueeze(0)
+    bits = values.to(ops.float64).view(ops.int64) if values.is_floating_point() else values.to(ops.int64)
+    return ops.stack([bits, global_index]).unsqueeze(0)
 
 
 def _unpack(packed, floating):
@@ -77,10 +77,10 @@ def _unpack(packed, floating):
     return (vals.view(ops.float64) if floating else vals), packed[:, 1]
 
 
-def _best(vals, idx, op, floating):
+def _best(vals, idx, extremum, floating):
     """Winning (value, index) along dim 0: extreme value (NaN first), then the lowest index."""
     ops = torch
-    best = vals.amax(0) if op == "max" else vals.amin(0)  # amax/amin propagate NaN
+    best = vals.amax(0) if extremum == "max" else vals.amin(0)  # amax/amin propagate NaN
     hit = vals == best
     if floating:
         hit = hit | (vals.isnan() & best.isnan())
@@ -88,18 +88,18 @@ def _best(vals, idx, op, floating):
     return best, win
 
 
-def _local_max_min(func, op, dim, keepdim, offset, groups):
+def _local_max_min(func, extremum, dim, keepdim, offset, groups):
     ops, C = torch, collectives
 
-    def local_fn(x, *args, **kwargs):
-        empty = x.shape[dim] == 0
-        xin = x
+    def local_fn(local, *args, **kwargs):
+        empty = local.shape[dim] == 0
+        xin = local
         if empty:  # an empty shard: one identity element along dim, kept on the autograd graph
-            shape = list(x.shape)
+            shape = list(local.shape)
             shape[dim] = 1
-            xin = ops.full(shape, _identity(x, op), dtype=x.dtype, device=x.device)
-            if x.requires_grad:
-                xin = xin + x.sum() * 0
+            xin = ops.full(shape, _identity(local, extremum), dtype=local.dtype, device=local.device)
+            if local.requires_grad:
+                xin = xin + local.sum() * 0
         res = func(xin, dim, True)
         v, i = res[0], res[1]
         gi = ops.full_like(i, _NO_INDEX) if empty else i + offset
@@ -108,7 +108,7 @@ def _local_max_min(func, op, dim, keepdim, offset, groups):
         for g in groups:
             packed = C.all_gather(_pack(wv, wi), 0, g, [1] * g.size)
             vals, idx = _unpack(packed, floating)
-            wv, wi = _best(vals, idx, op, floating)
+            wv, wi = _best(vals, idx, extremum, floating)
         mine = gi == wi
         values = ops.where(mine, v, v.detach()) if v.requires_grad else v
         if floating:  # a NaN winner: every piece NaN (max/min all_reduces do not propagate NaN)

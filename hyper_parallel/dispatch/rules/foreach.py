@@ -139,16 +139,16 @@ class RandomInplaceRule(DistributedOp):
         lshape, offset = lay.local_shape_and_offset(shape, coord=coord)
         name = call.name
 
-        def local_fn(t, *a, generator=None, **k):
+        def local_fn(tensor, *args, generator=None, **kwargs):
             if name == "normal_":
-                mean = a[0] if len(a) > 0 else k.get("mean", 0.0)
-                std = a[1] if len(a) > 1 else k.get("std", 1.0)
-                z = dt_random.random_local("randn", shape, lshape, offset, t.dtype, t.device)
-                return t.copy_(z.mul_(std).add_(mean))
-            lo = a[0] if len(a) > 0 else k.get("from", k.get("a", 0.0))
-            hi = a[1] if len(a) > 1 else k.get("to", k.get("b", 1.0))
-            u = dt_random.random_local("rand", shape, lshape, offset, t.dtype, t.device)
-            return t.copy_(u.mul_(hi - lo).add_(lo))
+                mean = args[0] if len(args) > 0 else kwargs.get("mean", 0.0)
+                std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
+                z = dt_random.random_local("randn", shape, lshape, offset, tensor.dtype, tensor.device)
+                return tensor.copy_(z.mul_(std).add_(mean))
+            lo = args[0] if len(args) > 0 else kwargs.get("from", kwargs.get("a", 0.0))
+            hi = args[1] if len(args) > 1 else kwargs.get("to", kwargs.get("b", 1.0))
+            u = dt_random.random_local("rand", shape, lshape, offset, tensor.dtype, tensor.device)
+            return tensor.copy_(u.mul_(hi - lo).add_(lo))
         return Strategy([lay], lay, local_fn=local_fn)
 
 

@@ -45,12 +45,12 @@ def _roles(call):
     return v, roles
 
 
-def _norm_dim(name, dim, nd):
+def _norm_dim(name, dim, ndim):
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{name}: dim must be an int, got {dim!r}")
-    size = max(nd, 1)
+    size = max(ndim, 1)
     if not -size <= dim < size:
-        raise IndexError(f"{name}: dim {dim} is out of range for a {nd}-d input (expected {-size} <= dim < {size})")
+        raise IndexError(f"{name}: dim {dim} is out of range for a {ndim}-d input (expected {-size} <= dim < {size})")
     return dim % size
 
 

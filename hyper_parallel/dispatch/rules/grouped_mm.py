@@ -29,11 +29,11 @@ from hyper_parallel.dispatch.rules.grouped_mm_kernels import grouped_mm_local
 _NAMES = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
 
 
-def _state(layout, d):
-    """('S', tensor dim) / ('P', op) / ('R', None) of ``layout`` on mesh dim ``d``."""
-    if layout.partial[d] is not None:
-        return "P", layout.partial[d]
-    t = layout.tensor_dim_of(d)
+def _state(layout, mesh_dim):
+    """('S', tensor dim) / ('P', op) / ('R', None) of ``layout`` on mesh dim ``mesh_dim``."""
+    if layout.partial[mesh_dim] is not None:
+        return "P", layout.partial[mesh_dim]
+    t = layout.tensor_dim_of(mesh_dim)
     return ("S", t) if t is not None else ("R", None)
 
 
@@ -100,10 +100,10 @@ class GroupedMmRule(DistributedOp):
         return Strategy(targets, out, local_fn=_local(r0, g0))
 
 
-def _local(r0, g0):
+def _local(row_offset, group_offset):
     def fn(*args, **kwargs):
         v = _bind(args, kwargs, _NAMES)
-        out = grouped_mm_local(v["mat_a"], v["mat_b"], v["offs"], r0, g0)
+        out = grouped_mm_local(v["mat_a"], v["mat_b"], v["offs"], row_offset, group_offset)
         dt = v.get("out_dtype")
         return out if dt is None else out.to(dt)
     return fn

@@ -41,19 +41,19 @@ def _batch_subs(a_batch, b_batch, out_batch_len, letters):
     return "".join(a_sub), "".join(b_sub), "".join(o_sub)
 
 
-def matmul_subs(sa, sb):
-    """Subscripts for torch.matmul of shapes ``sa`` @ ``sb``."""
+def matmul_subs(shape_a, shape_b):
+    """Subscripts for torch.matmul of shapes ``shape_a`` @ ``shape_b``."""
     letters = iter("abcdefgh")
-    if len(sa) == 1 and len(sb) == 1:
+    if len(shape_a) == 1 and len(shape_b) == 1:
         return ["k", "k"], ""
-    if len(sb) == 1:
-        ab, _, ob = _batch_subs(sa[:-2], (), len(sa) - 2, letters)
+    if len(shape_b) == 1:
+        ab, _, ob = _batch_subs(shape_a[:-2], (), len(shape_a) - 2, letters)
         return [ab + "ik", "k"], ob + "i"
-    if len(sa) == 1:
-        _, bb, ob = _batch_subs((), sb[:-2], len(sb) - 2, letters)
+    if len(shape_a) == 1:
+        _, bb, ob = _batch_subs((), shape_b[:-2], len(shape_b) - 2, letters)
         return ["k", bb + "kj"], ob + "j"
-    nb = max(len(sa), len(sb)) - 2
-    ab, bb, ob = _batch_subs(sa[:-2], sb[:-2], nb, letters)
+    nb = max(len(shape_a), len(shape_b)) - 2
+    ab, bb, ob = _batch_subs(shape_a[:-2], shape_b[:-2], nb, letters)
     return [ab + "ik", bb + "kj"], ob + "ij"
 
 
@@ -96,10 +96,11 @@ def einsum_strategy(call, in_subs, out_sub, bias_index=None, bias_sub=None, out_
     known = {}   # (input, target) -> bytes: an input's cost priced once, and known costs are added first so
     n_in = len(layouts)   # that a combination already worse than the best is dropped before planning more
 
-    def price(i, t):
-        c = known.get((i, t))
+    def price(arg_index, target):
+        c = known.get((arg_index, target))
         if c is None:
-            c = known[(i, t)] = redistribution_cost(layouts[i], t, shapes[i], call.itemsizes[i])
+            c = known[(arg_index, target)] = redistribution_cost(layouts[arg_index], target, shapes[arg_index],
+                                                                 call.itemsizes[arg_index])
         return c
     for not_free, idx, targets, out, changed, n_partial in cands:
         if best is not None and best[0][0] == 0 and (0, changed, n_partial, idx) >= best[0]:
@@ -200,11 +201,11 @@ class AddmmRule(DistributedOp):
         return einsum_strategy(call, [bsub] + subs, out, bias_index=0, bias_sub=bsub)
 
 
-def parse_einsum(eq, shapes):
-    eq = eq.replace(" ", "")
-    lhs, _, rhs = eq.partition("->")
+def parse_einsum(equation, shapes):
+    equation = equation.replace(" ", "")
+    lhs, _, rhs = equation.partition("->")
     ins = lhs.split(",")
-    used = set(eq) - set(".,->")
+    used = set(equation) - set(".,->")
     free = iter(c for c in string.ascii_letters if c not in used)
     ell = None
     res = []

@@ -51,11 +51,11 @@ def _roles(call, names: Sequence[str]) -> List[str]:
     """The argument name of every DTensor in ``call.dtensor_args`` (same walk as the dispatcher)."""
     out = []
 
-    def walk(a, name):
-        if _is_dt(a):
+    def walk(arg, name):
+        if _is_dt(arg):
             out.append(name)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
+        elif isinstance(arg, (list, tuple)):
+            for x in arg:
                 walk(x, name)
     for i, a in enumerate(call.args):
         walk(a, names[i] if i < len(names) else f"arg{i}")
@@ -273,19 +273,19 @@ class _GlobalFreqGradScale(torch.autograd.Function):
     its id occurs in the whole (global) ids tensor: local counts all_reduced over ``groups``."""
 
     @staticmethod
-    def forward(ctx, w, ids, start, vocab, groups):
+    def forward(ctx, weight, ids, start, vocab, groups):
         ctx.save_for_backward(ids)
         ctx.start, ctx.vocab, ctx.groups = start, vocab, groups
-        return w.view_as(w)
+        return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, grad_output):
         ids, = ctx.saved_tensors
         counts = torch.bincount(ids.reshape(-1), minlength=ctx.vocab)
         for grp in ctx.groups:
             counts = collectives.all_reduce(counts, grp, "sum")
-        counts = counts[ctx.start:ctx.start + g.shape[0]].clamp(min=1).to(g.dtype)
-        return g / counts.reshape((-1,) + (1,) * (g.dim() - 1)), None, None, None, None
+        counts = counts[ctx.start:ctx.start + grad_output.shape[0]].clamp(min=1).to(grad_output.dtype)
+        return grad_output / counts.reshape((-1,) + (1,) * (grad_output.dim() - 1)), None, None, None, None
 
 
 def _freq_scaled_embedding(names, inner, start, rows, vocab, groups):
@@ -361,16 +361,16 @@ class DropoutRule(DistributedOp):
                         local_fn=_dropout_fn(names, p, tuple(shape), lshape, off, inplace))
 
 
-def _dropout_fn(names, p, gshape, lshape, offset, inplace):
+def _dropout_fn(names, dropout_p, gshape, lshape, offset, inplace):
     from hyper_parallel.dtensor.random import random_local
     ops = torch
 
     def fn(*args, **kwargs):
         x = _bind(args, kwargs, names)["input"]
         u = random_local("rand", gshape, lshape, offset, dtype=ops.float32, device=x.device)
-        if p == 1.0:
+        if dropout_p == 1.0:
             return x.mul_(0) if inplace else x * 0
-        keep = (u >= p).to(x.dtype) * (1.0 / (1.0 - p))
+        keep = (u >= dropout_p).to(x.dtype) * (1.0 / (1.0 - dropout_p))
         return x.mul_(keep) if inplace else x * keep
     return fn
 
@@ -409,8 +409,8 @@ class ClassLossRule(DistributedOp):
         cdim = 1 if n >= 2 else 0
         batch = [t for t in range(n) if t != cdim]
 
-        def t_of(t):  # input dim -> target dim
-            return t if prob_target or t < cdim else t - 1
+        def t_of(input_dim):  # input dim -> target dim
+            return input_dim if prob_target or input_dim < cdim else input_dim - 1
 
         def make(bdm):
             used = [d for t in batch for d in bdm[t]]
@@ -453,12 +453,12 @@ class ClassLossRule(DistributedOp):
         return Strategy(a.targets(tgt), out, local_fn=local_fn, out_shapes=torch.Size(()))
 
 
-def _loss_sum(name, v):
+def _loss_sum(name, bound):
     F = torch.nn.functional
-    x, t, w = v["input"], v["target"], v.get("weight")
-    ii = v.get("ignore_index", -100)
+    x, t, w = bound["input"], bound["target"], bound.get("weight")
+    ii = bound.get("ignore_index", -100)
     if name == "cross_entropy":
-        return F.cross_entropy(x, t, w, None, ii, None, "sum", v.get("label_smoothing", 0.0))
+        return F.cross_entropy(x, t, w, None, ii, None, "sum", bound.get("label_smoothing", 0.0))
     return F.nll_loss(x, t, w, None, ii, None, "sum")
 
 
@@ -561,14 +561,14 @@ class SDPARule(DistributedOp):
         return Strategy(a.targets(tg), out, local_fn=_seq_sharded_sdpa(off[len(qshape) - 2]))
 
 
-def _seq_sharded_cands(a, cands, nb):
+def _seq_sharded_cands(attn_args, cands, batch_dims):
     """Candidates keeping the query's sequence shard (K/V whole on every rank): no gather of q.
 
     Each rank attends its own query rows to all keys; the output keeps the
     sequence shard. An ``attn_mask`` with a query-length dim is sharded alike;
     ``is_causal`` becomes an explicit mask at the rows' global offset.
     """
-    ql, qshape = a.layout["query"], a.shape["query"]
+    ql, qshape = attn_args.layout["query"], attn_args.shape["query"]
     ld = len(qshape) - 2
     seq = ql.dim_map[ld]
     if not seq:
@@ -583,7 +583,7 @@ def _seq_sharded_cands(a, cands, nb):
         q_dm[ld] = seq
         tg["query"] = tg["query"].with_dim_map(q_dm, None)
         if "attn_mask" in tg:
-            ms = a.shape["attn_mask"]
+            ms = attn_args.shape["attn_mask"]
             if len(ms) >= 2 and ms[-2] == qshape[-2] and ms[-2] != 1:
                 m_dm = list(tg["attn_mask"].dim_map)
                 m_dm[len(ms) - 2] = seq

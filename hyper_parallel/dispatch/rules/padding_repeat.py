@@ -91,7 +91,7 @@ class RepeatInterleaveRule(DistributedOp):
         return Strategy([tgt] + rest, tgt)
 
 
-def _flat_repeat_shards(lay, shape, v, rest):
+def _flat_repeat_shards(lay, shape, bound, rest):
     """The mesh dims sharding dim 0 that ``repeat_interleave(x, r)`` (``dim=None``, int ``r``) can keep.
 
     The output is ``x.flatten()`` with each element repeated ``r`` times, so the rows held by a rank
@@ -100,9 +100,9 @@ def _flat_repeat_shards(lay, shape, v, rest):
     exactly when every piece of dim 0, scaled by ``m``, is the matching piece of the output (always
     for even shards). Otherwise (or with ``output_size``, a global size) nothing is kept: ``()``.
     """
-    r = v.get("repeats")
+    r = bound.get("repeats")
     if rest or not shape or not lay.dim_map[0] or isinstance(r, bool) or not isinstance(r, int) or \
-            v.get("output_size") is not None:
+            bound.get("output_size") is not None:
         return ()
     m = r
     for n in shape[1:]:
@@ -143,31 +143,31 @@ def _seq(tensors):
     return list(tensors), len(tensors) > 1
 
 
-def _atleast(n):
+def _atleast(ndim):
     def fn(*tensors):
         ts, many = _seq(tensors)
         out = []
         for t in ts:
             if t.dim() == 0:
-                t = t.reshape((1,) * n)
-            elif t.dim() == 1 and n >= 2:
+                t = t.reshape((1,) * ndim)
+            elif t.dim() == 1 and ndim >= 2:
                 t = t.unsqueeze(0)
-                if n == 3:
+                if ndim == 3:
                     t = t.unsqueeze(-1)
-            elif t.dim() == 2 and n == 3:
+            elif t.dim() == 2 and ndim == 3:
                 t = t.unsqueeze(-1)
             out.append(t)
         return tuple(out) if many else out[0]
     return fn
 
 
-def _stack_like(n, dim_of):
+def _stack_like(ndim, dim_of):
     ops = torch
 
     def fn(tensors, *, out=None):
         if out is not None:
             raise NotImplementedError("vstack/hstack/dstack on DTensors: out= is not supported")
-        ts = [_atleast(n)(t) for t in tensors]
+        ts = [_atleast(ndim)(t) for t in tensors]
         return ops.cat(ts, dim_of(ts))
     return fn
 

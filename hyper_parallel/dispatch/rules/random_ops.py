@@ -96,12 +96,12 @@ class BernoulliRule(DistributedOp):
         lshape, off = tgt.local_shape_and_offset(tuple(shape), coord=call.mesh.get_coordinate())
         ops = torch
 
-        def local_fn(x, *args, **kwargs):
-            v = _bind((x,) + args, kwargs, ("input", "p"))
-            u = dt_random.random_local("rand", tuple(shape), lshape, off, ops.float64, x.device)
+        def local_fn(local, *args, **kwargs):
+            v = _bind((local,) + args, kwargs, ("input", "p"))
+            u = dt_random.random_local("rand", tuple(shape), lshape, off, ops.float64, local.device)
             p = v.get("p")
-            prob = x.detach().double() if p is None else p
-            out = (u < prob).to(x.dtype)
+            prob = local.detach().double() if p is None else p
+            out = (u < prob).to(local.dtype)
             o = kwargs.get("out")
             return o.copy_(out) if o is not None else out
         return Strategy([tgt], tgt, local_fn=local_fn, out_shapes=shape)
@@ -142,29 +142,29 @@ class BernoulliInplaceRule(DistributedOp):
             targets.append(lay)
         ops = torch
 
-        def local_fn(t, *args, **kwargs):
-            v = _bind((t,) + args, kwargs, ("self", "p"))
+        def local_fn(local, *args, **kwargs):
+            v = _bind((local,) + args, kwargs, ("self", "p"))
             p = v.get("p", 0.5)
-            u = dt_random.random_local("rand", tuple(shape), lshape, off, ops.float64, t.device)
+            u = dt_random.random_local("rand", tuple(shape), lshape, off, ops.float64, local.device)
             prob = p.detach().double() if isinstance(p, torch.Tensor) else p
-            return t.copy_((u < prob).to(t.dtype))
+            return local.copy_((u < prob).to(local.dtype))
         return Strategy(targets, lay, local_fn=local_fn, out_shapes=shape)
 
 
-def _exponential(u, lambd=1.0):
-    return -(-u).log1p() / lambd
+def _exponential(uniform, lambd=1.0):
+    return -(-uniform).log1p() / lambd
 
 
-def _geometric(u, p):
-    return (((-u).log1p()) / math.log1p(-p)).ceil().clamp_min(1)
+def _geometric(uniform, p):
+    return (((-uniform).log1p()) / math.log1p(-p)).ceil().clamp_min(1)
 
 
-def _cauchy(u, median=0.0, sigma=1.0):
-    return median + sigma * (math.pi * (u - 0.5)).tan()
+def _cauchy(uniform, median=0.0, sigma=1.0):
+    return median + sigma * (math.pi * (uniform - 0.5)).tan()
 
 
-def _log_normal(z, mean=1.0, std=2.0):
-    return (mean + std * z).exp()
+def _log_normal(normal, mean=1.0, std=2.0):
+    return (mean + std * normal).exp()
 
 
 _INPLACE = {  # name: (argument names after self, kind, transform)
@@ -188,10 +188,10 @@ class InplaceDistributionRule(DistributedOp):
         names, kind, transform = _INPLACE[call.name]
         ops = torch
 
-        def local_fn(t, *args, **kwargs):
+        def local_fn(local, *args, **kwargs):
             v = _bind(args, {k: x for k, x in kwargs.items() if k != "generator"}, names)
-            draws = dt_random.random_local(kind, tuple(shape), lshape, off, ops.float64, t.device)
-            return t.copy_(transform(draws, **v).to(t.dtype))
+            draws = dt_random.random_local(kind, tuple(shape), lshape, off, ops.float64, local.device)
+            return local.copy_(transform(draws, **v).to(local.dtype))
         return Strategy([lay], lay, local_fn=local_fn, out_shapes=shape)
 
 
@@ -214,7 +214,7 @@ class RandintLikeRule(DistributedOp):
         lshape, off = out.local_shape_and_offset(tuple(shape), coord=call.mesh.get_coordinate())
         ops = torch
 
-        def local_fn(x, *args, **kwargs):
+        def local_fn(local, *args, **kwargs):
             if len(args) == 1:
                 low, high = kwargs.get("low", 0), args[0]
             elif len(args) >= 2:
@@ -223,9 +223,10 @@ class RandintLikeRule(DistributedOp):
                 low, high = kwargs.get("low", 0), kwargs["high"]
             if not high > low:
                 raise RuntimeError(f"randint_like: expected low < high, got low={low}, high={high}")
-            u = dt_random.random_local("rand", tuple(shape), lshape, off, ops.float64, kwargs.get("device") or x.device)
+            u = dt_random.random_local("rand", tuple(shape), lshape, off, ops.float64,
+                                       kwargs.get("device") or local.device)
             vals = (low + (u * (high - low)).floor()).clamp_max(high - 1)
-            t = vals.to(kwargs.get("dtype") or x.dtype)
+            t = vals.to(kwargs.get("dtype") or local.dtype)
             if kwargs.get("requires_grad"):
                 t.requires_grad_()
             return t

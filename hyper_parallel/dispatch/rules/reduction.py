@@ -15,7 +15,7 @@
 """
 from __future__ import annotations
 
-from hyper_parallel.dtensor.device_mesh import uses_hp_semantics
+from hyper_parallel.dtensor.mesh_semantics import semantics_of
 from hyper_parallel.dispatch.rules.base import DistributedOp, Strategy
 from hyper_parallel.dispatch.rules.elementwise import NONLINEAR, elementwise_strategy
 from hyper_parallel.dispatch.rules.extremum_dim import max_min_dim_strategy
@@ -71,8 +71,8 @@ def _parse(call):
     return dims, bool(keepdim)
 
 
-def _is_dtype(x):
-    return type(x).__name__ == "dtype"
+def _is_dtype(obj):
+    return type(obj).__name__ == "dtype"
 
 
 class ReductionRule(DistributedOp):
@@ -90,7 +90,8 @@ class ReductionRule(DistributedOp):
             return _extremum_strategy(call, lay, dims, keepdim)
         linear = name in LINEAR
         sharded_reduced = [d for d in dims if lay.dim_map[d]]
-        if name in ("max", "min") and len(dims) == 1 and sharded_reduced and uses_hp_semantics(call.mesh):
+        if name in ("max", "min") and len(dims) == 1 and sharded_reduced \
+                and semantics_of(call.mesh).max_min_dim_partial:
             # max(dim)/min(dim), HyperParallel: values Partial(max/min), global indices
             return max_min_dim_strategy(call, lay.without_partial() if lay.has_partial() else lay, dims[0],
                                         keepdim)
@@ -138,8 +139,8 @@ class ReductionRule(DistributedOp):
             dtype = call.kwargs.get("dtype")
             dims_arg = list(dims)
 
-            def local_fn(x, *a, **k):
-                return ops.sum(x, dim=dims_arg, keepdim=keepdim, dtype=dtype) / count
+            def local_fn(local, *args, **kwargs):
+                return ops.sum(local, dim=dims_arg, keepdim=keepdim, dtype=dtype) / count
         n_out = 2 if name in ("max", "min", "aminmax", "var_mean", "std_mean") and (
             name in ("aminmax", "var_mean", "std_mean") or len(call.args) > 1 or "dim" in call.kwargs) else 1
         if n_out == 2:
@@ -170,21 +171,24 @@ def _extremum_strategy(call, lay, dims, keepdim):
     return Strategy([in_layout] + list(call.layouts[1:]), out, local_fn=local_fn)
 
 
-def _empty_safe_extremum(func, op, dims, keepdim):
+def _empty_safe_extremum(func, extremum, dims, keepdim):
     """``func`` on the local shard; an empty shard gives the identity (-inf / +inf, or the integer bound)."""
     ops = torch
 
-    def local_fn(x, *a, **k):
-        if all(x.shape[d] for d in dims) and x.numel():
-            return func(x, *a, **k)
-        shape = [1 if d in dims else s for d, s in enumerate(x.shape) if keepdim or d not in dims]
-        if x.is_floating_point():
-            fill = float("-inf") if op == "max" else float("inf")
+    def local_fn(local, *args, **kwargs):
+        if all(local.shape[d] for d in dims) and local.numel():
+            return func(local, *args, **kwargs)
+        shape = [1 if d in dims else s for d, s in enumerate(local.shape) if keepdim or d not in dims]
+        if local.is_floating_point():
+            fill = float("-inf") if extremum == "max" else float("inf")
         else:
-            info = ops.iinfo(x.dtype) if x.dtype != ops.bool else None
-            fill = (False if op == "max" else True) if info is None else (info.min if op == "max" else info.max)
-        out = ops.full(shape, fill, dtype=x.dtype, device=x.device)
-        return out + x.sum() * 0 if x.requires_grad else out  # keep the graph connected, as on other ranks
+            info = ops.iinfo(local.dtype) if local.dtype != ops.bool else None
+            if info is None:
+                fill = extremum != "max"
+            else:
+                fill = info.min if extremum == "max" else info.max
+        out = ops.full(shape, fill, dtype=local.dtype, device=local.device)
+        return out + local.sum() * 0 if local.requires_grad else out  # keep the graph connected, as on other ranks
     return local_fn
 
 
@@ -200,26 +204,26 @@ def _norm_ord(call):
     return None
 
 
-def _sharded_norm_fn(p, dims, keepdim, groups):
+def _sharded_norm_fn(order, dims, keepdim, groups):
     ops, AllReduce = torch, differentiable.AllReduce
 
-    def local_fn(x, *a, **k):
-        ax = x.abs()
-        if p == float("inf"):
+    def local_fn(shard, *args, **kwargs):
+        ax = shard.abs()
+        if order == float("inf"):
             # an empty shard contributes 0, through the graph so every rank's result requires grad alike
-            local = ops.amax(ax, dim=dims, keepdim=keepdim) if x.numel() else \
+            local = ops.amax(ax, dim=dims, keepdim=keepdim) if shard.numel() else \
                 ops.sum(ax, dim=dims, keepdim=keepdim) * 0
             op = "max"
         else:
             # the shard's norm by torch's kernel, ** p (torch's _NormPartial; see ForeachNormRule)
-            local = ops.sum(ax, dim=dims, keepdim=keepdim) if p == 1 else \
-                ops.linalg.vector_norm(x, p, dim=dims, keepdim=keepdim) ** p
+            local = ops.sum(ax, dim=dims, keepdim=keepdim) if order == 1 else \
+                ops.linalg.vector_norm(shard, order, dim=dims, keepdim=keepdim) ** order
             op = "sum"
         for g in groups:
             local = AllReduce.apply(local, g, op)
-        if p in (1.0, float("inf")):
+        if order in (1.0, float("inf")):
             return local
-        return local.sqrt() if p == 2 else local.pow(1.0 / p)
+        return local.sqrt() if order == 2 else local.pow(1.0 / order)
     return local_fn
 
 

@@ -28,12 +28,12 @@ class DTensorSpecLike:
 
     __slots__ = ("mesh", "placements", "shape", "dtype", "_stride")
 
-    def __init__(self, dt):
-        self.mesh = dt.device_mesh
-        self.placements = tuple(dt.placements)
-        self.shape = dt.shape
-        self.dtype = dt.dtype
-        self._stride = tuple(dt.stride())
+    def __init__(self, dtensor):
+        self.mesh = dtensor.device_mesh
+        self.placements = tuple(dtensor.placements)
+        self.shape = dtensor.shape
+        self.dtype = dtensor.dtype
+        self._stride = tuple(dtensor.stride())
 
     @property
     def ndim(self) -> int:
@@ -50,29 +50,29 @@ class DTensorSpecLike:
         return f"DTensorSpecLike(shape={tuple(self.shape)}, placements={self.placements})"
 
 
-def _op_names(op) -> list:
-    """The names under which calls of ``op`` reach the dispatcher."""
+def _op_names(func) -> list:
+    """The names under which calls of ``func`` reach the dispatcher."""
     names = []
-    name = getattr(op, "__name__", None)
+    name = getattr(func, "__name__", None)
     if isinstance(name, str) and name:
         names.append(name)
         base = name.split(".")[0]  # an overload "mm.default": its packet "mm" (torch.mm, Tensor.mm)
         if base != name:
             names.append(base)
-    packet = getattr(op, "overloadpacket", None)
+    packet = getattr(func, "overloadpacket", None)
     pname = getattr(packet, "__name__", None)
     if isinstance(pname, str) and pname and pname not in names:
         names.append(pname)
     if not names:
-        raise TypeError(f"register_sharding(op): op must be an op overload, op packet or torch function, got {op!r}")
+        raise TypeError(f"register_sharding(op): op must be an op overload, op packet or torch function, got {func!r}")
     return names
 
 
 class RegisteredShardingRule(DistributedOp):
     """The rule ``register_sharding`` builds around a user's sharding function."""
 
-    def __init__(self, op_name: str, fn: Callable):
-        self.fn = fn
+    def __init__(self, op_name: str, sharding_fn: Callable):
+        self.fn = sharding_fn
         super().__init__(op_name)
 
     def strategy(self, call):

@@ -82,30 +82,30 @@ class MultinomialRule(DistributedOp):
                         out_shapes=torch.Size(out_shape))
 
 
-def _sampler(ns, replacement, out_shape, lshape, offset, n_classes):
+def _sampler(num_samples, replacement, out_shape, lshape, offset, n_classes):
     ops = torch
 
-    def local_fn(x, *args, **kwargs):
+    def local_fn(local, *args, **kwargs):
         from hyper_parallel.dtensor.random import random_local
-        p = x.detach().double()
+        p = local.detach().double()
         rows = p if p.dim() == 2 else p.unsqueeze(0)
         if replacement:
-            u = random_local("rand", out_shape, lshape, offset, ops.float64, x.device)
+            u = random_local("rand", out_shape, lshape, offset, ops.float64, local.device)
             u = u if u.dim() == 2 else u.unsqueeze(0)
             cdf = rows.cumsum(-1)
             cdf = cdf / cdf[:, -1:].clamp_min(1e-300)
             idx = ops.searchsorted(cdf, u.contiguous(), right=True).clamp_max(n_classes - 1)
         else:
-            if ns > n_classes:
-                raise RuntimeError(f"multinomial: cannot sample num_samples={ns} > {n_classes} classes without "
+            if num_samples > n_classes:
+                raise RuntimeError(f"multinomial: cannot sample num_samples={num_samples} > {n_classes} classes without "
                                    "replacement")
             gshape = out_shape[:-1] + (n_classes,)
-            u = random_local("rand", gshape, lshape[:-1] + (n_classes,), offset[:-1] + (0,), ops.float64, x.device)
+            u = random_local("rand", gshape, lshape[:-1] + (n_classes,), offset[:-1] + (0,), ops.float64, local.device)
             u = u if u.dim() == 2 else u.unsqueeze(0)
             keys = ops.where(rows > 0, u.clamp_min(1e-300).log() / rows, ops.full_like(rows, float("-inf")))
-            idx = keys.topk(ns, dim=-1).indices if rows.shape[0] else ops.zeros(0, ns, dtype=ops.long)
+            idx = keys.topk(num_samples, dim=-1).indices if rows.shape[0] else ops.zeros(0, num_samples, dtype=ops.long)
         idx = idx.to(ops.long)
-        return idx if x.dim() == 2 else idx.squeeze(0)
+        return idx if local.dim() == 2 else idx.squeeze(0)
     return local_fn
 
 

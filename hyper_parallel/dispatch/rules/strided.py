@@ -68,9 +68,9 @@ class NewEmptyStridedRule(DistributedOp):
             out = lay.replicated(len(size))
         lshape = out.local_shape(size, coord=call.mesh.get_coordinate())
 
-        def local_fn(t, *args, **kwargs):
+        def local_fn(local, *args, **kwargs):
             # a fresh contiguous local buffer: the global stride lives on the wrapper
-            return t.new_empty(lshape, **kw)
+            return local.new_empty(lshape, **kw)
         return Strategy([lay], out, local_fn=local_fn, out_shapes=torch.Size(size))
 
 

@@ -168,34 +168,34 @@ class UnshardDimsRule(DistributedOp):
         return Strategy([tgt] + rest, out)
 
 
-def _dim(v, nd):
-    return [v.get("dim", 0)]
+def _dim(bound, ndim):
+    return [bound.get("dim", 0)]
 
 
-def _flip_dims(v, nd):
-    dims = v.get("dims")
-    extra = [v[k] for k in sorted(v) if k.startswith("arg")]
+def _flip_dims(bound, ndim):
+    dims = bound.get("dims")
+    extra = [bound[k] for k in sorted(bound) if k.startswith("arg")]
     if isinstance(dims, int):
         dims = [dims] + [int(x) for x in extra]
     return list(dims) if dims is not None else []
 
 
-def _roll_dims(v, nd):
-    dims = v.get("dims")
+def _roll_dims(bound, ndim):
+    dims = bound.get("dims")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return None
     return [dims] if isinstance(dims, int) else list(dims)
 
 
 # ----------------------------------------------------------------------------- indexing
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool) or (
-        not isinstance(x, (bool, slice, tuple, list)) and x is not None and x is not Ellipsis
-        and not _is_tensor(x) and hasattr(x, "__index__"))
+def _is_int(obj):
+    return isinstance(obj, int) and not isinstance(obj, bool) or (
+        not isinstance(obj, (bool, slice, tuple, list)) and obj is not None and obj is not Ellipsis
+        and not _is_tensor(obj) and hasattr(obj, "__index__"))
 
 
-def _is_tensor(x):
-    return isinstance(x, torch.Tensor)
+def _is_tensor(obj):
+    return isinstance(obj, torch.Tensor)
 
 
 def _basic_index(idx, shape, dim_map):
@@ -234,7 +234,7 @@ def _basic_index(idx, shape, dim_map):
     return in_dm, out_dm
 
 
-def _advanced_out_ndim(call, idx, nd):
+def _advanced_out_ndim(call, idx, ndim):
     try:
         return meta_run(call.func, call.args, call.kwargs).dim()
     except Exception:  # noqa: BLE001 - boolean masks have data-dependent shapes on meta
@@ -260,14 +260,14 @@ def _advanced_out_ndim(call, idx, nd):
         else:
             consumed += 1
             adv = max(adv, 1)
-    return kept + (nd - consumed) + adv
+    return kept + (ndim - consumed) + adv
 
 
-def _int_list(x):
+def _int_list(index):
     """A (nested) list of ints, no bools: an integer index tensor to torch."""
-    if isinstance(x, list):
-        return bool(x) and all(_int_list(e) for e in x)
-    return isinstance(x, int) and not isinstance(x, bool)
+    if isinstance(index, list):
+        return bool(index) and all(_int_list(e) for e in index)
+    return isinstance(index, int) and not isinstance(index, bool)
 
 
 def _advanced_index(idx, shape, dim_map, out_shape):
@@ -379,9 +379,9 @@ class SetItemRule(DistributedOp):
         if _is_dt(idx) and call.shapes[1] == tuple(shape) and not _is_dt(value) and \
                 call.dtensor_args[1].dtype == torch.bool:
             # x[mask] = scalar with a DTensor mask of x's shape: elementwise, the mask laid out like x
-            def local_fn(x, mask, v):
-                x[mask] = v
-                return x  # (the statement ``x[m] = v`` discards it; cached fast calls need a tensor)
+            def local_fn(local, mask, value):
+                local[mask] = value
+                return local  # (the statement ``x[m] = v`` discards it; cached fast calls need a tensor)
             return Strategy([lay, lay.without_partial()], lay, local_fn=local_fn, out_shapes=torch.Size(shape))
         res = _basic_index(idx, shape, lay.dim_map)
         if res is None:
@@ -432,10 +432,10 @@ class LikeRule(DistributedOp):
             kind = self.random_kind
             lshape, offset = out.local_shape_and_offset(shape, coord=call.mesh.get_coordinate())
 
-            def local_fn(x, *args, **kwargs):
+            def local_fn(local, *args, **kwargs):
                 from hyper_parallel.dtensor.random import random_local
-                t = random_local(kind, shape, lshape, offset, kwargs.get("dtype") or x.dtype,
-                                 kwargs.get("device") or x.device)
+                t = random_local(kind, shape, lshape, offset, kwargs.get("dtype") or local.dtype,
+                                 kwargs.get("device") or local.device)
                 if kwargs.get("requires_grad"):
                     t.requires_grad_()
                 return t

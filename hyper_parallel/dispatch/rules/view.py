@@ -33,9 +33,9 @@ import torch
 
 
 
-def _prod(xs):
+def _prod(sizes):
     p = 1
-    for x in xs:
+    for x in sizes:
         p *= x
     return p
 
@@ -138,14 +138,14 @@ class ReshapeRule(DistributedOp):
         tgt, out = reshape_layouts(lay, in_shape, out_shape)
         local_shape = tuple(out.local_shape(out_shape, coord=call.mesh.get_coordinate()))
         if self.use_view:
-            def local_fn(x, *args, **kwargs):
+            def local_fn(local, *args, **kwargs):
                 try:
-                    return x.view(local_shape)
+                    return local.view(local_shape)
                 except RuntimeError:  # local piece not viewable (e.g. transposed locally): copy like reshape
-                    return x.reshape(local_shape)
+                    return local.reshape(local_shape)
         else:
-            def local_fn(x, *args, **kwargs):
-                return x.reshape(local_shape)
+            def local_fn(local, *args, **kwargs):
+                return local.reshape(local_shape)
         return Strategy([tgt] + _rest(call), out, local_fn=local_fn,
                         out_shapes=torch.Size(out_shape))
 
@@ -203,8 +203,8 @@ class ExpandRule(DistributedOp):
         out = lay.with_dim_map(out_dm, lay.partial)
         local_shape = tuple(out.local_shape(out_shape, coord=call.mesh.get_coordinate()))
 
-        def local_fn(x, *args, **kwargs):
-            return x.expand(local_shape)
+        def local_fn(local, *args, **kwargs):
+            return local.expand(local_shape)
         return Strategy([tgt] + _rest(call), out, local_fn=local_fn, out_shapes=torch.Size(out_shape))
 
 

@@ -1,0 +1,6 @@
+"""HyperParallel's module path ``hyper_parallel.core.tensor_parallel.style``: an alias of :mod:`hyper_parallel.tensor_parallel.style` (the file lives in ``hyper_parallel/compat/hyperparallel/core/``)."""
+import sys
+
+from hyper_parallel.tensor_parallel import style as _home
+
+sys.modules[__name__] = _home

@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.dtensor.device_mesh``: an alias of :mod:`hyper_parallel.dtensor.device_mesh` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dtensor import device_mesh as _home
-
-sys.modules[__name__] = _home

@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.dtensor.dtensor``: an alias of :mod:`hyper_parallel.dtensor.dtensor` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dtensor import dtensor as _home
-
-sys.modules[__name__] = _home

@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.dtensor.layout``: an alias of :mod:`hyper_parallel.dtensor.layout` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dtensor import layout as _home
-
-sys.modules[__name__] = _home

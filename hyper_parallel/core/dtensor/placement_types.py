@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.dtensor.placement_types``: an alias of :mod:`hyper_parallel.dtensor.placement_types` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dtensor import placement_types as _home
-
-sys.modules[__name__] = _home

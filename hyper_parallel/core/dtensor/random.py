@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.dtensor.random``: an alias of :mod:`hyper_parallel.dtensor.random` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dtensor import random as _home
-
-sys.modules[__name__] = _home

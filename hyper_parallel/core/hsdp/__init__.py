@@ -1,4 +1,0 @@
-"""HyperParallel's module path for ``hsdp`` (``from hyper_parallel.core.hsdp import hsdp``)."""
-from hyper_parallel.fsdp.hsdp import hsdp, HSDPModule
-
-__all__ = ["hsdp", "HSDPModule"]

@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.shard.api``: an alias of :mod:`hyper_parallel.dispatch.shard_module` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dispatch import shard_module as _home
-
-sys.modules[__name__] = _home

@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.shard.ops.parallel_ops``: an alias of :mod:`hyper_parallel.compat.hp_parallel_ops` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.compat import hp_parallel_ops as _home
-
-sys.modules[__name__] = _home

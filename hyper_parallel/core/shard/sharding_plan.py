@@ -1,6 +1,0 @@
-"""HyperParallel's module path ``hyper_parallel.core.shard.sharding_plan``: an alias of :mod:`hyper_parallel.dispatch.sharding_plan` (see ``hyper_parallel/compat/``)."""
-import sys
-
-from hyper_parallel.dispatch import sharding_plan as _home
-
-sys.modules[__name__] = _home

@@ -28,7 +28,7 @@ echo "$(date +%T) $VARIANT $* HEAD=$(git -C "$REPO" rev-parse --short HEAD) work
 run_one() {  # $1 = pytest target (file or node id), $2 = tag
   local target=$1 tag=$2 start rc
   start=$(date +%s)
-  ( cd "$HERE/$VARIANT" && timeout "${FILE_TIMEOUT:-900}" $PY -m pytest "$target" -v --rootdir "$HERE/$VARIANT" -p no:cacheprovider \
+  ( cd "$HERE/$VARIANT" && timeout "${FILE_TIMEOUT:-900}" $PY -m pytest "$target" -v -o addopts= --rootdir "$HERE/$VARIANT" -p no:cacheprovider \
       --timeout "${TEST_TIMEOUT:-600}" -o junit_family=xunit2 --junitxml "$OUT/$tag.xml" -p harness_plugin \
       ${K:+-k "$K"} ) > "$OUT/$tag.log" 2>&1
   rc=$?
